@@ -1,0 +1,64 @@
+"""The kernels behind the attention ops, and the choice between them.
+
+Contract shared by every implementation (`reference`, `blockwise`, `triton_attention`):
+- inputs are 4-D: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), any strides;
+  Hkv divides Hq (grouped-query attention: query head h reads key/value head h // (Hq/Hkv));
+- `causal` masks are aligned top-left like PyTorch (query i sees keys j <= i);
+- lse is in the accumulation dtype (float32 for half inputs), natural log, -inf on rows
+  that see no key (whose outputs are 0, never NaN);
+- outputs are contiguous, in their primal's dtype;
+- optional cotangents/tangents may be None, meaning zero: implementations skip that work.
+
+Functions (names and argument order are the same in every implementation):
+    forward(q, k, v, scale, causal) -> (o, lse)
+    backward(q, k, v, o, lse, do, dlse, scale, causal) -> (dq, dk, dv)
+    bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+        -> (gq, gk, gv, go, glse, gdo, gdlse)         the VJP of `backward`
+    forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal) -> (to, tlse)
+    backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal)
+        -> (tdq, tdk, tdv)
+
+`select(q, k, v)` picks the Triton kernels for CUDA tensors they support, and the
+memory-efficient `blockwise` PyTorch path everywhere else. BOB_COMPILE_KERNELS=blockwise
+(or =reference, for debugging at small sizes) forces a choice.
+"""
+import importlib
+import logging
+import os
+
+from . import blockwise, reference
+
+log = logging.getLogger("bob_compile.kernels")
+
+_IMPLEMENTATIONS = {"blockwise": blockwise, "reference": reference}
+_triton_module = None
+_triton_import_failed = False
+
+
+def _triton():
+    """The Triton implementation module, or None where Triton cannot be imported."""
+    global _triton_module, _triton_import_failed
+    if _triton_module is None and not _triton_import_failed:
+        try:
+            _triton_module = importlib.import_module(".triton_attention", __name__)
+        except ImportError as e:
+            _triton_import_failed = True
+            log.warning("Triton attention kernels unavailable (%s); using the blockwise PyTorch path", e)
+    return _triton_module
+
+
+def select(q, k, v):
+    """The implementation module for these inputs (see the module docstring)."""
+    forced = os.environ.get("BOB_COMPILE_KERNELS")
+    if forced:
+        if forced == "triton":
+            return _triton()
+        if forced not in _IMPLEMENTATIONS:
+            raise ValueError(f"BOB_COMPILE_KERNELS={forced!r}: expected one of "
+                             f"{sorted(_IMPLEMENTATIONS) + ['triton']}")
+        return _IMPLEMENTATIONS[forced]
+    if q.is_cuda:
+        tri = _triton()
+        if tri is not None and tri.supports(q, k, v):
+            return tri
+    return blockwise

@@ -1,0 +1,197 @@
+"""Closed-form reference of every attention kernel, for tests.
+
+It materializes the full (L, S) score matrix, so it is only for small shapes, but it
+runs in any dtype (float64 included) and every function is differentiable, which the
+third-order fallbacks in `bob_compile.autograd` rely on.
+
+Layout (the kernel contract, see `kernels/__init__.py`): q (B, Hq, L, E),
+k (B, Hkv, S, E), v (B, Hkv, S, Ev), with Hkv dividing Hq (grouped-query attention when
+Hkv < Hq). Causal masks are aligned top-left, as in PyTorch: query i sees keys j <= i.
+The math is that of shared/research/algorithm.md §4 and compile.md §2.1 (chain form:
+o and lse are inputs of the backward, so their cotangents are outputs of the BoB).
+"""
+import torch
+
+# Cotangent names of `bob` outputs, in order: the VJP of `backward` w.r.t. all its tensors.
+BOB_OUTPUTS = ("gq", "gk", "gv", "go", "glse", "gdo", "gdlse")
+
+
+def acc_dtype(dtype):
+    """Accumulation dtype: float32 for half types, the dtype itself for float32/float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def expand_kv(x, num_q_heads):
+    """Repeat key/value heads for grouped-query attention (head h reads kv head h // group)."""
+    group = num_q_heads // x.shape[-3]
+    return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
+def reduce_kv(x, num_kv_heads):
+    """Sum a per-query-head gradient back onto the shared key/value heads."""
+    B, H, S, E = x.shape
+    group = H // num_kv_heads
+    return x if group == 1 else x.view(B, num_kv_heads, group, S, E).sum(2)
+
+
+def causal_mask(L, S, device):
+    return torch.ones(L, S, dtype=torch.bool, device=device).tril()
+
+
+def probabilities(q, k, lse, scale, causal):
+    """P = exp(scale * q k^T - lse), exactly 0 where masked or where the row sees no key."""
+    s = scale * q @ k.transpose(-2, -1)
+    if causal:
+        s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(s - finite_lse.unsqueeze(-1))
+
+
+def _upcast(*ts):
+    dt = acc_dtype(ts[0].dtype)
+    return [None if t is None else t.to(dt) for t in ts]
+
+
+def forward(q, k, v, scale, causal):
+    """Returns (o, lse); lse is -inf for rows that see no key, and o is 0 there."""
+    out_dtype = q.dtype
+    q, k, v = _upcast(q, k, v)
+    k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
+    s = scale * q @ k.transpose(-2, -1)
+    if causal:
+        s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = probabilities(q, k, lse, scale, causal)
+    return (p @ v).to(out_dtype), lse
+
+
+def backward(q, k, v, o, lse, do, dlse, scale, causal):
+    """FA2 backward with an incoming lse cotangent: D = rowsum(dO * O) - dlse."""
+    dts = (q.dtype, k.dtype, v.dtype)
+    hkv = k.shape[-3]
+    q, k, v, o, lse, do, dlse = _upcast(q, k, v, o, lse, do, dlse)
+    k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
+    p = probabilities(q, k, lse, scale, causal)
+    dp = do @ v.transpose(-2, -1)
+    D = (do * o).sum(-1)
+    if dlse is not None:
+        D = D - dlse
+    ds = p * (dp - D.unsqueeze(-1))
+    dq = scale * ds @ k
+    dk = reduce_kv(scale * ds.transpose(-2, -1) @ q, hkv)
+    dv = reduce_kv(p.transpose(-2, -1) @ do, hkv)
+    return dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2])
+
+
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    """Backward-over-backward: the VJP of `backward` w.r.t. (q, k, v, o, lse, do, dlse).
+
+    gdq/gdk/gdv are the cotangents of dq/dk/dv; any may be None (zero). Returns the seven
+    cotangents named in BOB_OUTPUTS, each in its primal's dtype (gdlse like lse).
+    """
+    dts = [t.dtype for t in (q, k, v, o, lse, do)]
+    hkv = k.shape[-3]
+    q, k, v, o, lse, do, dlse, gdq, gdk, gdv = _upcast(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+    k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
+    gdk = None if gdk is None else expand_kv(gdk, q.shape[-3])
+    gdv = None if gdv is None else expand_kv(gdv, q.shape[-3])
+    p = probabilities(q, k, lse, scale, causal)
+    dp = do @ v.transpose(-2, -1)
+    D = (do * o).sum(-1)
+    if dlse is not None:
+        D = D - dlse
+    dp_shifted = dp - D.unsqueeze(-1)
+    ds = p * dp_shifted
+    zero = torch.zeros_like(p)
+    # F: cotangent of dS (dq = scale dS k, dk = scale dS^T q), tile-local
+    F = zero
+    if gdq is not None:
+        F = F + scale * gdq @ k.transpose(-2, -1)
+    if gdk is not None:
+        F = F + scale * q @ gdk.transpose(-2, -1)
+    A = p * F                                   # cotangent of dP
+    Dg = A.sum(-1)                              # = -(cotangent of D)
+    C = do @ gdv.transpose(-2, -1) if gdv is not None else zero
+    Sbar = p * (C + F * dp_shifted)             # cotangent of the scores S
+    gq = scale * Sbar @ k
+    gk = scale * Sbar.transpose(-2, -1) @ q
+    if gdk is not None:
+        gq = gq + scale * ds @ gdk
+    if gdq is not None:
+        gk = gk + scale * ds.transpose(-2, -1) @ gdq
+    gv = A.transpose(-2, -1) @ do
+    go = -Dg.unsqueeze(-1) * do
+    glse = -Sbar.sum(-1)
+    gdo = A @ v - Dg.unsqueeze(-1) * o
+    if gdv is not None:
+        gdo = gdo + p @ gdv
+    outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), go, glse, gdo, Dg)
+    return tuple(t.to(dt) for t, dt in zip(outs, dts + [dts[4]]))
+
+
+def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
+    """Tangents (to, tlse) of forward() along (tq, tk, tv); None tangents are zero."""
+    out_dtype = o.dtype
+    q, k, v, o, lse, tq, tk, tv = _upcast(q, k, v, o, lse, tq, tk, tv)
+    H = q.shape[-3]
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    p = probabilities(q, k, lse, scale, causal)
+    ts = torch.zeros_like(p)
+    if tq is not None:
+        ts = ts + scale * tq @ k.transpose(-2, -1)
+    if tk is not None:
+        ts = ts + scale * q @ expand_kv(tk, H).transpose(-2, -1)
+    tlse = (p * ts).sum(-1)
+    to = (p * ts) @ v - tlse.unsqueeze(-1) * o
+    if tv is not None:
+        to = to + p @ expand_kv(tv, H)
+    return to.to(out_dtype), tlse
+
+
+def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+    """Tangents (tdq, tdk, tdv) of backward() along all seven tangents (None = zero)."""
+    dts = (q.dtype, k.dtype, v.dtype)
+    hkv, H = k.shape[-3], q.shape[-3]
+    q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse = _upcast(
+        q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse)
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    tk = None if tk is None else expand_kv(tk, H)
+    tv = None if tv is None else expand_kv(tv, H)
+    p = probabilities(q, k, lse, scale, causal)
+    dp = do @ v.transpose(-2, -1)
+    D = (do * o).sum(-1)
+    if dlse is not None:
+        D = D - dlse
+    ds = p * (dp - D.unsqueeze(-1))
+    zero = torch.zeros_like(p)
+    ts = zero
+    if tq is not None:
+        ts = ts + scale * tq @ k.transpose(-2, -1)
+    if tk is not None:
+        ts = ts + scale * q @ tk.transpose(-2, -1)
+    if tlse is not None:
+        ts = ts - tlse.unsqueeze(-1)
+    tp = p * ts
+    tdp = zero
+    tD = torch.zeros_like(D)
+    if tdo is not None:
+        tdp = tdp + tdo @ v.transpose(-2, -1)
+        tD = tD + (tdo * o).sum(-1)
+    if tv is not None:
+        tdp = tdp + do @ tv.transpose(-2, -1)
+    if to is not None:
+        tD = tD + (do * to).sum(-1)
+    if tdlse is not None:
+        tD = tD - tdlse
+    tds = tp * (dp - D.unsqueeze(-1)) + p * (tdp - tD.unsqueeze(-1))
+    tdq = scale * tds @ k
+    tdk = scale * tds.transpose(-2, -1) @ q
+    tdv = tp.transpose(-2, -1) @ do
+    if tk is not None:
+        tdq = tdq + scale * ds @ tk
+    if tq is not None:
+        tdk = tdk + scale * ds.transpose(-2, -1) @ tq
+    if tdo is not None:
+        tdv = tdv + p.transpose(-2, -1) @ tdo
+    outs = (tdq, reduce_kv(tdk, hkv), reduce_kv(tdv, hkv))
+    return tuple(t.to(dt) for t, dt in zip(outs, dts))
