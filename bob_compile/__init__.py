@@ -1,0 +1,13 @@
+"""bob_compile: exact, fused second-order softmax attention for torch.compile.
+
+    torch.compile(model, backend="flashbob")     # found through the package's entry point
+    bob_compile.attention(q, k, v, is_causal=True)
+
+Importing this package registers the custom ops (namespace `bob_compile`) but never the
+backend name: torch discovers "flashbob" through the `torch_dynamo_backends` entry point,
+and registering it twice would fail the first compile.
+"""
+from . import ops  # noqa: F401  (registers torch.ops.bob_compile.*)
+from .attention import attention
+
+__all__ = ["attention"]

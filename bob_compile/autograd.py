@@ -1,0 +1,197 @@
+"""Autograd for the attention ops, at every order and under every torch.func transform.
+
+`custom_op.register_autograd` builds an old-style autograd.Function, which torch.func
+refuses (and forward-mode AD through it silently yields zero tangents: compile.md §2.3).
+So each op is called from a new-style autograd.Function (`setup_context`, an explicit
+`jvp`, `generate_vmap_rule`), and the Functions chain:
+
+    AttnFn (attn_fwd)  --backward-->  AttnBwdFn (attn_bwd)  --backward-->  AttnBobFn (attn_bob)
+
+Factorization of the second order: the CHAIN form (DESIGN.md, option 2). o and lse are
+inputs of attn_bwd, so attn_bob is the plain VJP of attn_bwd and returns cotangents for
+o and lse too; autograd sends those back through AttnFn.backward, i.e. one more attn_bwd
+with an incoming lse cotangent (free in an FA2 kernel: D = rowsum(dO∘O) - dlse). Chosen
+because attn_bob then needs no whole-row reduction before its column outputs (24·d FLOPs
+per pair against 36·d for the FlashBoB form), because in a real Hessian-vector product the
+extra attn_bwd merges with the backward through o that runs anyway, and because the same
+three ops serve AOTAutograd graphs unchanged (the verified design of compile.md §2).
+
+Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; explicit
+formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP of
+attn_bob or of a jvp op) runs through the closed-form math of kernels/reference.py:
+correct and traceable, but unfused and O(L·S) in memory.
+"""
+import torch
+
+from . import ops
+from .kernels import reference
+
+op = torch.ops.bob_compile
+
+
+def _zeros_if_none(t, like):
+    return torch.zeros_like(like) if t is None else t
+
+
+# ----------------------------------------------------------------------------- third order
+def _canonical_twin(call):
+    """The closed-form twin of an op with the op's own (any-leading-dims) calling convention."""
+    def twin(*args):
+        return call(reference, *args)
+    return twin
+
+
+_bob_twin = _canonical_twin(ops.call_bob)
+_forward_jvp_twin = _canonical_twin(ops.call_forward_jvp)
+_backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
+
+
+def _third_order(twin, ctx, grads, fill):
+    """Cotangents of a fused op's inputs via its twin; `fill` gives a zero stand-in for a
+    None input (index -> tensor shaped like it)."""
+    saved = list(ctx.saved_tensors)
+    primals = [t if t is not None else fill(saved, i) for i, t in enumerate(saved)]
+    outputs = twin(*primals, ctx.scale, ctx.causal)
+    grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
+    _, pull = torch.func.vjp(lambda *a: twin(*a, ctx.scale, ctx.causal), *primals)
+    outs = pull(tuple(grads))
+    return tuple(g if present else None for g, present in zip(outs, ctx.present))
+
+
+def _save_all(ctx, inputs):
+    *tensors, scale, causal = inputs
+    ctx.present = [t is not None for t in tensors]
+    ctx.save_for_backward(*tensors)
+    ctx.scale, ctx.causal = scale, causal
+    ctx.set_materialize_grads(False)
+
+
+# Position of the "like" tensor for each optional input, so a None can become zeros.
+# attn_bob inputs: q k v o lse do dlse gdq gdk gdv
+_BOB_LIKE = {6: 4, 7: 0, 8: 1, 9: 2}
+# attn_fwd_jvp inputs: q k v o lse tq tk tv
+_FWD_JVP_LIKE = {5: 0, 6: 1, 7: 2}
+# attn_bwd_jvp inputs: q k v o lse do dlse tq tk tv to tlse tdo tdlse
+_BWD_JVP_LIKE = {6: 4, 7: 0, 8: 1, 9: 2, 10: 3, 11: 4, 12: 5, 13: 4}
+
+
+def _zeros_like_table(table):
+    return lambda saved, i: torch.zeros_like(saved[table[i]])
+
+
+class AttnBobFn(torch.autograd.Function):
+    """attn_bob, the second-order kernel; its own backward is third order (math twin)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+        return op.attn_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+
+    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (*_third_order(_bob_twin, ctx, grads, _zeros_like_table(_BOB_LIKE)), None, None)
+
+
+class AttnFwdJvpFn(torch.autograd.Function):
+    """attn_fwd_jvp; differentiating the tangents again is third order (math twin)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, lse, tq, tk, tv, scale, causal):
+        return op.attn_fwd_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal)
+
+    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (*_third_order(_forward_jvp_twin, ctx, grads, _zeros_like_table(_FWD_JVP_LIKE)),
+                None, None)
+
+
+class AttnBwdJvpFn(torch.autograd.Function):
+    """attn_bwd_jvp; differentiating the tangents again is third order (math twin)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+        return op.attn_bwd_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
+                               scale, causal)
+
+    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (*_third_order(_backward_jvp_twin, ctx, grads, _zeros_like_table(_BWD_JVP_LIKE)),
+                None, None)
+
+
+# ----------------------------------------------------------------------------- second order
+class AttnBwdFn(torch.autograd.Function):
+    """attn_bwd, the first backward; its backward is the fused BoB."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, dlse, scale, causal):
+        return op.attn_bwd(q, k, v, o, lse, do, dlse, scale, causal)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, o, lse, do, dlse, scale, causal = inputs
+        ctx.has_dlse = dlse is not None
+        ctx.save_for_backward(q, k, v, o, lse, do, dlse)
+        ctx.save_for_forward(q, k, v, o, lse, do, dlse)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
+
+    @staticmethod
+    def backward(ctx, gdq, gdk, gdv):
+        if gdq is None and gdk is None and gdv is None:
+            return (None,) * 9
+        q, k, v, o, lse, do, dlse = ctx.saved_tensors
+        gq, gk, gv, go, glse, gdo, gdlse = AttnBobFn.apply(
+            q, k, v, o, lse, do, dlse, gdq, gdk, gdv, ctx.scale, ctx.causal)
+        return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, _scale, _causal):
+        q, k, v, o, lse, do, dlse = ctx.saved_tensors
+        if dlse is None:
+            tdlse = None
+        return AttnBwdJvpFn.apply(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
+                                  ctx.scale, ctx.causal)
+
+
+# ----------------------------------------------------------------------------- first order
+class AttnFn(torch.autograd.Function):
+    """attn_fwd; outputs (o, lse). lse is exposed so that its cotangent (non-zero in the
+    second order of the chain form) reaches attn_bwd."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, scale, causal):
+        return op.attn_fwd(q, k, v, scale, causal)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, scale, causal = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_forward(q, k, v, o, lse)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        if do is None and dlse is None:
+            return None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        do = _zeros_if_none(do, o)
+        dq, dk, dv = AttnBwdFn.apply(q, k, v, o, lse, do, dlse, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, _scale, _causal):
+        q, k, v, o, lse = ctx.saved_tensors
+        return AttnFwdJvpFn.apply(q, k, v, o, lse, tq, tk, tv, ctx.scale, ctx.causal)

@@ -1,0 +1,177 @@
+"""The attention custom ops: the opaque kernel boundary that graphs and AOTAutograd see.
+
+    attn_fwd(q, k, v, scale, causal)                          -> (o, lse)
+    attn_bwd(q, k, v, o, lse, do, dlse?, scale, causal)       -> (dq, dk, dv)
+    attn_bob(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, scale, causal)
+                                   -> (gq, gk, gv, go, glse, gdo, gdlse)   VJP of attn_bwd
+    attn_fwd_jvp(q, k, v, o, lse, tq?, tk?, tv?, scale, causal) -> (to, tlse)
+    attn_bwd_jvp(q, k, v, o, lse, do, dlse?, tq?, tk?, tv?, to?, tlse?, tdo?, tdlse?, scale, causal)
+                                   -> (tdq, tdk, tdv)                       JVP of attn_bwd
+
+Shapes: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev) with equal leading dims
+and Hkv dividing Hq (rank-2 inputs have one implicit head); lse and other row vectors are
+(..., Hq, L). The ops flatten leading dims to the 4-D layout of `bob_compile.kernels` and
+pick an implementation there. Outputs are contiguous, as the fake implementations say
+(a fake that kept a permuted input's strides once broke a double-backward graph).
+
+Autograd does not live here: `custom_op.register_autograd` does not compose with
+torch.func, so `bob_compile.autograd` wraps these ops in new-style autograd.Functions.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import kernels
+from .kernels.reference import acc_dtype
+
+NAMESPACE = "bob_compile"
+
+
+# ----------------------------------------------------------------------------- layout
+def _flat(t: Optional[Tensor]):
+    """(..., H, N, X) -> (B, H, N, X); rank-2 (N, X) -> (1, 1, N, X)."""
+    if t is None:
+        return None
+    if t.dim() == 2:
+        return t.unsqueeze(0).unsqueeze(0)
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _flat_rows(r: Optional[Tensor], q: Tensor):
+    """Row vectors (..., H, L) -> (B, H, L), matching _flat(q)."""
+    if r is None:
+        return None
+    return r.reshape(_flat(q).shape[:3])
+
+
+def _unflat(t: Tensor, shape):
+    return t.reshape(shape).contiguous()
+
+
+def call_forward(impl, q, k, v, scale, causal):
+    """Run impl.forward on flattened inputs and restore the leading dims."""
+    o, lse = impl.forward(_flat(q), _flat(k), _flat(v), scale, causal)
+    return _unflat(o, (*q.shape[:-1], v.shape[-1])), _unflat(lse, q.shape[:-1])
+
+
+def call_backward(impl, q, k, v, o, lse, do, dlse, scale, causal):
+    dq, dk, dv = impl.backward(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q),
+                               _flat(do), _flat_rows(dlse, q), scale, causal)
+    return _unflat(dq, q.shape), _unflat(dk, k.shape), _unflat(dv, v.shape)
+
+
+def call_bob(impl, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    outs = impl.bob(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q), _flat(do),
+                    _flat_rows(dlse, q), _flat(gdq), _flat(gdk), _flat(gdv), scale, causal)
+    shapes = (q.shape, k.shape, v.shape, o.shape, lse.shape, do.shape, lse.shape)
+    return tuple(_unflat(t, s) for t, s in zip(outs, shapes))
+
+
+def call_forward_jvp(impl, q, k, v, o, lse, tq, tk, tv, scale, causal):
+    to, tlse = impl.forward_jvp(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q),
+                                _flat(tq), _flat(tk), _flat(tv), scale, causal)
+    return _unflat(to, o.shape), _unflat(tlse, lse.shape)
+
+
+def call_backward_jvp(impl, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
+                      scale, causal):
+    outs = impl.backward_jvp(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q),
+                             _flat(do), _flat_rows(dlse, q), _flat(tq), _flat(tk), _flat(tv),
+                             _flat(to), _flat_rows(tlse, q), _flat(tdo), _flat_rows(tdlse, q),
+                             scale, causal)
+    return tuple(_unflat(t, s) for t, s in zip(outs, (q.shape, k.shape, v.shape)))
+
+
+def _impl(q, k, v):
+    return kernels.select(_flat(q), _flat(k), _flat(v))
+
+
+def _new(t: Tensor, shape=None, dtype=None):
+    """A contiguous empty tensor, as the real kernels return."""
+    return t.new_empty(t.shape if shape is None else shape, dtype=dtype or t.dtype)
+
+
+# ----------------------------------------------------------------------------- forward
+@torch.library.custom_op(f"{NAMESPACE}::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    return call_forward(_impl(q, k, v), q, k, v, scale, causal)
+
+
+@attn_fwd.register_fake
+def _(q, k, v, scale, causal):
+    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], acc_dtype(q.dtype))
+
+
+# ----------------------------------------------------------------------------- backward
+@torch.library.custom_op(f"{NAMESPACE}::attn_bwd", mutates_args=())
+def attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+             dlse: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return call_backward(_impl(q, k, v), q, k, v, o, lse, do, dlse, scale, causal)
+
+
+@attn_bwd.register_fake
+def _(q, k, v, o, lse, do, dlse, scale, causal):
+    return _new(q), _new(k), _new(v)
+
+
+# ----------------------------------------------------------------------------- backward-over-backward
+@torch.library.custom_op(f"{NAMESPACE}::attn_bob", mutates_args=())
+def attn_bob(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+             dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
+             gdv: Optional[Tensor], scale: float, causal: bool
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return call_bob(_impl(q, k, v), q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+
+
+@attn_bob.register_fake
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    return _new(q), _new(k), _new(v), _new(o), _new(lse), _new(do), _new(lse)
+
+
+# ----------------------------------------------------------------------------- forward mode
+@torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=())
+def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
+                 tk: Optional[Tensor], tv: Optional[Tensor], scale: float, causal: bool
+                 ) -> tuple[Tensor, Tensor]:
+    return call_forward_jvp(_impl(q, k, v), q, k, v, o, lse, tq, tk, tv, scale, causal)
+
+
+@attn_fwd_jvp.register_fake
+def _(q, k, v, o, lse, tq, tk, tv, scale, causal):
+    return _new(o), _new(lse)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attn_bwd_jvp", mutates_args=())
+def attn_bwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                 dlse: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
+                 tv: Optional[Tensor], to: Optional[Tensor], tlse: Optional[Tensor],
+                 tdo: Optional[Tensor], tdlse: Optional[Tensor], scale: float, causal: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    return call_backward_jvp(_impl(q, k, v), q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse,
+                             tdo, tdlse, scale, causal)
+
+
+@attn_bwd_jvp.register_fake
+def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+    return _new(q), _new(k), _new(v)
+
+
+# ----------------------------------------------------------------------------- vmap
+def _vmap_rule(op, n_out):
+    """Batch by moving the vmapped dim to the front: the ops accept any leading dims.
+
+    Unbatched tensors are expanded (a view) so that every operand has the batch dim;
+    None stays None."""
+    def rule(info, in_dims, *args):
+        moved = []
+        for a, d in zip(args, in_dims):
+            if isinstance(a, Tensor):
+                a = a.movedim(d, 0) if d is not None else a.expand(info.batch_size, *a.shape)
+            moved.append(a)
+        return op(*moved), (0,) * n_out
+    return rule
+
+
+for _op, _n_out in ((attn_fwd, 2), (attn_bwd, 3), (attn_bob, 7), (attn_fwd_jvp, 2), (attn_bwd_jvp, 3)):
+    torch.library.register_vmap(_op, _vmap_rule(_op, _n_out))

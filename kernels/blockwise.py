@@ -1,0 +1,252 @@
+"""Memory-efficient attention in plain PyTorch: the CPU path, and the fallback wherever the
+Triton kernels do not apply.
+
+Same contract as `kernels/__init__.py`. Every function walks (query tile, key tile) pairs
+and keeps only O(N·d) state per head: row quantities (o, lse, dq, gq, gdo, ...) live per
+query tile, column quantities (dk, dv, gk, gv, ...) in full-length accumulators. No tensor
+with L·S elements per head is ever created, for any L, S larger than one tile.
+
+The probabilities are rebuilt per tile from the saved log-sum-exp, P = exp(scale q kᵀ - lse),
+as the fused kernels do; the formulas are those of `kernels/reference.py` (chain form).
+"""
+import contextlib
+import math
+
+import torch
+
+from .reference import acc_dtype, expand_kv, reduce_kv
+
+# Tile edge lengths. 256 keeps Python overhead low on CPU while one tile stays far below
+# an L·S tensor; tests shrink them (`tiles`) so short sequences cross tile borders.
+TILE_Q = 256
+TILE_K = 256
+
+
+@contextlib.contextmanager
+def tiles(q=None, k=None):
+    """Temporarily use other tile sizes (for tests)."""
+    global TILE_Q, TILE_K
+    saved = TILE_Q, TILE_K
+    TILE_Q, TILE_K = q or TILE_Q, k or TILE_K
+    try:
+        yield
+    finally:
+        TILE_Q, TILE_K = saved
+
+
+# ----------------------------------------------------------------------------- tiling
+def _row_tiles(L):
+    for r0 in range(0, L, TILE_Q):
+        yield slice(r0, min(r0 + TILE_Q, L))
+
+
+def _key_tiles(rows, S, causal):
+    """(key slice, needs elementwise mask) for every key tile that rows can see."""
+    for c0 in range(0, S, TILE_K):
+        if causal and c0 > rows.stop - 1:       # this tile and all after it: above the diagonal
+            return
+        c1 = min(c0 + TILE_K, S)
+        yield slice(c0, c1), causal and c1 - 1 > rows.start
+
+
+def _visible_tiles(L, S, causal):
+    """(query slice, key slice, needs elementwise mask) for every tile with a visible pair."""
+    for rows in _row_tiles(L):
+        for cols, masked in _key_tiles(rows, S, causal):
+            yield rows, cols, masked
+
+
+def _scores(q_tile, k_tile, scale, rows, cols, masked):
+    s = scale * q_tile @ k_tile.transpose(-2, -1)
+    if masked:
+        qi = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
+        kj = torch.arange(cols.start, cols.stop, device=s.device)[None, :]
+        s = s.masked_fill(kj > qi, float("-inf"))
+    return s
+
+
+def _probs(q_tile, k_tile, lse_rows, scale, rows, cols, masked):
+    """P tile from the saved lse (0 where masked; rows that see no key have no tiles)."""
+    return torch.exp(_scores(q_tile, k_tile, scale, rows, cols, masked) - lse_rows.unsqueeze(-1))
+
+
+def _prepare(q, k, v, *kv_like):
+    """Upcast to the accumulation dtype and expand key/value heads for GQA."""
+    dt = acc_dtype(q.dtype)
+    H = q.shape[1]
+    out = [q.to(dt), expand_kv(k.to(dt), H), expand_kv(v.to(dt), H)]
+    out += [None if t is None else expand_kv(t.to(dt), H) for t in kv_like]
+    return out
+
+
+def _up(t, dt):
+    return None if t is None else t.to(dt)
+
+
+def _row_delta(do, o, dlse):
+    """D = rowsum(dO ∘ O) - dlse: the row term of the first backward."""
+    D = (do * o).sum(-1)
+    return D if dlse is None else D - dlse
+
+
+# ----------------------------------------------------------------------------- forward
+def forward(q, k, v, scale, causal):
+    out_dtype = q.dtype
+    q, k, v = _prepare(q, k, v)
+    B, H, L, _ = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    o = torch.zeros(B, H, L, Ev, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, L), -math.inf, dtype=q.dtype, device=q.device)
+    for rows in _row_tiles(L):
+        n = rows.stop - rows.start
+        m = torch.full((B, H, n), -math.inf, dtype=q.dtype, device=q.device)
+        denom = torch.zeros(B, H, n, dtype=q.dtype, device=q.device)
+        acc = torch.zeros(B, H, n, Ev, dtype=q.dtype, device=q.device)
+        for cols, masked in _key_tiles(rows, S, causal):
+            s = _scores(q[:, :, rows], k[:, :, cols], scale, rows, cols, masked)
+            m_new = torch.maximum(m, s.amax(-1))
+            # rows with every score -inf so far keep a finite reference point (no inf - inf)
+            m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            rescale = torch.exp(m - m_ref)
+            p = torch.exp(s - m_ref.unsqueeze(-1))
+            denom = denom * rescale + p.sum(-1)
+            acc = acc * rescale.unsqueeze(-1) + p @ v[:, :, cols]
+            m = m_new
+        seen = denom > 0
+        o[:, :, rows] = torch.where(seen.unsqueeze(-1), acc / denom.clamp_min(1e-38).unsqueeze(-1), 0.0)
+        lse[:, :, rows] = torch.where(seen, m + torch.log(denom.clamp_min(1e-38)), -math.inf)
+    return o.to(out_dtype), lse
+
+
+# ----------------------------------------------------------------------------- backward
+def backward(q, k, v, o, lse, do, dlse, scale, causal):
+    dts, hkv = (q.dtype, k.dtype, v.dtype), k.shape[1]
+    q, k, v = _prepare(q, k, v)
+    dt = q.dtype
+    o, lse, do, dlse = _up(o, dt), _up(lse, dt), _up(do, dt), _up(dlse, dt)
+    L, S = q.shape[2], k.shape[2]
+    D = _row_delta(do, o, dlse)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols, masked in _visible_tiles(L, S, causal):
+        q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
+        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        ds = p * (do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1))
+        dq[:, :, rows] += scale * ds @ k_j
+        dk[:, :, cols] += scale * ds.transpose(-2, -1) @ q_i
+        dv[:, :, cols] += p.transpose(-2, -1) @ do_i
+    return dq.to(dts[0]), reduce_kv(dk, hkv).to(dts[1]), reduce_kv(dv, hkv).to(dts[2])
+
+
+# ----------------------------------------------------------------------------- backward-over-backward
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    dts, hkv = [t.dtype for t in (q, k, v, o, lse, do)], k.shape[1]
+    q, k, v, gdk, gdv = _prepare(q, k, v, gdk, gdv)
+    dt = q.dtype
+    o, lse, do, dlse, gdq = _up(o, dt), _up(lse, dt), _up(do, dt), _up(dlse, dt), _up(gdq, dt)
+    L, S = q.shape[2], k.shape[2]
+    D = _row_delta(do, o, dlse)
+    gq, gk, gv, gdo = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
+    Dg, glse = torch.zeros_like(D), torch.zeros_like(D)
+    has_f = gdq is not None or gdk is not None      # F = 0 (so A = 0) when both are None
+    for rows, cols, masked in _visible_tiles(L, S, causal):
+        q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
+        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
+        ds = p * dp_shifted
+        p_bar = torch.zeros_like(p)                 # cotangent of P (lse held fixed)
+        if gdv is not None:
+            p_bar = p_bar + do_i @ gdv[:, :, cols].transpose(-2, -1)
+            gdo[:, :, rows] += p @ gdv[:, :, cols]
+        if has_f:
+            F = torch.zeros_like(p)                 # cotangent of dS
+            if gdq is not None:
+                F = F + scale * gdq[:, :, rows] @ k_j.transpose(-2, -1)
+                gk[:, :, cols] += scale * ds.transpose(-2, -1) @ gdq[:, :, rows]
+            if gdk is not None:
+                F = F + scale * q_i @ gdk[:, :, cols].transpose(-2, -1)
+                gq[:, :, rows] += scale * ds @ gdk[:, :, cols]
+            A = p * F                               # cotangent of dP
+            p_bar = p_bar + F * dp_shifted
+            Dg[:, :, rows] += A.sum(-1)
+            gv[:, :, cols] += A.transpose(-2, -1) @ do_i
+            gdo[:, :, rows] += A @ v_j
+        s_bar = p * p_bar                           # cotangent of the scores
+        glse[:, :, rows] -= s_bar.sum(-1)
+        gq[:, :, rows] += scale * s_bar @ k_j
+        gk[:, :, cols] += scale * s_bar.transpose(-2, -1) @ q_i
+    go = -Dg.unsqueeze(-1) * do
+    gdo = gdo - Dg.unsqueeze(-1) * o
+    outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), go, glse, gdo, Dg)
+    return tuple(t.to(d) for t, d in zip(outs, dts + [dts[4]]))
+
+
+# ----------------------------------------------------------------------------- forward mode
+def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
+    out_dtype = o.dtype
+    q, k, v, tk, tv = _prepare(q, k, v, tk, tv)
+    dt = q.dtype
+    o, lse, tq = _up(o, dt), _up(lse, dt), _up(tq, dt)
+    L, S = q.shape[2], k.shape[2]
+    tlse = torch.zeros_like(lse)
+    to = torch.zeros_like(o)
+    for rows, cols, masked in _visible_tiles(L, S, causal):
+        q_i, k_j = q[:, :, rows], k[:, :, cols]
+        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        if tq is not None or tk is not None:
+            ts = torch.zeros_like(p)
+            if tq is not None:
+                ts = ts + scale * tq[:, :, rows] @ k_j.transpose(-2, -1)
+            if tk is not None:
+                ts = ts + scale * q_i @ tk[:, :, cols].transpose(-2, -1)
+            tlse[:, :, rows] += (p * ts).sum(-1)
+            to[:, :, rows] += (p * ts) @ v[:, :, cols]
+        if tv is not None:
+            to[:, :, rows] += p @ tv[:, :, cols]
+    to = to - tlse.unsqueeze(-1) * o
+    return to.to(out_dtype), tlse
+
+
+def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+    dts, hkv = (q.dtype, k.dtype, v.dtype), k.shape[1]
+    q, k, v, tk, tv = _prepare(q, k, v, tk, tv)
+    dt = q.dtype
+    o, lse, do, dlse = _up(o, dt), _up(lse, dt), _up(do, dt), _up(dlse, dt)
+    tq, to, tlse, tdo, tdlse = _up(tq, dt), _up(to, dt), _up(tlse, dt), _up(tdo, dt), _up(tdlse, dt)
+    L, S = q.shape[2], k.shape[2]
+    D = _row_delta(do, o, dlse)
+    tD = torch.zeros_like(D)                        # tangent of D, row-local
+    if tdo is not None:
+        tD = tD + (tdo * o).sum(-1)
+    if to is not None:
+        tD = tD + (do * to).sum(-1)
+    if tdlse is not None:
+        tD = tD - tdlse
+    tdq, tdk, tdv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols, masked in _visible_tiles(L, S, causal):
+        q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
+        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
+        ds = p * dp_shifted
+        ts = torch.zeros_like(p)                    # tangent of the scores minus tangent of lse
+        if tq is not None:
+            ts = ts + scale * tq[:, :, rows] @ k_j.transpose(-2, -1)
+        if tk is not None:
+            ts = ts + scale * q_i @ tk[:, :, cols].transpose(-2, -1)
+        if tlse is not None:
+            ts = ts - tlse[:, :, rows].unsqueeze(-1)
+        tp = p * ts
+        tdp = -tD[:, :, rows].unsqueeze(-1).expand_as(p)
+        if tdo is not None:
+            tdp = tdp + tdo[:, :, rows] @ v_j.transpose(-2, -1)
+            tdv[:, :, cols] += p.transpose(-2, -1) @ tdo[:, :, rows]
+        if tv is not None:
+            tdp = tdp + do_i @ tv[:, :, cols].transpose(-2, -1)
+        tds = tp * dp_shifted + p * tdp
+        tdq[:, :, rows] += scale * tds @ k_j
+        tdk[:, :, cols] += scale * tds.transpose(-2, -1) @ q_i
+        tdv[:, :, cols] += tp.transpose(-2, -1) @ do_i
+        if tk is not None:
+            tdq[:, :, rows] += scale * ds @ tk[:, :, cols]
+        if tq is not None:
+            tdk[:, :, cols] += scale * ds.transpose(-2, -1) @ tq[:, :, rows]
+    return tdq.to(dts[0]), reduce_kv(tdk, hkv).to(dts[1]), reduce_kv(tdv, hkv).to(dts[2])
