@@ -17,6 +17,7 @@ pick an implementation there. Outputs are contiguous, as the fake implementation
 Autograd does not live here: `custom_op.register_autograd` does not compose with
 torch.func, so `bob_compile.autograd` wraps these ops in new-style autograd.Functions.
 """
+import math
 from typing import Optional
 
 import torch
@@ -35,7 +36,7 @@ def _flat(t: Optional[Tensor]):
         return None
     if t.dim() == 2:
         return t.unsqueeze(0).unsqueeze(0)
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def _flat_rows(r: Optional[Tensor], q: Tensor):

@@ -1,0 +1,26 @@
+"""Shared test setup: CPU tests run the blockwise path with tiny tiles, so that even short
+sequences cross tile borders (odd lengths, partial and diagonal tiles)."""
+import pytest
+import torch
+
+from bob_compile.kernels import blockwise
+
+
+@pytest.fixture(autouse=True)
+def small_tiles():
+    with blockwise.tiles(q=4, k=3):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,186 @@
+"""Every derivative path through bob_compile.attention, against autograd through plain math
+attention, in float64 (max error <= 1e-10).
+
+Paths: autograd HVP (create_graph then a second grad), a MAML inner step, torch.func grad,
+grad(grad), vjp, jvp, jvp(grad), vmap, vmap(grad), hessian and jacrev(jacrev).
+Cases: causal and not, L != S both ways, Ev != E, a non-default scale, leading dims
+(B, H) / (B,) / none, GQA, lengths that are no multiple of the (tiny) tiles, permuted
+inputs, and rows that see no key.
+"""
+import functools
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
+
+from attention_math import math_attention
+from bob_compile import attention
+
+TOL = 1e-10
+
+# name -> (q shape, k shape, v shape, options); permuted inputs are built (B, L, H, E)
+CASES = {
+    "bhle_l_lt_s": ((2, 3, 7, 5), (2, 3, 9, 5), (2, 3, 9, 5), {}),
+    "l_gt_s": ((2, 2, 11, 4), (2, 2, 6, 4), (2, 2, 6, 4), {}),
+    "ev_ne_e": ((1, 2, 6, 5), (1, 2, 8, 5), (1, 2, 8, 3), {}),
+    "batch_only": ((3, 7, 4), (3, 5, 4), (3, 5, 6), {}),
+    "no_leading_dims": ((7, 4), (9, 4), (9, 4), {}),
+    "gqa": ((2, 4, 6, 4), (2, 2, 7, 4), (2, 2, 7, 3), {"enable_gqa": True}),
+    "scale": ((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4), {"scale": 0.77}),
+    "permuted": ((2, 3, 6, 4), (2, 3, 7, 4), (2, 3, 7, 4), {"permuted": True}),
+    "no_visible_key": ((1, 2, 5, 4), (1, 2, 0, 4), (1, 2, 0, 3), {}),
+}
+
+
+def make_inputs(case, causal):
+    qs, ks, vs, opts = CASES[case]
+    opts = dict(opts)
+    permuted = opts.pop("permuted", False)
+
+    def rand(shape):
+        if permuted:   # stored (B, L, H, E), seen as (B, H, L, E)
+            b, h, n, e = shape
+            return torch.randn(b, n, h, e, dtype=torch.float64).transpose(1, 2)
+        return torch.randn(shape, dtype=torch.float64)
+    q, k, v = rand(qs), rand(ks), rand(vs)
+    if permuted:
+        assert not q.is_contiguous()
+    return (q, k, v), dict(opts, is_causal=causal)
+
+
+class Setup(NamedTuple):
+    inputs: tuple
+    attn: Callable          # ours, options bound
+    attn_ref: Callable      # plain math, options bound
+    f: Callable             # scalar loss through ours
+    f_ref: Callable         # the same loss through plain math
+
+
+def setup(case, causal):
+    inputs, kw = make_inputs(case, causal)
+    attn, attn_ref = functools.partial(attention, **kw), functools.partial(math_attention, **kw)
+    weight = torch.randn_like(attn_ref(*inputs))
+
+    def loss_of(fn):   # non-trivial second derivative both through o (sin) and inside attention
+        return lambda q, k, v: (torch.sin(fn(q, k, v)) * weight).sum()
+    return Setup(inputs, attn, attn_ref, loss_of(attn), loss_of(attn_ref))
+
+
+def assert_close(ours, ref):
+    if isinstance(ref, torch.Tensor):
+        assert ours.shape == ref.shape
+        assert not torch.isnan(ours).any()
+        err = (ours - ref).abs().max().item() if ref.numel() else 0.0
+        assert err <= TOL, err
+    else:
+        assert len(ours) == len(ref)
+        for a, b in zip(ours, ref):
+            assert_close(a, b)
+
+
+params = pytest.mark.parametrize("case", list(CASES))
+causal = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+
+
+@params
+@causal
+def test_forward_matches_math(case, causal):
+    inputs, attn, attn_ref, _, _ = setup(case, causal)
+    assert_close(attn(*inputs), attn_ref(*inputs))
+
+
+@params
+@causal
+def test_autograd_hvp(case, causal):
+    inputs, attn, attn_ref, f, f_ref = setup(case, causal)
+    vecs = [torch.randn_like(t) for t in inputs]
+
+    def hvp(fn):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        grads = torch.autograd.grad(fn(*xs), xs, create_graph=True)
+        return torch.autograd.grad(grads, xs, grad_outputs=vecs, allow_unused=True,
+                                   materialize_grads=True)
+    assert_close(hvp(f), hvp(f_ref))
+
+
+@params
+@causal
+def test_maml_inner_step(case, causal):
+    """Fast weights q' = q - lr·∂f/∂q, then the outer gradient through the inner step."""
+    inputs, attn, attn_ref, f, f_ref = setup(case, causal)
+
+    def outer(fn):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        (gq,) = torch.autograd.grad(fn(*xs), xs[0], create_graph=True)
+        fast_q = xs[0] - 0.1 * gq
+        return torch.autograd.grad(fn(fast_q, *xs[1:]), xs, allow_unused=True,
+                                   materialize_grads=True)
+    assert_close(outer(f), outer(f_ref))
+
+
+@params
+@causal
+def test_func_grad_and_vjp(case, causal):
+    inputs, attn, attn_ref, f, f_ref = setup(case, causal)
+    assert_close(grad(f, argnums=(0, 1, 2))(*inputs), grad(f_ref, argnums=(0, 1, 2))(*inputs))
+    o_ours, pull = vjp(attn, *inputs)
+    o_ref, pull_ref = vjp(attn_ref, *inputs)
+    ct = torch.randn_like(o_ref)
+    assert_close(o_ours, o_ref)
+    assert_close(pull(ct), pull_ref(ct))
+
+
+@params
+@causal
+def test_func_grad_grad(case, causal):
+    inputs, attn, attn_ref, f, f_ref = setup(case, causal)
+
+    def second(fn):   # d/dq of sum(∂f/∂q): differentiates the backward
+        return grad(lambda q, k, v: grad(fn, argnums=0)(q, k, v).sum(), argnums=(0, 1, 2))(*inputs)
+    assert_close(second(f), second(f_ref))
+
+
+@params
+@causal
+def test_func_jvp_and_jvp_grad(case, causal):
+    inputs, attn, attn_ref, f, f_ref = setup(case, causal)
+    tangents = tuple(torch.randn_like(t) for t in inputs)
+    assert_close(jvp(attn, inputs, tangents), jvp(attn_ref, inputs, tangents))
+    g, g_ref = grad(f, argnums=(0, 1, 2)), grad(f_ref, argnums=(0, 1, 2))
+    assert_close(jvp(g, inputs, tangents), jvp(g_ref, inputs, tangents))   # forward-over-reverse HVP
+
+
+@params
+@causal
+def test_vmap_and_vmap_grad(case, causal):
+    inputs, attn, attn_ref, f, f_ref = setup(case, causal)
+    q, k, v = inputs
+    qs = torch.stack([q, 2 * q, -q])          # vmap over queries only: k, v unbatched
+    assert_close(vmap(attn, in_dims=(0, None, None))(qs, k, v),
+                 vmap(attn_ref, in_dims=(0, None, None))(qs, k, v))
+    ks, vs = torch.stack([k, k.flip(-1)]), torch.stack([v, 0.5 * v])
+    per_sample = (0, 0, 0)
+    assert_close(vmap(grad(f, argnums=(0, 1, 2)), in_dims=per_sample)(qs[:2], ks, vs),
+                 vmap(grad(f_ref, argnums=(0, 1, 2)), in_dims=per_sample)(qs[:2], ks, vs))
+
+
+@params
+@causal
+def test_hessian_and_jacrev_jacrev(case, causal):
+    inputs, attn, attn_ref, f, f_ref = setup(case, causal)
+    q, k, v = inputs
+    assert_close(hessian(f)(q, k, v), hessian(f_ref)(q, k, v))            # jacfwd(jacrev)
+    assert_close(jacrev(jacrev(f, argnums=1), argnums=1)(q, k, v),
+                 jacrev(jacrev(f_ref, argnums=1), argnums=1)(q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_third_order_falls_back_to_exact_math(causal):
+    """Third order is unfused, but exact: d/dq of an HVP."""
+    inputs, _, _, f, f_ref = setup("gqa", causal)
+
+    def third(fn):
+        return grad(lambda q, k, v: grad(lambda *a: grad(fn, argnums=0)(*a).sum(), argnums=1)(q, k, v).sum(),
+                    argnums=(0, 1, 2))(*inputs)
+    assert_close(third(f), third(f_ref))
