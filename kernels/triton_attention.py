@@ -1,0 +1,162 @@
+"""The Triton implementation of the kernel contract (see `kernels/__init__.py`).
+
+    forward(q, k, v, scale, causal) -> (o, lse)
+    backward(q, k, v, o, lse, do, dlse, scale, causal) -> (dq, dk, dv)
+    bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+        -> (gq, gk, gv, go, glse, gdo, gdlse)
+    forward_jvp / backward_jvp: the blockwise PyTorch path (no fused kernels yet)
+
+Where PyTorch's own fused kernels compute exactly the same thing faster (first order on
+half-precision inputs without GQA, dlse = None), forward and backward call them, so a
+first-order step through the op costs what native SDPA costs. Every other case, and the
+whole second order, runs the kernels in triton_forward / triton_backward / triton_bob.
+
+Environment switches (for benchmarks and debugging):
+- BOB_COMPILE_NATIVE_SDPA=0: never call PyTorch's fused kernels;
+- BOB_COMPILE_BOB_SCHEDULE=atomic|two_pass: BoB row outputs by fp32 atomics in one pass,
+  or by a separate deterministic row pass (the default, see benchmarks/README.md);
+- BOB_COMPILE_BWD_DQ=atomic|two_pass: the same choice for dq in the backward;
+- BOB_COMPILE_TUNE=0: use the first candidate launch config, no timing.
+"""
+import logging
+import os
+
+import torch
+
+from .triton_backward import attention_backward
+from .triton_bob import attention_bob
+from .triton_forward import attention_forward
+
+log = logging.getLogger("bob_compile.kernels")
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256  # larger tiles exceed the shared memory of one program
+
+
+def supports(q, k, v):
+    """True for 4-D CUDA tensors of one half/float dtype, head dims 1..256, Hkv | Hq."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if not (0 < q.shape[-1] <= MAX_HEAD_DIM and 0 < v.shape[-1] <= MAX_HEAD_DIM):
+        return False
+    if k.shape[-1] != q.shape[-1] or k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0]:
+        return False
+    return k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+
+
+# --------------------------------------------------------------------------------------
+# PyTorch's fused first-order kernels, where they apply
+# --------------------------------------------------------------------------------------
+_native_failed = set()
+
+
+def _native_backend(q, k, v, causal):
+    """'cudnn' or 'flash' when PyTorch's fused kernel computes exactly this op, else None."""
+    if os.environ.get("BOB_COMPILE_NATIVE_SDPA", "1") == "0" or not q.is_cuda:
+        return None
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    E, Ev = q.shape[-1], v.shape[-1]
+    if E != Ev or E % 8 or E > 256 or q.shape[1] != k.shape[1]:
+        return None
+    if causal and q.shape[2] != k.shape[2]:
+        return None  # fused kernels align a rectangular causal mask bottom-right
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    backend = os.environ.get("BOB_COMPILE_NATIVE_BACKEND", "cudnn" if E <= 128 else "flash")
+    return None if backend in _native_failed else backend
+
+
+def _native_forward(backend, q, k, v, scale, causal):
+    B, H, L, _ = q.shape
+    if backend == "cudnn":
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+    o, lse = out[0], out[1]
+    return o.contiguous(), lse.reshape(B, H, L).float().contiguous()
+
+
+def _native_backward(backend, q, k, v, o, lse, do, scale, causal):
+    L, S = q.shape[2], k.shape[2]
+    empty = torch.empty(0, device=q.device, dtype=torch.long)
+    do = do.contiguous() if do.stride() != o.stride() else do
+    if backend == "cudnn":
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, o, lse.unsqueeze(-1), empty, empty, None, empty, empty, L, S, 0.0,
+            causal, scale=scale)
+    else:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, empty, empty, L, S, 0.0, causal, empty, empty, scale=scale)
+    return tuple(g.contiguous() for g in grads[:3])
+
+
+def _try_native(backend, fn, *args):
+    try:
+        return fn(backend, *args)
+    except RuntimeError as e:  # unsupported layout/arch in this build: use Triton from now on
+        _native_failed.add(backend)
+        log.warning("PyTorch fused attention (%s) failed (%s); using the Triton kernels",
+                    backend, e)
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# The contract
+# --------------------------------------------------------------------------------------
+def forward(q, k, v, scale, causal):
+    B, Hq, L, _ = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    if S == 0 or L == 0:
+        o = torch.zeros((B, Hq, L, Ev), device=q.device, dtype=q.dtype)
+        return o, torch.full((B, Hq, L), float("-inf"), device=q.device, dtype=torch.float32)
+    backend = _native_backend(q, k, v, causal)
+    if backend is not None:
+        out = _try_native(backend, _native_forward, q, k, v, scale, causal)
+        if out is not None:
+            return out
+    return attention_forward(q, k, v, scale, causal)
+
+
+def backward(q, k, v, o, lse, do, dlse, scale, causal):
+    S, L = k.shape[2], q.shape[2]
+    if S == 0 or L == 0:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), \
+            torch.zeros_like(k, memory_format=torch.contiguous_format), \
+            torch.zeros_like(v, memory_format=torch.contiguous_format)
+    if dlse is None:
+        backend = _native_backend(q, k, v, causal)
+        if backend is not None:
+            out = _try_native(backend, _native_backward, q, k, v, o, lse, do, scale, causal)
+            if out is not None:
+                return out
+    dq_atomic = os.environ.get("BOB_COMPILE_BWD_DQ", "two_pass") == "atomic"
+    return attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=dq_atomic)
+
+
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    S, L = k.shape[2], q.shape[2]
+    if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
+        # every output is a sum over visible (query, key) pairs times a cotangent: all zero
+        like = (q, k, v, o, lse, do, lse)
+        return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
+    schedule = os.environ.get("BOB_COMPILE_BOB_SCHEDULE", "two_pass")
+    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal,
+                         row_atomics=schedule == "atomic")
+
+
+def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
+    from . import blockwise  # imported late: only the tangent paths need it
+    return blockwise.forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal)
+
+
+def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+    from . import blockwise
+    return blockwise.backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
+                                  scale, causal)

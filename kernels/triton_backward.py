@@ -1,0 +1,277 @@
+"""Attention backward in Triton (FA2 math), with an incoming lse cotangent.
+
+    P = exp(scale q k^T - lse),  dP = dO v^T,  D = rowsum(dO * O) - dlse,  dS = P * (dP - D)
+    dq = scale dS k,  dk = scale dS^T q,  dv = P^T dO
+
+Kernels:
+- `_row_dot_kernel`: D per query row (a row-local pre-pass; dlse is a constexpr option);
+- `_column_kernel`: one program per (key block, kv head); it walks every query head of its
+  GQA group and every visible query block, keeping dk, dv in registers, so the group sum is
+  deterministic. With DQ_ATOMICS it also adds dq partials into an fp32 buffer (FA2's choice:
+  5 GEMMs per tile instead of 7, at the price of run-to-run rounding differences);
+- `_dq_kernel`: the deterministic alternative for dq, one program per query block.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
+                            key_blocks_of_row_block, load_lse2, load_row_vector, load_tile,
+                            padded_dim, row_blocks_of_key_block, store_tile, strides4,
+                            tuning_key, visibility_mask)
+
+
+# --------------------------------------------------------------------------------------
+# D = rowsum(dO * O) - dlse
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _row_dot_kernel(DO, O, DLSE, D, sdb, sdh, sdl, sde, sob, soh, sol, soe,
+                    num_q_heads, L, HEAD_DIM_V: tl.constexpr, BLOCK_EV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = (pid_bh % num_q_heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
+    o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
+    d = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    row = pid_bh.to(tl.int64) * L
+    if HAS_DLSE:
+        d -= load_row_vector(DLSE + row, offs_m, L).to(tl.float32)
+    tl.store(D + row + offs_m, d, mask=offs_m < L)
+
+
+def row_dot(do, o, dlse):
+    """D (float32, (B, H, L)) = rowsum(do * o) - dlse."""
+    B, H, L, Ev = do.shape
+    d = torch.empty((B, H, L), device=do.device, dtype=torch.float32)
+    block_m = 16 if interpreting() else 64
+    dlse_arg = dlse.contiguous() if dlse is not None else d
+    _row_dot_kernel[(triton.cdiv(L, block_m), B * H)](
+        do, o, dlse_arg, d, *strides4(do), *strides4(o), H, L,
+        HEAD_DIM_V=Ev, BLOCK_EV=padded_dim(Ev), BLOCK_M=block_m, HAS_DLSE=dlse is not None,
+        num_warps=4)
+    return d
+
+
+# --------------------------------------------------------------------------------------
+# dk, dv (and optionally dq by atomics): key-block major
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base,
+                  sql, sqe, sdl, sde, sql_acc, m_lo, m_hi, n0, L, S, qk_scale_log2, scale,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, DQ_ATOMICS: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
+        do = load_tile(do_base, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
+        lse2 = load_lse2(lse_ptr, offs_m, L)
+        d = load_row_vector(d_ptr, offs_m, L)
+        # everything is transposed ([keys, queries]) so that dk, dv accumulate without trans
+        s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
+        if MASKED:
+            s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
+        pt = tl.math.exp2(s2t - lse2[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dst = (pt * (dpt - d[None, :])).to(q.dtype)
+        dk += tl.dot(dst, q, input_precision=DOT_PRECISION)
+        if DQ_ATOMICS:
+            dq_part = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * scale
+            ptrs = dq_base + offs_m[:, None] * sql_acc + offs_e[None, :]
+            tl.atomic_add(ptrs, dq_part, mask=(offs_m[:, None] < L) & (offs_e[None, :] < HEAD_DIM),
+                          sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC,
+                   sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
+                   sdb, sdh, sdl, sde, sdkb, sdkh, sdkn, sdke, sdvb, sdvh, sdvn, sdve,
+                   num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    hk = (pid_bh % num_kv_heads).to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    k = load_tile(K + b * skb + hk * skh, offs_n, offs_e, skn, ske, S, HEAD_DIM, True, PAD_E)
+    v = load_tile(V + b * svb + hk * svh, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, True, PAD_EV)
+    dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_EV], tl.float32)
+    m_first, m_unmasked = row_blocks_of_key_block(n0, L, BLOCK_M, BLOCK_N, CAUSAL)
+    if DQ_ATOMICS:
+        # the atomic dq needs padded keys masked too; they only occur in the last key block
+        if n0 + BLOCK_N > S:
+            m_unmasked = ((L + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    num_q_heads = num_kv_heads * kv_group
+    for g in range(0, kv_group):
+        h = hk * kv_group + g
+        row = (b * num_q_heads + h) * L
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        dq_base = DQ_ACC + row * HEAD_DIM
+        dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
+                               sql, sqe, sdl, sde, HEAD_DIM, m_first, m_unmasked, n0, L, S,
+                               qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                               BLOCK_M, BLOCK_N, True, CAUSAL, DQ_ATOMICS, DOT_PRECISION)
+        dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
+                               sql, sqe, sdl, sde, HEAD_DIM, m_unmasked, L, n0, L, S,
+                               qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                               BLOCK_M, BLOCK_N, False, CAUSAL, DQ_ATOMICS, DOT_PRECISION)
+    store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
+               sdkn, sdke, S, HEAD_DIM, PAD_E)
+    store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
+               sdvn, sdve, S, HEAD_DIM_V, PAD_EV)
+
+
+# --------------------------------------------------------------------------------------
+# dq: query-block major (deterministic)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve,
+              offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_E: tl.constexpr,
+              PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
+        v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
+        s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        if MASKED:
+            s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
+        p = tl.math.exp2(s2 - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = (p * (dp - d[:, None])).to(k.dtype)
+        dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, D, DQ,
+               sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
+               sdb, sdh, sdl, sde, sdqb, sdqh, sdql, sdqe,
+               num_q_heads, kv_group, L, S, qk_scale_log2, scale,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = (pid_bh % num_q_heads).to(tl.int64)
+    hk = h // kv_group
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    row = pid_bh.to(tl.int64) * L
+    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
+    do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
+    lse2 = load_lse2(LSE + row, offs_m, L)
+    d = load_row_vector(D + row, offs_m, L)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, offs_m, offs_e,
+                   offs_ev, 0, full_end, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                   False, CAUSAL, PAD_E, PAD_EV, DOT_PRECISION)
+    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, offs_m, offs_e,
+                   offs_ev, full_end, visible_end, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
+                   BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, DOT_PRECISION)
+    store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
+               sdql, sdqe, L, HEAD_DIM, PAD_E)
+
+
+# --------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------
+def column_candidates(head_dim, dtype):
+    if interpreting():
+        return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
+    if dtype == torch.float32 or head_dim > 128:
+        return [dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2)]
+    return [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+            dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
+
+
+def dq_candidates(head_dim, dtype):
+    if interpreting():
+        return [dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)]
+    if dtype == torch.float32 or head_dim > 128:
+        return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)]
+    return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+            dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
+
+
+def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=False):
+    """(dq, dk, dv), contiguous, in the primals' dtypes; S must be > 0."""
+    B, Hq, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    lse = lse.contiguous()
+    d = row_dot(do, o, dlse)
+    dk = torch.empty((B, Hkv, S, E), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, Hkv, S, Ev), device=q.device, dtype=v.dtype)
+    dq_acc = (torch.zeros((B, Hq, L, E), device=q.device, dtype=torch.float32)
+              if dq_atomics else dk)
+    common = dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
+                  CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype))
+
+    def run_columns(cfg):
+        if dq_atomics:
+            dq_acc.zero_()
+        _column_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](
+            q, k, v, do, lse, d, dk, dv, dq_acc,
+            *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dk),
+            *strides4(dv), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DQ_ATOMICS=dq_atomics,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+
+    cfg = choose_config(tuning_key("bwd_columns", q, k, v, causal, dq_atomics),
+                        column_candidates(E, q.dtype), run_columns)
+    run_columns(cfg)
+    if dq_atomics:
+        return dq_acc.to(q.dtype), dk, dv
+
+    dq = torch.empty((B, Hq, L, E), device=q.device, dtype=q.dtype)
+
+    def run_rows(cfg):
+        _dq_kernel[(triton.cdiv(L, cfg["BLOCK_M"]), B * Hq)](
+            q, k, v, do, lse, d, dq,
+            *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dq),
+            Hq, Hq // Hkv, L, S, scale * LOG2E, scale,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+
+    cfg = choose_config(tuning_key("bwd_dq", q, k, v, causal), dq_candidates(E, q.dtype),
+                        run_rows)
+    run_rows(cfg)
+    return dq, dk, dv

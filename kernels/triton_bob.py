@@ -1,0 +1,431 @@
+"""Backward-over-backward in Triton: the VJP of `backward` w.r.t. (q, k, v, o, lse, do, dlse).
+
+Chain form (o and lse are inputs of the backward; shared/research/algorithm.md §4, and
+kernels/reference.py `bob`). With the upstream cotangents gdq, gdk, gdv of dq, dk, dv:
+
+    P = exp(scale q k^T - lse)   dP = dO v^T   D = rowsum(dO * O) - dlse   dS = P * (dP - D)
+    F = scale (gdq k^T + q gdk^T)          (cotangent of dS)
+    A = P * F                               (cotangent of dP)
+    Sbar = P * (dO gdv^T + F * (dP - D))    (cotangent of the scores)
+    gq = scale (Sbar k + dS gdk)     gk = scale (Sbar^T q + dS^T gdq)     gv = A^T dO
+    Dg = rowsum(A)   go = -Dg * dO   glse = -rowsum(Sbar)   gdo = P gdv + A v - Dg * O
+    gdlse = Dg
+
+No output needs a whole-row reduction before it can be accumulated, so there are two
+schedules:
+- deterministic (default): `_row_kernel` (query-block major: gq, gdo, go, glse, gdlse;
+  9 GEMMs per tile) and `_column_kernel` (key-block major: gk, gv; 8 GEMMs per tile);
+- one pass: `_column_kernel` with ROW_ATOMICS also adds the row outputs' partials into
+  fp32 buffers (12 GEMMs per tile instead of 17, plus (E + Ev + 2) fp32 atomics per row and
+  key block), then `_finish_rows_kernel` turns them into the outputs.
+gdq/gdk/gdv = None are constexpr flags: their GEMMs are not emitted.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .triton_backward import row_dot
+from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
+                            key_blocks_of_row_block, load_lse2, load_row_vector, load_tile,
+                            padded_dim, row_blocks_of_key_block, store_tile, strides4,
+                            tuning_key, visibility_mask)
+
+
+# --------------------------------------------------------------------------------------
+# Row outputs from their row-wise sums (shared by the row kernel and the atomic finish)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _store_row_outputs(gq, gdo_sum, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
+                       GQ, GO, GDO, GLSE, GDLSE, sgql, sgol, sgdol,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       PAD_E: tl.constexpr, PAD_EV: tl.constexpr):
+    """gq (already scaled), gdo = sum - Dg o, go = -Dg dO, glse = -rowsum(Sbar), gdlse = Dg."""
+    store_tile(GQ, gq.to(GQ.dtype.element_ty), offs_m, offs_e, sgql, 1, L, HEAD_DIM, PAD_E)
+    gdo = gdo_sum - dg[:, None] * o.to(tl.float32)
+    store_tile(GDO, gdo.to(GDO.dtype.element_ty), offs_m, offs_ev, sgdol, 1, L, HEAD_DIM_V,
+               PAD_EV)
+    go = -dg[:, None] * do.to(tl.float32)
+    store_tile(GO, go.to(GO.dtype.element_ty), offs_m, offs_ev, sgol, 1, L, HEAD_DIM_V, PAD_EV)
+    tl.store(GLSE + row + offs_m, (-sbar_sum).to(GLSE.dtype.element_ty), mask=offs_m < L)
+    tl.store(GDLSE + row + offs_m, dg.to(GDLSE.dtype.element_ty), mask=offs_m < L)
+
+
+# --------------------------------------------------------------------------------------
+# Row pass: gq, gdo, go, glse, gdlse (query-block major, deterministic)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
+               k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
+               offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2, scale,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_E: tl.constexpr,
+               PAD_EV: tl.constexpr, HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr,
+               HAS_GDV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
+        v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
+        s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        if MASKED:
+            s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
+        p = tl.math.exp2(s2 - lse2[:, None])
+        delta = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - d[:, None]
+        if HAS_GDV:
+            gdv = load_tile(gdv_base, offs_n, offs_ev, sgvn, sgve, S, HEAD_DIM_V, MASKED, PAD_EV)
+            cot_scores = tl.dot(do, tl.trans(gdv), input_precision=DOT_PRECISION)
+            gdo += tl.dot(p.to(gdv.dtype), gdv, input_precision=DOT_PRECISION)
+        if HAS_GDK:
+            gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
+            gq += tl.dot((p * delta).to(gdk.dtype), gdk, input_precision=DOT_PRECISION)
+        if HAS_F:
+            if HAS_GDQ and HAS_GDK:
+                f = (tl.dot(gdq, tl.trans(k), input_precision=DOT_PRECISION)
+                     + tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION)) * scale
+            elif HAS_GDQ:
+                f = tl.dot(gdq, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            else:
+                f = tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION) * scale
+            a = p * f
+            dg += tl.sum(a, 1)
+            gdo += tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
+            if HAS_GDV:
+                cot_scores += f * delta
+            else:
+                cot_scores = f * delta
+        sbar = p * cot_scores
+        sbar_sum += tl.sum(sbar, 1)
+        gq += tl.dot(sbar.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return gq, gdo, dg, sbar_sum
+
+
+@triton.jit
+def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
+                sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
+                sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
+                sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve,
+                num_q_heads, kv_group, L, S, qk_scale_log2, scale,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = (pid_bh % num_q_heads).to(tl.int64)
+    hk = h // kv_group
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    row = pid_bh.to(tl.int64) * L
+    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
+    do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
+    gdq = q
+    if HAS_GDQ:
+        gdq = load_tile(GDQ + b * sgqb + h * sgqh, offs_m, offs_e, sgql, sgqe, L, HEAD_DIM, True,
+                        PAD_E)
+    lse2 = load_lse2(LSE + row, offs_m, L)
+    d = load_row_vector(D + row, offs_m, L)
+
+    gq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    gdo = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
+    dg = tl.zeros([BLOCK_M], tl.float32)
+    sbar_sum = tl.zeros([BLOCK_M], tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    gdk_base = GDK + b * sgkb + hk * sgkh
+    gdv_base = GDV + b * sgvb + hk * sgvh
+    full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
+    gq, gdo, dg, sbar_sum = _row_steps(
+        gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
+        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, offs_m, offs_e, offs_ev, 0, full_end, S,
+        qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV,
+        HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
+    gq, gdo, dg, sbar_sum = _row_steps(
+        gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
+        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, offs_m, offs_e, offs_ev, full_end,
+        visible_end, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+        PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
+
+    o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
+    # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
+    _store_row_outputs(gq * scale, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
+                       GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
+                       GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
+                       HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
+
+
+# --------------------------------------------------------------------------------------
+# Column pass: gk, gv (key-block major; optionally the row outputs by fp32 atomics)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
+                  row_acc, sql, sqe, sdl, sde, sgql, sgqe, m_lo, m_hi, n0, L, S,
+                  qk_scale_log2, scale, GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
+                  ROW_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
+        do = load_tile(do_base, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
+        lse2 = load_lse2(lse_ptr, offs_m, L)
+        d = load_row_vector(d_ptr, offs_m, L)
+        # tiles are [keys, queries] so that gk, gv accumulate without transposes
+        s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
+        if MASKED:
+            s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
+        pt = tl.math.exp2(s2t - lse2[None, :])
+        deltat = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - d[None, :]
+        if HAS_GDV:
+            cot_scores_t = tl.dot(gdv, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_F:
+            if HAS_GDQ:
+                gdq = load_tile(gdq_base, offs_m, offs_e, sgql, sgqe, L, HEAD_DIM, True, PAD_E)
+            if HAS_GDQ and HAS_GDK:
+                ft = (tl.dot(k, tl.trans(gdq), input_precision=DOT_PRECISION)
+                      + tl.dot(gdk, tl.trans(q), input_precision=DOT_PRECISION)) * scale
+            elif HAS_GDQ:
+                ft = tl.dot(k, tl.trans(gdq), input_precision=DOT_PRECISION) * scale
+            else:
+                ft = tl.dot(gdk, tl.trans(q), input_precision=DOT_PRECISION) * scale
+            at = pt * ft
+            gv += tl.dot(at.to(do.dtype), do, input_precision=DOT_PRECISION)
+            if HAS_GDV:
+                cot_scores_t += ft * deltat
+            else:
+                cot_scores_t = ft * deltat
+        sbart = pt * cot_scores_t
+        gk += tl.dot(sbart.to(q.dtype), q, input_precision=DOT_PRECISION)
+        if HAS_GDQ or (ROW_ATOMICS and HAS_GDK):
+            dst = (pt * deltat).to(q.dtype)
+        if HAS_GDQ:
+            gk += tl.dot(dst, gdq, input_precision=DOT_PRECISION)
+        if ROW_ATOMICS:
+            row_ok = offs_m < L
+            gq_part = tl.dot(tl.trans(sbart.to(k.dtype)), k, input_precision=DOT_PRECISION)
+            if HAS_GDK:
+                gq_part += tl.dot(tl.trans(dst), gdk, input_precision=DOT_PRECISION)
+            tl.atomic_add(GQ_ACC + (row_acc + offs_m[:, None]) * HEAD_DIM + offs_e[None, :],
+                          gq_part * scale, mask=row_ok[:, None] & (offs_e[None, :] < HEAD_DIM),
+                          sem="relaxed")
+            gdo_ptrs = GDO_ACC + (row_acc + offs_m[:, None]) * HEAD_DIM_V + offs_ev[None, :]
+            gdo_mask = row_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V)
+            if HAS_F:
+                gdo_part = tl.dot(tl.trans(at.to(v.dtype)), v, input_precision=DOT_PRECISION)
+                if HAS_GDV:
+                    gdo_part += tl.dot(tl.trans(pt.to(gdv.dtype)), gdv,
+                                       input_precision=DOT_PRECISION)
+                tl.atomic_add(gdo_ptrs, gdo_part, mask=gdo_mask, sem="relaxed")
+                tl.atomic_add(DG_ACC + row_acc + offs_m, tl.sum(at, 0), mask=row_ok,
+                              sem="relaxed")
+            else:
+                gdo_part = tl.dot(tl.trans(pt.to(gdv.dtype)), gdv, input_precision=DOT_PRECISION)
+                tl.atomic_add(gdo_ptrs, gdo_part, mask=gdo_mask, sem="relaxed")
+            tl.atomic_add(SBAR_ACC + row_acc + offs_m, tl.sum(sbart, 0), mask=row_ok,
+                          sem="relaxed")
+    return gk, gv
+
+
+@triton.jit
+def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
+                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC,
+                   sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
+                   sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
+                   sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve,
+                   num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
+                   ROW_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    hk = (pid_bh % num_kv_heads).to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    k = load_tile(K + b * skb + hk * skh, offs_n, offs_e, skn, ske, S, HEAD_DIM, True, PAD_E)
+    v = load_tile(V + b * svb + hk * svh, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, True, PAD_EV)
+    gdk = k
+    gdv = v
+    if HAS_GDK:
+        gdk = load_tile(GDK + b * sgkb + hk * sgkh, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM,
+                        True, PAD_E)
+    if HAS_GDV:
+        gdv = load_tile(GDV + b * sgvb + hk * sgvh, offs_n, offs_ev, sgvn, sgve, S, HEAD_DIM_V,
+                        True, PAD_EV)
+    gk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    gv = tl.zeros([BLOCK_N, BLOCK_EV], tl.float32)
+    m_first, m_unmasked = row_blocks_of_key_block(n0, L, BLOCK_M, BLOCK_N, CAUSAL)
+    if ROW_ATOMICS:
+        # padded keys would leak into the row sums: the partial last key block is masked
+        if n0 + BLOCK_N > S:
+            m_unmasked = ((L + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    num_q_heads = num_kv_heads * kv_group
+    for g in range(0, kv_group):
+        h = hk * kv_group + g
+        row = (b * num_q_heads + h) * L
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        gdq_base = GDQ + b * sgqb + h * sgqh
+        gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
+                               D + row, row, sql, sqe, sdl, sde, sgql, sgqe, m_first,
+                               m_unmasked, n0, L, S, qk_scale_log2, scale,
+                               GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
+                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL,
+                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
+        gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
+                               D + row, row, sql, sqe, sdl, sde, sgql, sgqe, m_unmasked, L,
+                               n0, L, S, qk_scale_log2, scale,
+                               GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
+                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL,
+                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
+    store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
+               offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
+    store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),
+               offs_n, offs_ev, HEAD_DIM_V, 1, S, HEAD_DIM_V, PAD_EV)
+
+
+# --------------------------------------------------------------------------------------
+# After the atomic column pass: row outputs from the fp32 sums
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _finish_rows_kernel(GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, O, DO, GQ, GO, GDO, GLSE, GDLSE,
+                        sob, soh, sol, soe, sdb, sdh, sdl, sde, num_q_heads, L,
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr, BLOCK_M: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = (pid_bh % num_q_heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    row = pid_bh.to(tl.int64) * L
+    gq = load_tile(GQ_ACC + row * HEAD_DIM, offs_m, offs_e, HEAD_DIM, 1, L, HEAD_DIM, True, PAD_E)
+    gdo = load_tile(GDO_ACC + row * HEAD_DIM_V, offs_m, offs_ev, HEAD_DIM_V, 1, L, HEAD_DIM_V,
+                    True, PAD_EV)
+    dg = load_row_vector(DG_ACC + row, offs_m, L)
+    sbar_sum = load_row_vector(SBAR_ACC + row, offs_m, L)
+    o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
+    do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
+    _store_row_outputs(gq, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
+                       GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
+                       GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
+                       HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
+
+
+# --------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------
+def row_candidates(head_dim, dtype):
+    if interpreting():
+        return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
+    if dtype == torch.float32 or head_dim > 64:
+        return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
+    return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
+
+
+def column_candidates(head_dim, dtype):
+    if interpreting():
+        return [dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)]
+    if dtype == torch.float32 or head_dim > 64:
+        return [dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
+    return [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)]
+
+
+def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_atomics=False):
+    """(gq, gk, gv, go, glse, gdo, gdlse); S > 0 and at least one of gdq/gdk/gdv given."""
+    B, Hq, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    lse = lse.contiguous()
+    d = row_dot(do, o, dlse)
+    gq = torch.empty((B, Hq, L, E), device=dev, dtype=q.dtype)
+    gk = torch.empty((B, Hkv, S, E), device=dev, dtype=k.dtype)
+    gv = torch.empty((B, Hkv, S, Ev), device=dev, dtype=v.dtype)
+    go = torch.empty((B, Hq, L, Ev), device=dev, dtype=o.dtype)
+    gdo = torch.empty((B, Hq, L, Ev), device=dev, dtype=do.dtype)
+    glse = torch.empty((B, Hq, L), device=dev, dtype=lse.dtype)
+    gdlse = torch.empty((B, Hq, L), device=dev, dtype=lse.dtype)
+    flags = dict(HAS_GDQ=gdq is not None, HAS_GDK=gdk is not None, HAS_GDV=gdv is not None)
+    # a missing cotangent is never read (constexpr flag); any tensor stands in for the pointer
+    gdq_arg = gdq if gdq is not None else q
+    gdk_arg = gdk if gdk is not None else k
+    gdv_arg = gdv if gdv is not None else v
+    common = dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
+                  CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype), **flags)
+    flag_key = tuple(int(x) for x in flags.values())
+    if row_atomics:
+        gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)
+        gdo_acc = torch.empty((B, Hq, L, Ev), device=dev, dtype=torch.float32)
+        dg_acc = torch.empty((B, Hq, L), device=dev, dtype=torch.float32)
+        sbar_acc = torch.empty((B, Hq, L), device=dev, dtype=torch.float32)
+    else:
+        gq_acc = gdo_acc = dg_acc = sbar_acc = gq  # never touched without ROW_ATOMICS
+
+    def run_columns(cfg):
+        if row_atomics:
+            for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
+                t.zero_()
+        _column_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](
+            q, k, v, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gk, gv,
+            gq_acc, gdo_acc, dg_acc, sbar_acc,
+            *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(gdq_arg),
+            *strides4(gdk_arg), *strides4(gdv_arg), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ROW_ATOMICS=row_atomics,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+
+    cfg = choose_config(tuning_key("bob_columns", q, k, v, causal, row_atomics, *flag_key),
+                        column_candidates(E, q.dtype), run_columns)
+    run_columns(cfg)
+
+    if row_atomics:
+        block_m = 16 if interpreting() else 64
+        _finish_rows_kernel[(triton.cdiv(L, block_m), B * Hq)](
+            gq_acc, gdo_acc, dg_acc, sbar_acc, o, do, gq, go, gdo, glse, gdlse,
+            *strides4(o), *strides4(do), Hq, L, HEAD_DIM=E, HEAD_DIM_V=Ev,
+            BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev), BLOCK_M=block_m, num_warps=4)
+        return gq, gk, gv, go, glse, gdo, gdlse
+
+    def run_rows(cfg):
+        _row_kernel[(triton.cdiv(L, cfg["BLOCK_M"]), B * Hq)](
+            q, k, v, o, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gq, go, gdo, glse, gdlse,
+            *strides4(q), *strides4(k), *strides4(v), *strides4(o), *strides4(do),
+            *strides4(gdq_arg), *strides4(gdk_arg), *strides4(gdv_arg),
+            Hq, Hq // Hkv, L, S, scale * LOG2E, scale,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+
+    cfg = choose_config(tuning_key("bob_rows", q, k, v, causal, *flag_key),
+                        row_candidates(E, q.dtype), run_rows)
+    run_rows(cfg)
+    return gq, gk, gv, go, glse, gdo, gdlse

@@ -1,0 +1,119 @@
+"""Attention forward in Triton: o = softmax(scale q k^T) v and its natural-log lse.
+
+One program per (block of BLOCK_M query rows, batch x query head); it streams the key/value
+blocks its rows can see with the online softmax (running max m, running sum l, both in base
+2). Interior key blocks run without any mask; only the causal diagonal and the partial last
+key block are masked.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
+                            key_blocks_of_row_block, load_tile, padded_dim, store_tile,
+                            strides4, tuning_key, visibility_mask)
+
+
+@triton.jit
+def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
+                   offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
+        v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
+        s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        if MASKED:
+            s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        rescale = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s2 - m_new[:, None])
+        l_i = l_i * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _forward_kernel(Q, K, V, O, LSE,
+                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
+                    sob, soh, sol, soe,
+                    num_q_heads, kv_group, L, S, qk_scale_log2,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
+    PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = (pid_bh % num_q_heads).to(tl.int64)
+    hk = h // kv_group
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+
+    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
+    full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
+                                   offs_m, offs_e, offs_ev, 0, full_end, S, qk_scale_log2,
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV,
+                                   DOT_PRECISION)
+    acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
+                                   offs_m, offs_e, offs_ev, full_end, visible_end, S,
+                                   qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                                   PAD_E, PAD_EV, DOT_PRECISION)
+
+    # every row in range sees key 0 (S > 0 is checked on the host), so l_i > 0 there
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    store_tile(O + b * sob + h * soh, o.to(O.dtype.element_ty), offs_m, offs_ev, sol, soe, L,
+               HEAD_DIM_V, PAD_EV)
+    tl.store(LSE + pid_bh.to(tl.int64) * L + offs_m, lse, mask=offs_m < L)
+
+
+# Candidate launch configs, best measured default first (see benchmarks/README.md).
+def forward_candidates(head_dim, dtype):
+    if interpreting():
+        return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
+    if dtype == torch.float32 or head_dim > 128:
+        return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
+    return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
+
+
+def attention_forward(q, k, v, scale, causal):
+    """o (contiguous, q's dtype) and lse (float32, (B, Hq, L)); S must be > 0."""
+    B, Hq, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    o = torch.empty((B, Hq, L, Ev), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
+
+    def run(cfg):
+        grid = (triton.cdiv(L, cfg["BLOCK_M"]), B * Hq)
+        _forward_kernel[grid](
+            q, k, v, o, lse, *strides4(q), *strides4(k), *strides4(v), *strides4(o),
+            Hq, Hq // Hkv, L, S, scale * LOG2E,
+            HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    cfg = choose_config(tuning_key("forward", q, k, v, causal), forward_candidates(E, q.dtype), run)
+    run(cfg)
+    return o, lse
