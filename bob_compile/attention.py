@@ -56,7 +56,15 @@ def _check_inputs(query, key, value, enable_gqa):
 def _broadcast_leading(query, key, value, enable_gqa):
     """Broadcast leading dims like SDPA's math path; with GQA the head dim is exempt."""
     split = -3 if enable_gqa else -2
-    lead = torch.broadcast_shapes(query.shape[:split], key.shape[:split], value.shape[:split])
+    try:
+        lead = torch.broadcast_shapes(query.shape[:split], key.shape[:split], value.shape[:split])
+    except RuntimeError:
+        heads = "" if enable_gqa or query.dim() < 3 or key.dim() < 3 else (
+            f" (query has {query.shape[-3]} heads and key {key.shape[-3]}: pass enable_gqa=True "
+            "for grouped-query attention)")
+        raise RuntimeError(
+            f"bob_compile.attention: the leading dims of query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)} and value {tuple(value.shape)} do not broadcast{heads}.") from None
 
     def expand(t):
         shape = (*lead, *t.shape[split:])
@@ -83,10 +91,6 @@ def attention(query, key, value, *, is_causal=False, scale=None, enable_gqa=Fals
     if not isinstance(is_causal, bool):
         raise TypeError(f"bob_compile.attention: is_causal must be a bool, got {type(is_causal).__name__}")
     query, key, value = _broadcast_leading(query, key, value, enable_gqa)
-    if not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        raise RuntimeError(
-            f"bob_compile.attention: query has {query.shape[-3]} heads but key/value have "
-            f"{key.shape[-3]}; pass enable_gqa=True for grouped-query attention.")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     o, _ = AttnFn.apply(query, key, value, float(scale), is_causal)

@@ -1,0 +1,109 @@
+"""The custom ops as ops: schema, fake implementations (strides included), AOT dispatch,
+vmap rules; gradcheck/gradgradcheck of the public function; gradcheck of the first
+backward over all seven of its tensor inputs (which proves attn_bob independently of the
+forward chain)."""
+import pytest
+import torch
+
+import bob_compile
+from bob_compile.autograd import AttnBwdFn, AttnFn
+
+op = torch.ops.bob_compile
+
+
+def permuted(b, h, n, e):
+    """(B, H, N, E) seen through a transpose of (B, N, H, E): not contiguous."""
+    return torch.randn(b, n, h, e, dtype=torch.float64).transpose(1, 2)
+
+
+def first_order_state(causal, gqa=False):
+    hkv = 1 if gqa else 3
+    q, k, v = permuted(2, 3, 5, 4), permuted(2, hkv, 6, 4), permuted(2, hkv, 6, 2)
+    o, lse = op.attn_fwd(q, k, v, 0.5, causal)
+    do = permuted(2, 3, 5, 2)
+    return q, k, v, o, lse, do
+
+
+CAUSAL = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+GQA = pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+
+
+@CAUSAL
+@GQA
+def test_opcheck_every_op_with_permuted_inputs(causal, gqa):
+    """opcheck compares fake and real outputs (strides too) on non-contiguous inputs."""
+    q, k, v, o, lse, do = first_order_state(causal, gqa)
+    dlse = torch.randn_like(lse)
+    g = [torch.randn_like(t) for t in (q, k, v)]
+    t = [torch.randn_like(x) for x in (q, k, v, o, lse, do, dlse)]
+    calls = [
+        (op.attn_fwd, (q, k, v, 0.5, causal)),
+        (op.attn_bwd, (q, k, v, o, lse, do, None, 0.5, causal)),
+        (op.attn_bwd, (q, k, v, o, lse, do, dlse, 0.5, causal)),
+        (op.attn_bob, (q, k, v, o, lse, do, dlse, *g, 0.5, causal)),
+        (op.attn_bob, (q, k, v, o, lse, do, None, None, g[1], None, 0.5, causal)),
+        (op.attn_fwd_jvp, (q, k, v, o, lse, *t[:3], 0.5, causal)),
+        (op.attn_bwd_jvp, (q, k, v, o, lse, do, dlse, *t, 0.5, causal)),
+        (op.attn_bwd_jvp, (q, k, v, o, lse, do, None, None, t[1], None, None, t[4], None, None,
+                           0.5, causal)),
+    ]
+    for fn, args in calls:
+        result = torch.library.opcheck(fn, args)
+        assert set(result.values()) == {"SUCCESS"}, (fn, result)
+
+
+def test_fake_outputs_are_contiguous_like_the_real_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v, *_ = first_order_state(causal=True)
+    real = op.attn_fwd(q, k, v, 0.5, True)
+    with FakeTensorMode() as mode:
+        fake = op.attn_fwd(*(mode.from_tensor(t) for t in (q, k, v)), 0.5, True)
+    for r, f in zip(real, fake):
+        assert r.is_contiguous() and f.stride() == r.stride() and f.dtype == r.dtype
+
+
+def test_raw_op_has_no_autograd_and_says_so():
+    """Autograd lives in bob_compile.autograd; differentiating the bare op is a clear error."""
+    q, k, v = (torch.randn(1, 1, 3, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    o, _ = op.attn_fwd(q, k, v, 1.0, False)
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        o.sum().backward()
+
+
+@CAUSAL
+@GQA
+def test_gradcheck_and_gradgradcheck(causal, gqa):
+    hkv = 1 if gqa else 2
+    q = torch.randn(1, 2, 5, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, hkv, 7, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, hkv, 7, 2, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v):
+        return bob_compile.attention(q, k, v, is_causal=causal, scale=0.6, enable_gqa=gqa)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert torch.autograd.gradgradcheck(fn, (q, k, v))
+
+
+@CAUSAL
+def test_gradcheck_first_backward_over_all_seven_inputs(causal):
+    """attn_bob is the VJP of attn_bwd w.r.t. q, k, v, o, lse, do and dlse."""
+    q, k, v, o, lse, do = first_order_state(causal, gqa=True)
+    dlse = torch.randn_like(lse)
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
+    assert torch.autograd.gradcheck(lambda *a: AttnBwdFn.apply(*a, 0.5, causal), inputs)
+
+
+def test_first_order_keeps_lse_cotangent_none():
+    """Ordinary training passes dlse=None (no zero tensor is allocated for it)."""
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is op.attn_bwd.default:
+                seen.append(args[6])
+            return func(*args, **(kwargs or {}))
+    q, k, v = (torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    with Spy():
+        o, _ = AttnFn.apply(q, k, v, 1.0, True)
+        o.sum().backward()
+    assert seen == [None]
