@@ -1,0 +1,176 @@
+"""The Triton kernels under TRITON_INTERPRET=1 (CPU), against the float64 closed form.
+
+Every output of forward, backward and bob is compared, on the same inputs, with
+kernels/reference.py evaluated in float64, by relative L2 error. Shapes are tiny but cross
+the interpreter's 16/32-wide tiles: odd lengths, L < S and L > S, causal and not, E != Ev,
+head dims that are not powers of two, GQA, strided inputs, None cotangents, S == 0 and
+L == 0, and both BoB/backward schedules (deterministic two-pass and fp32 atomics).
+fp32 and fp16 only: the interpreter mishandles bf16.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+# TRITON_INTERPRET must be set before triton is first imported, and importing torch's and
+# this package's modules (conftest does) already imports triton. So in a normal pytest run
+# this module starts itself again in a fresh process with the variable set, and the tests
+# below run there.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+in_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 "
+                                    "subprocess of test_kernels_under_the_interpreter")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter process")
+def test_kernels_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+from bob_compile.kernels import reference  # noqa: E402
+
+if INTERPRETED:
+    from bob_compile.kernels import triton_attention, triton_forward  # noqa: E402
+
+    if not isinstance(triton_forward._forward_kernel,
+                      triton.runtime.interpreter.InterpretedFunction):
+        pytest.fail("TRITON_INTERPRET=1 is set but the kernels are compiled, not interpreted")
+
+# Relative L2 bounds. fp32 runs the same arithmetic as the reference up to rounding
+# (~1e-7 here); fp16 rounds P, dS, ... to 11 bits before each product (eps = 2^-10).
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def rel_err(actual, expected):
+    a, e = actual.double(), expected.double()
+    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+def check(name, actual, expected, dtype):
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    assert actual.is_contiguous(), f"{name} is not contiguous"
+    assert torch.isfinite(actual).all(), f"{name} has NaN/inf"
+    if expected.numel() == 0 or expected.double().norm() == 0:
+        assert actual.double().abs().max().item() == 0 if actual.numel() else True, name
+        return
+    err = rel_err(actual, expected)
+    assert err <= TOLERANCE[dtype], f"{name}: relative L2 error {err:.2e} > {TOLERANCE[dtype]}"
+
+
+def make_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, strided=False):
+    if strided:  # (B, L, H, E) storage seen as (B, H, L, E): what a model's reshape gives
+        q = torch.randn(B, L, Hq, E, dtype=dtype).transpose(1, 2)
+        k = torch.randn(B, S, Hkv, E, dtype=dtype).transpose(1, 2)
+        v = torch.randn(B, S, Hkv, Ev, dtype=dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, Hq, L, E, dtype=dtype)
+        k = torch.randn(B, Hkv, S, E, dtype=dtype)
+        v = torch.randn(B, Hkv, S, Ev, dtype=dtype)
+    return q, k, v
+
+
+def f64(*ts):
+    return [None if t is None else t.double() for t in ts]
+
+
+def cast_like(expected, actual):
+    """Reference outputs (float64) in the dtype the kernels must return."""
+    return [e.to(a.dtype) if e.dtype != a.dtype else e for e, a in zip(expected, actual)]
+
+
+def run_all_orders(q, k, v, causal, present, with_dlse, dtype):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    # forward
+    o, lse = triton_attention.forward(q, k, v, scale, causal)
+    ro, rlse = reference.forward(*f64(q, k, v), scale, causal)
+    assert o.dtype == q.dtype and lse.dtype == torch.float32
+    check("o", o, ro.to(o.dtype) if dtype == torch.float32 else ro.to(o.dtype), dtype)
+    if rlse.numel():
+        finite = torch.isfinite(rlse)
+        assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ"
+        if finite.any():
+            assert rel_err(lse[finite], rlse[finite]) <= TOLERANCE[dtype]
+
+    # backward, on the kernel's own (o, lse) so that both sides see the same inputs
+    do = torch.randn_like(o)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    grads = triton_attention.backward(q, k, v, o, lse, do, dlse, scale, causal)
+    expected = reference.backward(*f64(q, k, v, o, lse, do, dlse), scale, causal)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
+        check(name, a, e.to(a.dtype), dtype)
+
+    # backward-over-backward
+    cot = [torch.randn(t.shape, dtype=t.dtype) if keep else None
+           for t, keep in zip((q, k, v), present)]
+    outs = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
+    expected = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), scale, causal)
+    for name, a, e in zip(reference.BOB_OUTPUTS, outs, expected):
+        check(name, a, e.to(a.dtype), dtype)
+
+
+CASES = [
+    # B, Hq, Hkv, L, S, E, Ev, causal
+    pytest.param(1, 2, 2, 37, 29, 16, 32, False, id="noncausal-L>S-E<Ev"),
+    pytest.param(2, 1, 1, 23, 45, 32, 16, False, id="noncausal-L<S-E>Ev"),
+    pytest.param(1, 2, 2, 45, 45, 16, 16, True, id="causal-square-odd"),
+    pytest.param(1, 2, 1, 29, 41, 16, 16, True, id="causal-L<S-gqa2"),
+    pytest.param(1, 3, 1, 41, 19, 20, 12, True, id="causal-L>S-gqa3-E20-Ev12"),
+]
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", CASES)
+def test_every_output_fp32(monkeypatch, schedule, B, Hq, Hkv, L, S, E, Ev, causal):
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32)
+
+
+@in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_output_fp16_strided(causal):
+    q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)
+    assert not q.is_contiguous()
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float16)
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("present", [(True, False, False), (False, True, False),
+                                     (False, False, True), (True, True, False),
+                                     (False, True, True)],
+                         ids=["gdq", "gdk", "gdv", "gdq+gdk", "gdk+gdv"])
+def test_none_cotangents(monkeypatch, schedule, present):
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    q, k, v = make_inputs(1, 2, 1, 21, 34, 16, 16, torch.float32)
+    run_all_orders(q, k, v, True, present, False, torch.float32)
+
+
+@in_interpreter
+def test_all_cotangents_none_gives_zeros():
+    q, k, v = make_inputs(1, 2, 2, 17, 19, 16, 16, torch.float32)
+    o, lse = triton_attention.forward(q, k, v, 0.25, False)
+    outs = triton_attention.bob(q, k, v, o, lse, torch.randn_like(o), None, None, None, None,
+                                0.25, False)
+    for name, t, like in zip(reference.BOB_OUTPUTS, outs, (q, k, v, o, lse, o, lse)):
+        assert t.shape == like.shape and t.dtype == like.dtype, name
+        assert t.abs().max().item() == 0, name
+
+
+@in_interpreter
+@pytest.mark.parametrize("L,S", [(19, 0), (0, 23)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_lengths(L, S, causal):
+    q, k, v = make_inputs(1, 2, 2, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32)
