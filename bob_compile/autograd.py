@@ -46,16 +46,16 @@ _forward_jvp_twin = _canonical_twin(ops.call_forward_jvp)
 _backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
 
 
-def _third_order(twin, ctx, grads, fill):
-    """Cotangents of a fused op's inputs via its twin; `fill` gives a zero stand-in for a
-    None input (index -> tensor shaped like it)."""
-    saved = list(ctx.saved_tensors)
-    primals = [t if t is not None else fill(saved, i) for i, t in enumerate(saved)]
-    outputs = twin(*primals, ctx.scale, ctx.causal)
+def _third_order(twin, ctx, grads, like):
+    """Cotangents of a fused op's inputs, by differentiating its closed-form twin.
+
+    A None (optional) input becomes zeros shaped like input like[i]; its gradient is
+    dropped again."""
+    saved = ctx.saved_tensors
+    primals = [torch.zeros_like(saved[like[i]]) if t is None else t for i, t in enumerate(saved)]
+    outputs, pull = torch.func.vjp(lambda *a: twin(*a, ctx.scale, ctx.causal), *primals)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
-    _, pull = torch.func.vjp(lambda *a: twin(*a, ctx.scale, ctx.causal), *primals)
-    outs = pull(tuple(grads))
-    return tuple(g if present else None for g, present in zip(outs, ctx.present))
+    return tuple(g if present else None for g, present in zip(pull(tuple(grads)), ctx.present))
 
 
 def _save_all(ctx, inputs):
@@ -66,17 +66,13 @@ def _save_all(ctx, inputs):
     ctx.set_materialize_grads(False)
 
 
-# Position of the "like" tensor for each optional input, so a None can become zeros.
+# For each optional input, the position of a required input with its shape.
 # attn_bob inputs: q k v o lse do dlse gdq gdk gdv
 _BOB_LIKE = {6: 4, 7: 0, 8: 1, 9: 2}
 # attn_fwd_jvp inputs: q k v o lse tq tk tv
 _FWD_JVP_LIKE = {5: 0, 6: 1, 7: 2}
 # attn_bwd_jvp inputs: q k v o lse do dlse tq tk tv to tlse tdo tdlse
 _BWD_JVP_LIKE = {6: 4, 7: 0, 8: 1, 9: 2, 10: 3, 11: 4, 12: 5, 13: 4}
-
-
-def _zeros_like_table(table):
-    return lambda saved, i: torch.zeros_like(saved[table[i]])
 
 
 class AttnBobFn(torch.autograd.Function):
@@ -91,7 +87,7 @@ class AttnBobFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_third_order(_bob_twin, ctx, grads, _zeros_like_table(_BOB_LIKE)), None, None)
+        return (*_third_order(_bob_twin, ctx, grads, _BOB_LIKE), None, None)
 
 
 class AttnFwdJvpFn(torch.autograd.Function):
@@ -106,7 +102,7 @@ class AttnFwdJvpFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_third_order(_forward_jvp_twin, ctx, grads, _zeros_like_table(_FWD_JVP_LIKE)),
+        return (*_third_order(_forward_jvp_twin, ctx, grads, _FWD_JVP_LIKE),
                 None, None)
 
 
@@ -123,7 +119,7 @@ class AttnBwdJvpFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_third_order(_backward_jvp_twin, ctx, grads, _zeros_like_table(_BWD_JVP_LIKE)),
+        return (*_third_order(_backward_jvp_twin, ctx, grads, _BWD_JVP_LIKE),
                 None, None)
 
 

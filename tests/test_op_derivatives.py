@@ -184,3 +184,18 @@ def test_third_order_falls_back_to_exact_math(causal):
         return grad(lambda q, k, v: grad(lambda *a: grad(fn, argnums=0)(*a).sum(), argnums=1)(q, k, v).sum(),
                     argnums=(0, 1, 2))(*inputs)
     assert_close(third(f), third(f_ref))
+
+
+@pytest.mark.parametrize("case", ["gqa", "permuted", "no_leading_dims"])
+def test_reverse_over_forward(case):
+    """grad of a jvp, and jacrev(jacfwd): the tangent ops differentiated in reverse mode
+    (through their exact math twins)."""
+    inputs, attn, attn_ref, f, f_ref = setup(case, True)
+    tangents = tuple(torch.randn_like(t) for t in inputs)
+
+    def grad_of_jvp(fn):
+        return grad(lambda *p: torch.sin(jvp(fn, p, tangents)[1]).sum(), argnums=(0, 1, 2))(*inputs)
+    assert_close(grad_of_jvp(attn), grad_of_jvp(attn_ref))
+    q, k, v = inputs
+    assert_close(jacrev(torch.func.jacfwd(f, argnums=2), argnums=2)(q, k, v),
+                 jacrev(torch.func.jacfwd(f_ref, argnums=2), argnums=2)(q, k, v))
