@@ -118,3 +118,21 @@ def finish(ok):
         return 0
     print("CHECK FAILED", file=sys.stderr)
     return 1
+
+
+def attention_replaced(backend):
+    """Print what flashbob did so far in this process; True if it replaced attention.
+
+    A graph that flashbob left untouched would match eager math attention trivially, so the
+    numeric checks only mean something together with this one. flashbob mirrors its counters
+    into torch._dynamo.utils.counters["flashbob"]; other backends replace nothing (True)."""
+    if backend != "flashbob":
+        return True
+    from torch._dynamo.utils import counters
+    c = counters["flashbob"]
+    replaced = c["sdpa_replaced"] + c["handwritten_replaced"]
+    skipped = c["sdpa_skipped"] + c["handwritten_skipped"]
+    ok = replaced > 0 and c["fallback"] == 0
+    print(f"check flashbob rewrote attention: {replaced} site(s) replaced, {skipped} skipped, "
+          f"{c['graphs']} graph(s) compiled, {c['fallback']} fallback(s) {'OK' if ok else 'FAILED'}")
+    return ok

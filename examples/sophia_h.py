@@ -252,6 +252,7 @@ def main(argv=None):
     print(f"plain steps:   {plain_steps.summary()}")
     print(f"peak memory: {_common.peak_memory(device)}")
     ok &= check_against_eager(model, compiled, check_batch, generator, tol, "trained weights")
+    ok &= _common.attention_replaced(args.backend)
     return _common.finish(ok)
 
 
