@@ -1,0 +1,73 @@
+"""Everything that differs between the torch versions we support (2.11 and 2.13).
+
+Keep it here, small and explicit, so that a new torch release means reading one file.
+Differences found so far (shared/research/compile.md §6):
+- Dynamo records Python comparison operators on tensors as `call_method "__eq__"` on 2.11
+  and as `call_function operator.eq` on 2.13 (arithmetic operators are `operator.*` on
+  both; the dunder method spellings are accepted for them too, in case a version flips).
+- `aot_module_simplified` grew keyword arguments on 2.13 that 2.11 lacks: we only use the
+  common ones, through `torch._dynamo.backends.common.aot_autograd` or registered backends.
+"""
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# call_method names under which Dynamo may record `a <op> b` for tensors, by operator name.
+# 2.11 records comparisons this way ("__eq__"); the others are listed defensively.
+OPERATOR_METHOD_SPELLINGS = {
+    "eq": ("eq", "__eq__"),
+    "ne": ("ne", "__ne__"),
+    "lt": ("lt", "__lt__"),
+    "le": ("le", "__le__"),
+    "gt": ("gt", "__gt__"),
+    "ge": ("ge", "__ge__"),
+    "add": ("add", "__add__", "__radd__"),
+    "sub": ("sub", "__sub__"),
+    "rsub": ("__rsub__",),
+    "mul": ("mul", "__mul__", "__rmul__"),
+    "truediv": ("div", "divide", "true_divide", "__truediv__"),
+    "matmul": ("matmul", "__matmul__"),
+    "neg": ("neg", "__neg__"),
+    "invert": ("bitwise_not", "__invert__"),
+    "and_": ("bitwise_and", "__and__"),
+    "or_": ("bitwise_or", "__or__"),
+}
+
+
+def current_compile_id():
+    """Dynamo's id of the frame being compiled ("0/0", "1/2", ...), or None outside Dynamo."""
+    try:
+        from torch._guards import CompileContext
+        compile_id = CompileContext.current_compile_id()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return None if compile_id is None else str(compile_id)
+
+
+def trace_artifact(name, text):
+    """Emit `text` as a string artifact of the structured trace (TORCH_TRACE, tlparse)."""
+    from torch._logging import trace_structured
+    trace_structured("artifact",
+                     metadata_fn=lambda: {"name": name, "encoding": "string"},
+                     payload_fn=lambda: text)
+
+
+def inductor_mode_options(mode):
+    """Inductor config patches for a torch.compile `mode`, or ValueError listing the modes."""
+    from torch._inductor import list_mode_options
+    modes = list_mode_options()
+    if mode not in modes:
+        raise ValueError(f"flashbob: unknown mode={mode!r}; torch.compile modes on torch "
+                         f"{torch.__version__} are {sorted(modes)}")
+    return dict(list_mode_options(mode))
+
+
+def compile_with_inductor(gm, example_inputs, config_patches):
+    """Stock inductor (AOTAutograd inside) on a Dynamo graph."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs, config_patches=config_patches or None)
+
+
+def compile_with_aot_eager(gm, example_inputs):
+    """AOTAutograd with no code generation: the traced graphs run as they are."""
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)

@@ -1,0 +1,141 @@
+"""The flashbob torch.compile backend.
+
+    torch.compile(model, backend="flashbob")                       # via the entry point
+    torch.compile(model, backend=bob_compile.backend.flashbob)     # without installed metadata
+
+For each graph Dynamo captures:
+1. rewrite: every supported attention site becomes bob_compile.attention, whose
+   derivatives of every order are exact fused kernels (passes/);
+2. route, so that every order of derivative stays correct (shared/research/compile.md §4):
+   - "eager": grad mode is on and an input requires grad, so the outputs may be
+     differentiated with create_graph=True and then again (Hessian-vector products, MAML).
+     AOTAutograd refuses that double backward, or for MAML silently returns first-order
+     gradients; the rewritten graph run eagerly differentiates exactly to any order.
+   - "aot": the graph differentiates itself (torch.func.grad/jvp/vmap inside the compiled
+     function) and nothing outside can differentiate it: AOTAutograd traces the op's
+     derivatives into the graph and `compiler` (inductor) compiles all of it;
+   - "inference": no gradient can flow: `compiler` compiles the rewritten graph.
+   options["double_backward"]=False sends the "eager" graphs to AOTAutograd too.
+3. report and dump (dump.py).
+A failure inside the backend warns and runs the untouched graph: never a crash, never a
+wrong result (options["fallback"]=False raises instead).
+"""
+import collections
+import copy
+import logging
+import warnings
+
+import torch
+from torch import fx
+
+from . import _compat, dump
+from . import options as options_module
+from .passes import GraphReport, rewrite_attention
+from .passes.report import count
+
+log = logging.getLogger(__name__)
+
+# Reports of the last graphs compiled in this process, newest last.
+recent_reports = collections.deque(maxlen=100)
+
+# Node targets from these modules mean that the graph runs torch.func transforms itself.
+_TRANSFORM_MODULES = ("torch._functorch", "torch._C._functorch")
+
+
+def flashbob(gm, example_inputs, *, mode=None, options=None):
+    """The `torch_dynamo_backends` entry point: compile one Dynamo graph.
+
+    mode: torch.compile's mode, passed on to inductor where inductor compiles.
+    options: see bob_compile/options.py (unknown keys are an error)."""
+    opts = options_module.parse(options, mode)
+    report = GraphReport(compile_id=_compat.current_compile_id())
+    before = dump.graph_text(gm)
+    untouched = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    try:
+        rewrite_attention(gm, example_inputs, report)
+        report.route, report.route_reason = choose_route(gm, example_inputs, opts)
+        compiled = _compile(report.route, gm, example_inputs, opts)
+        if report.guards:
+            compiled = _with_guards(compiled, untouched.forward, report.guards)
+        after = dump.graph_text(gm)
+    except Exception as e:
+        if not opts.fallback:
+            raise
+        report.error = f"{type(e).__name__}: {e}"
+        report.route, report.route_reason = "untouched", "the backend failed on this graph"
+        warnings.warn(f"flashbob could not compile graph {report.compile_id} ({report.error}); "
+                      f"running it untouched, as backend='eager' would. Pass "
+                      f"options={{'fallback': False}} to raise instead, and please report it.",
+                      stacklevel=2)
+        compiled, after = untouched.forward, before
+    count("graphs")
+    count(f"route_{report.route}" if report.route != "untouched" else "fallback")
+    recent_reports.append(report)
+    try:
+        dump.emit(report, before, after, opts.dump_dir)
+    except OSError as e:
+        warnings.warn(f"flashbob could not write its dump to {opts.dump_dir!r}: {e}", stacklevel=2)
+    return compiled
+
+
+def register():
+    """Make backend="flashbob" resolvable where the package's entry point is not installed
+    (e.g. a source checkout on sys.path). Does nothing if the name already resolves:
+    registering it twice makes the first compile fail with "duplicate name: flashbob"."""
+    if "flashbob" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(flashbob, name="flashbob")
+
+
+# ---------------------------------------------------------------------------- routing
+def choose_route(gm, example_inputs, opts):
+    """(route, why): "eager", "aot" or "inference"; see the module docstring."""
+    if opts.compiler == "eager":
+        return "eager", "options['compiler'] is 'eager'"
+    requiring_grad = [i for i, x in enumerate(example_inputs)
+                      if isinstance(x, torch.Tensor) and x.requires_grad]
+    transforms = [n for n in gm.graph.nodes if n.op == "call_function" and (
+        n.target is torch.autograd.grad
+        or (getattr(n.target, "__module__", None) or "").startswith(_TRANSFORM_MODULES))]
+    # Name the transform in the report by its nesting call (_grad_increment_nesting, ...).
+    transform = next((n for n in transforms if "increment_nesting" in n.name), None) or \
+        next(iter(transforms), None)
+    differentiable = torch.is_grad_enabled() and requiring_grad
+    if differentiable and opts.double_backward:
+        return "eager", (f"grad mode is on and {len(requiring_grad)} input(s) require grad: "
+                         f"the outputs may be differentiated twice (create_graph=True), which "
+                         f"AOTAutograd refuses or silently truncates to first order; running "
+                         f"the rewritten graph eagerly keeps every order exact")
+    compiler = f"AOTAutograd + {opts.compiler}"
+    if transform is not None:
+        return "aot", f"{compiler}: the graph differentiates itself ({transform.name})"
+    if differentiable:
+        return "aot", f"{compiler}: training graph, and options['double_backward'] is False"
+    return "inference", f"{compiler}: no input requires grad under grad mode"
+
+
+def _compile(route, gm, example_inputs, opts):
+    if route == "eager":
+        return gm.forward
+    if opts.compiler == "aot_eager":
+        return _compat.compile_with_aot_eager(gm, example_inputs)
+    return _compat.compile_with_inductor(gm, example_inputs, dict(opts.inductor_config))
+
+
+def _with_guards(compiled, untouched, guards):
+    """`compiled`, but running `untouched` while a causal mask read from a graph input
+    (CausalTensorGuard) no longer holds. Dynamo calls compiled graphs as fn(*args)."""
+    warned = []
+
+    def masks_changed(args):
+        failing = [g for g in guards if not g.holds(args)]
+        if failing and not warned:
+            warned.append(True)
+            warnings.warn(f"flashbob: {', '.join(g.name for g in failing)} no longer holds the "
+                          f"causal mask it held at compile time; running the untouched graph "
+                          f"(exact, but without flashbob's attention) while that lasts",
+                          stacklevel=3)
+        return bool(failing)
+
+    def run(*args):
+        return untouched(*args) if masks_changed(args) else compiled(*args)
+    return run

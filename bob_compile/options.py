@@ -1,0 +1,73 @@
+"""The options of the flashbob backend: `torch.compile(m, backend="flashbob", options={...})`.
+
+The set is closed: an unknown key is an error that lists the valid ones, so that a typo
+never silently turns a feature off.
+
+    dump_dir         str or None. Write, per compiled graph, the graph before and after the
+                     rewrite, their diff and a report of every attention site into
+                     <dump_dir>/<compile id>/. Default: the environment variable
+                     BOB_COMPILE_DUMP_DIR, else no dumps.
+    compiler         "inductor" (default), "aot_eager" or "eager": what compiles the graphs
+                     whose route compiles (in-graph differentiation, inference). "aot_eager"
+                     traces with AOTAutograd but generates no code (fast to compile, good for
+                     debugging); "eager" runs every graph as rewritten, compiling nothing.
+    double_backward  bool, default True. True keeps `create_graph=True` working for graphs
+                     that are differentiated from outside (Hessian-vector products, MAML), by
+                     running them as rewritten graphs. False declares that no outside
+                     derivative of a compiled graph is ever differentiated again, and sends
+                     training graphs through AOTAutograd + `compiler` too (faster first-order
+                     training; a double backward then fails with AOTAutograd's own error).
+    fallback         bool, default True. If the backend fails on a graph, warn and run that
+                     graph untouched (as backend="eager" would). False raises instead, for
+                     debugging the backend itself.
+
+`mode` (torch.compile's argument) is passed on to inductor where inductor compiles.
+"""
+import dataclasses
+import os
+from typing import Optional
+
+from . import _compat
+
+DUMP_DIR_ENV = "BOB_COMPILE_DUMP_DIR"
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    dump_dir: Optional[str] = None
+    compiler: str = "inductor"
+    double_backward: bool = True
+    fallback: bool = True
+    # Inductor config patches for torch.compile's `mode` (not an option key).
+    inductor_config: tuple = ()
+
+
+VALID_KEYS = ("dump_dir", "compiler", "double_backward", "fallback")
+
+
+def parse(options=None, mode=None):
+    """Options from torch.compile's `options` dict and `mode`; ValueError/TypeError if invalid."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(VALID_KEYS))
+    if unknown:
+        raise ValueError(f"flashbob: unknown option(s) {unknown}; valid options are "
+                         f"{list(VALID_KEYS)} (documented in bob_compile/options.py)")
+    dump_dir = options.get("dump_dir", os.environ.get(DUMP_DIR_ENV) or None)
+    if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
+        raise TypeError(f"flashbob: options['dump_dir'] must be a path, got {type(dump_dir).__name__}")
+    compiler = options.get("compiler", "inductor")
+    if compiler not in COMPILERS:
+        raise ValueError(f"flashbob: options['compiler']={compiler!r}; expected one of {list(COMPILERS)}")
+    for key in ("double_backward", "fallback"):
+        if not isinstance(options.get(key, True), bool):
+            raise TypeError(f"flashbob: options[{key!r}] must be True or False, "
+                            f"got {options[key]!r}")
+    inductor_config = _compat.inductor_mode_options(mode or "default")
+    return Options(
+        dump_dir=None if dump_dir is None else os.fspath(dump_dir),
+        compiler=compiler,
+        double_backward=options.get("double_backward", True),
+        fallback=options.get("fallback", True),
+        inductor_config=tuple(sorted(inductor_config.items())),
+    )

@@ -1,0 +1,354 @@
+"""Replace attention written by hand by `bob_compile.attention`.
+
+The matcher starts at each softmax and walks the graph both ways:
+
+    q ─[* s]─┐
+             matmul ─[* s | / s]*─[causal mask]─[* s]*─[upcast]─ softmax(dim=-1) ─[cast]─[dropout off]─ matmul ─> out
+    k ─[* s]─ transpose(-2, -1) ┘                                                                        v ┘
+
+- scales: constants, numbers computed in the graph (1/sqrt(head_dim) under dynamic shapes)
+  or 0-d constant tensors (GPT-2), on the scores or on q/k; several multiply;
+- causal mask: masked_fill(mask, -inf), `+ additive_mask` or where(mask, scores, min),
+  with the mask proven causal by causal_mask.py;
+- the transpose of k in any spelling (transpose/swapaxes/permute/.mT); without one, the
+  op gets `k_transposed.transpose(-2, -1)`;
+- every node of the chain has a single user: if the scores or probabilities are used
+  elsewhere (returned, logged, a second matmul), the site is left alone.
+
+The model spellings this was written against are in patterns.py. Anything else keeps its
+nodes, and the report says which link of the chain failed and why.
+"""
+import operator
+
+import torch
+
+from ..attention import attention
+from .causal_mask import NotProven
+from .erase import erase_unused
+from .nodes import (arg, describe, dim_index, example, example_tensor, is_number, is_op,
+                    is_positive, is_symbolic_number, is_zero, same_sizes, shape_text,
+                    swaps_last_two_dims, user_code)
+from .report import Site
+
+
+class _Skip(Exception):
+    """This softmax is not attention we can replace; the message says why."""
+
+
+class _Chain:
+    """What a match collected: operands, scale factors, mask proof, the matched nodes."""
+
+    def __init__(self):
+        self.nodes = []          # matched nodes, erased when the rewrite leaves them unused
+        self.factors = []        # (number or SymFloat node, divides: bool)
+        self.proof = None
+        self.q = self.k = self.k_transposed = self.v = self.output = None
+
+
+def rewrite_handwritten(gm, prover, report):
+    """Rewrite every supported hand-written attention of `gm` in place; one Site per
+    softmax that sits next to a matmul."""
+    for softmax in [n for n in gm.graph.nodes if is_op(n, "softmax")]:
+        if not _near_matmul(softmax):
+            continue
+        site = Site("handwritten", softmax.name, user_code(softmax))
+        try:
+            chain = _match(softmax, prover)
+        except _Skip as e:
+            site.reason = str(e)
+        else:
+            _replace(gm, chain, site)
+            report.guards.extend(g for g in (chain.proof.guards if chain.proof else ())
+                                 if g not in report.guards)
+        report.add(site)
+
+
+# ---------------------------------------------------------------------------- matching
+def _match(softmax, prover):
+    chain = _Chain()
+    scores = _match_softmax(softmax, chain)
+    _match_probabilities_to_output(softmax, chain)
+    qk = _match_scores(scores, chain, prover)
+    _match_operands(qk, chain, prover)
+    _check_operands(chain)
+    return chain
+
+
+def _match_softmax(softmax, chain):
+    if softmax.target is torch.nn.functional.softmax:  # F.softmax(input, dim, _stacklevel, dtype)
+        x, dim, dtype = softmax.args[0], arg(softmax, 1, "dim"), arg(softmax, 3, "dtype")
+    else:  # torch.softmax(x, dim, dtype), torch.special.softmax, x.softmax(dim, dtype)
+        x, dim, dtype = softmax.args[0], arg(softmax, 1, "dim"), arg(softmax, 2, "dtype")
+    value = example_tensor(x)
+    if value is None:
+        raise _Skip(f"the softmax input {describe(x)} has no recorded tensor value")
+    if dim_index(dim, value.dim()) != value.dim() - 1:
+        raise _Skip(f"softmax over dim {dim}, not over the keys (the last dim)")
+    if dtype is not None and dtype not in (torch.float32, torch.float64):
+        raise _Skip(f"softmax computes in {dtype}; the op accumulates in float32 or wider")
+    chain.nodes.append(softmax)
+    return x
+
+
+def _match_probabilities_to_output(softmax, chain):
+    """softmax -> [casts] -> [inactive dropout] -> [casts] -> matmul(P, v)."""
+    node = softmax
+    while True:
+        user = _single_user(node, "attention probabilities")
+        if is_op(user, "cast") and user.args[0] is node:
+            pass
+        elif is_op(user, "dropout") and user.args[0] is node:
+            _check_dropout_inactive(user)
+        elif is_op(user, "matmul") and len(user.args) == 2 and user.args[0] is node:
+            chain.output, chain.v = user, user.args[1]
+            return
+        else:
+            raise _Skip(f"the probabilities go to {describe(user)}, not to a matmul with the values")
+        chain.nodes.append(user)
+        node = user
+
+
+def _check_dropout_inactive(node):
+    p = arg(node, 1, "p", 0.5)
+    training = arg(node, 2, "train" if node.target is torch.dropout else "training", True)
+    if training is False or is_zero(p):
+        return
+    if not isinstance(training, bool):
+        raise _Skip(f"dropout with training={describe(training)} computed at run time")
+    raise _Skip(f"dropout is active (p={describe(p)}, training=True)")
+
+
+def _match_scores(x, chain, prover):
+    """Walk up from the softmax input to the q @ k^T matmul, collecting scales and the mask."""
+    node, masked, purpose = x, False, "attention scores"
+    while True:
+        _single_user(node, purpose)
+        factor = _scale_factor(node, prover)
+        if is_op(node, "cast") and _keeps_softmax_precision(node):
+            node_next = node.args[0]
+        elif factor is not None:
+            operand, value, divides, constant_nodes = factor
+            if masked and not is_positive(value):
+                raise _Skip(f"{describe(node)} scales the masked scores by {describe(value)}, "
+                            f"which is not positive")
+            chain.factors.append((value, divides))
+            chain.nodes.extend(constant_nodes)
+            node_next = operand
+        elif not masked and is_op(node, "masked_fill", "add", "where"):
+            node_next = _match_mask(node, chain, prover)
+            masked = True
+        elif is_op(node, "matmul") and len(node.args) == 2:
+            chain.nodes.append(node)
+            return node
+        else:
+            raise _Skip(f"the softmax input comes from {describe(node)}, "
+                        f"not from q @ k^T with scales and a causal mask")
+        chain.nodes.append(node)
+        node = node_next
+
+
+def _match_mask(node, chain, prover):
+    """The scores operand of a masking node, after proving its mask causal."""
+    if is_op(node, "masked_fill"):
+        scores, mask, fill, kind = node.args[0], arg(node, 1, "mask"), arg(node, 2, "value"), "masked"
+    elif is_op(node, "add"):
+        if node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+            raise _Skip(f"{describe(node)} is not scores + mask")
+        scores, mask = _scores_and_other(node, node.args[0], node.args[1])
+        fill, kind = None, "additive"
+    else:
+        condition, a, b = (list(node.args) + [None, None, None])[:3]
+        if _reaches_matmul(a):
+            scores, fill, kind = a, b, "visible"
+        elif _reaches_matmul(b):
+            scores, fill, kind = b, a, "masked"
+        else:
+            raise _Skip(f"{describe(node)}: neither branch of the where() is the scores")
+        mask = condition
+    scores_value, out_value = example_tensor(scores), example_tensor(node)
+    if scores_value is None or out_value is None or not same_sizes(scores_value.shape, out_value.shape) \
+            or scores_value.dtype != out_value.dtype:
+        raise _Skip(f"{describe(node)} changes the scores' shape or dtype (broadcasting mask)")
+    try:
+        if fill is not None:
+            prover.masking_value(fill)
+            if isinstance(fill, torch.fx.Node):
+                chain.nodes.append(fill)
+        chain.proof = prover.prove(mask, kind, scores_value.shape[-2:])
+    except NotProven as e:
+        raise _Skip(f"the mask is not provably causal: {e}") from None
+    chain.nodes.extend(chain.proof.nodes)
+    return scores
+
+
+def _scores_and_other(node, a, b):
+    if _reaches_matmul(a) and not _reaches_matmul(b):
+        return a, b
+    if _reaches_matmul(b) and not _reaches_matmul(a):
+        return b, a
+    raise _Skip(f"{describe(node)}: cannot tell the scores from the mask")
+
+
+def _match_operands(qk, chain, prover):
+    """q and k from matmul(q, k^T), absorbing scales applied to q or k."""
+    q, kt = qk.args
+    q = _absorb_scales(q, chain, prover)
+    kt = _absorb_scales(kt, chain, prover)
+    k = swaps_last_two_dims(kt)
+    if k is not None:
+        chain.nodes.append(kt)
+        chain.k = _absorb_scales(k, chain, prover)
+    else:
+        chain.k_transposed = kt
+    chain.q = q
+
+
+def _absorb_scales(x, chain, prover):
+    while len(getattr(x, "users", ())) == 1:
+        factor = _scale_factor(x, prover)
+        if factor is None:
+            break
+        operand, value, divides, constant_nodes = factor
+        chain.factors.append((value, divides))
+        chain.nodes.extend([x, *constant_nodes])
+        x = operand
+    return x
+
+
+def _check_operands(chain):
+    # Only shapes and dtypes: inside torch.func transforms the recorded values are
+    # functorch-wrapped tensors that no op may touch outside their transform.
+    q, v, out = example_tensor(chain.q), example_tensor(chain.v), example_tensor(chain.output)
+    kt = example_tensor(chain.k_transposed if chain.k is None else chain.k)
+    if any(t is None for t in (q, kt, v, out)):
+        raise _Skip("q, k or v has no recorded tensor value")
+    if not (q.dim() == kt.dim() == v.dim() >= 2):
+        raise _Skip(f"q, k and v have ranks {q.dim()}, {kt.dim()}, {v.dim()} (broadcasting matmul)")
+    if not (same_sizes(q.shape[:-2], kt.shape[:-2]) and same_sizes(q.shape[:-2], v.shape[:-2])):
+        raise _Skip(f"q, k and v have different batch dims {shape_text(chain.q)} "
+                    f"{list(kt.shape)} {shape_text(chain.v)} (broadcasting matmul)")
+    if not (q.dtype == kt.dtype == v.dtype == out.dtype) or not q.dtype.is_floating_point:
+        raise _Skip(f"q, k, v and output dtypes differ ({q.dtype}, {kt.dtype}, {v.dtype}, {out.dtype})")
+
+
+# ---------------------------------------------------------------------------- pieces
+def _single_user(node, purpose):
+    users = list(node.users)
+    if len(users) != 1:
+        others = ", ".join(u.name for u in users)
+        raise _Skip(f"the {purpose} {node.name} are used {len(users)} times ({others}), "
+                    f"not only by the attention")
+    return users[0]
+
+
+def _keeps_softmax_precision(node):
+    """A cast before the softmax that the op may drop: to float32 or wider (the op
+    accumulates in float32 or wider anyway), like Llama's `F.softmax(scores.float())`."""
+    before, after = example_tensor(node.args[0]), example_tensor(node)
+    return (before is not None and after is not None and after.dtype.is_floating_point
+            and (after.dtype in (torch.float32, torch.float64)
+                 or torch.promote_types(before.dtype, after.dtype) == after.dtype))
+
+
+def _scale_factor(node, prover):
+    """(tensor operand, factor, divides, constant nodes) if `node` is tensor * factor,
+    factor * tensor or tensor / factor with a scalar factor; else None.
+
+    A factor is a number, a number computed in the graph, or a 0-d tensor built from
+    constants, like GPT-2's `torch.full([], value.size(-1) ** 0.5)`: the prover evaluates it;
+    with prover=None its value is None (enough to find the scores operand)."""
+    if is_op(node, "mul") and len(node.args) == 2:
+        candidates = [(node.args[0], node.args[1]), (node.args[1], node.args[0])]
+        divides = False
+    elif is_op(node, "truediv") and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None:
+        candidates, divides = [(node.args[0], node.args[1])], True
+    else:
+        return None
+    for operand, factor in candidates:
+        operand_value = example_tensor(operand)
+        if operand_value is None or operand_value.dim() < 2:
+            continue
+        if is_number(factor) or is_symbolic_number(factor):
+            return operand, factor, divides, []
+        factor_value = example_tensor(factor)
+        if factor_value is not None and factor_value.dim() == 0:
+            if prover is None:
+                return operand, None, divides, [factor]
+            try:
+                constant = prover.value(factor)
+            except NotProven:
+                continue
+            if hasattr(constant, "value") and is_number(constant.value):
+                return operand, float(constant.value), divides, [factor]
+    return None
+
+
+def _reaches_matmul(x, depth=8):
+    """Whether x is computed from a matmul through casts and scales (the scores side)."""
+    for _ in range(depth):
+        if not isinstance(x, torch.fx.Node):
+            return False
+        if is_op(x, "matmul"):
+            return True
+        factor = _scale_factor(x, None)
+        if factor is not None:
+            x = factor[0]
+        elif is_op(x, "cast"):
+            x = x.args[0]
+        else:
+            return False
+    return False
+
+
+def _near_matmul(softmax, depth=3):
+    """Whether a matmul is within `depth` edges of this softmax (is it attention-like?)."""
+    frontier, seen = [softmax], {softmax}
+    for _ in range(depth):
+        frontier = [m for n in frontier for m in (*n.all_input_nodes, *n.users) if m not in seen]
+        seen.update(frontier)
+        if any(is_op(n, "matmul") for n in frontier):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------- rewriting
+def _replace(gm, chain, site):
+    graph = gm.graph
+    with graph.inserting_before(chain.output):
+        k = chain.k
+        if k is None:  # no recorded value: inside transforms it could not be computed here
+            k = graph.call_method("transpose", (chain.k_transposed, -2, -1))
+        scale, scale_text = _scale(graph, chain.factors)
+        causal = chain.proof is not None
+        replacement = graph.call_function(
+            attention, (chain.q, k, chain.v),
+            {"is_causal": causal, "scale": scale, "enable_gqa": False})
+    replacement.meta = dict(chain.output.meta)
+    chain.output.replace_all_uses_with(replacement)
+    erase_unused(graph, chain.nodes + [chain.output])
+    site.replaced, site.is_causal, site.scale = True, causal, scale_text
+    k_shape = shape_text(chain.k) if chain.k is not None else f"{shape_text(chain.k_transposed)}^T"
+    site.shapes = f"q{shape_text(chain.q)} k{k_shape} v{shape_text(chain.v)}"
+    if chain.proof:
+        site.causal_proof = f"mask {chain.proof.how}"
+
+
+def _scale(graph, factors):
+    """The product of the factors: a float, or a node computing it if some are symbolic.
+    Returns (scale, text for the report)."""
+    constant, symbolic = 1.0, []
+    for value, divides in factors:
+        if is_number(value):
+            constant = constant / value if divides else constant * value
+        else:
+            symbolic.append((value, divides))
+    if not symbolic:
+        return constant, f"{constant:.6g}"
+    scale, text = constant, f"{constant:.6g}"
+    for value, divides in symbolic:
+        op = operator.truediv if divides else operator.mul
+        node = graph.call_function(op, (scale, value))
+        node.meta["example_value"] = op(example(scale) if isinstance(scale, torch.fx.Node) else scale,
+                                        example(value))
+        scale, text = node, f"{text} {'/' if divides else '*'} {value.name}"
+    return scale, text

@@ -1,0 +1,172 @@
+"""Hand-written attention as real models spell it: what handwritten.py must recognise.
+
+Each function is the attention core of one model family, copied in spirit from its source
+(the comment names it), with the caller's tensors as arguments: q (B, H, L, E), k (B, H, S, E),
+v (B, H, S, Ev) and `bias`, nanoGPT's causal buffer `torch.tril(torch.ones(n, n)).view(1, 1, n, n)`
+with n >= L (patterns that build their mask in the graph ignore it). The tests compile
+every entry of PATTERNS with flashbob and check that it is replaced and matches SDPA;
+the MUST_NOT_MATCH entries look similar but are not softmax attention, or not causal, and
+must stay untouched.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def nanogpt(q, k, v, bias):
+    # karpathy/nanoGPT model.py CausalSelfAttention (slow path); also Sophia and Sassha.
+    T = q.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    att = att.masked_fill(bias[:, :, :T, :T] == 0, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    att = F.dropout(att, p=0.0, training=True)  # self.attn_dropout with dropout=0.0
+    return att @ v
+
+
+def hf_eager(q, k, v, bias):
+    # transformers eager_attention_forward (Llama, Mistral, Qwen2, ...), with the additive
+    # causal mask of LlamaModel._update_causal_mask (before masking_utils).
+    T = q.shape[-2]
+    min_value = torch.finfo(q.dtype).min
+    causal_mask = torch.triu(torch.full((T, T), min_value, dtype=q.dtype), diagonal=1)
+    causal_mask = causal_mask[None, None, :, :].expand(q.shape[0], 1, -1, -1)
+    attn_weights = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5)
+    attn_weights = attn_weights + causal_mask[:, :, :, : k.shape[-2]]
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    attn_weights = F.dropout(attn_weights, p=0.1, training=False)
+    return torch.matmul(attn_weights, v)
+
+
+def gpt2(q, k, v, bias):
+    # transformers GPT2Attention._attn (eager, before 4.48): a bool buffer, where(), and the
+    # scale as a 0-d tensor.
+    causal_bias = bias.bool()
+    attn_weights = torch.matmul(q, k.transpose(-1, -2))
+    attn_weights = attn_weights / torch.full([], v.size(-1) ** 0.5, dtype=attn_weights.dtype)
+    query_length, key_length = q.size(-2), k.size(-2)
+    causal_mask = causal_bias[:, :, key_length - query_length: key_length, :key_length]
+    mask_value = torch.full([], torch.finfo(attn_weights.dtype).min, dtype=attn_weights.dtype)
+    attn_weights = torch.where(causal_mask, attn_weights.to(attn_weights.dtype), mask_value)
+    attn_weights = F.softmax(attn_weights, dim=-1)
+    attn_weights = attn_weights.type(v.dtype)
+    return torch.matmul(attn_weights, v)
+
+
+def llama_reference(q, k, v, bias):
+    # meta-llama/llama model.py Attention.forward: triu(-inf) mask, softmax in float32.
+    T = q.shape[-2]
+    mask = torch.triu(torch.full((T, T), float("-inf")), diagonal=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.shape[-1])
+    scores = scores + mask.to(scores.dtype)
+    scores = F.softmax(scores.float(), dim=-1).type_as(q)
+    return torch.matmul(scores, v)
+
+
+def timm_vit(q, k, v, bias):
+    # timm Attention.forward (fused_attn=False): ViT, DeiT. Not causal; scale on q.
+    q = q * q.shape[-1] ** -0.5
+    attn = q @ k.transpose(-2, -1)
+    attn = attn.softmax(dim=-1)
+    attn = F.dropout(attn, 0.0)  # self.attn_drop
+    return attn @ v
+
+
+def arange_mask(q, k, v, bias):
+    # x-transformers / lucidrains style: mask from arange comparisons, where(), .mT.
+    i = torch.arange(q.shape[-2], device=q.device)
+    j = torch.arange(k.shape[-2], device=q.device)
+    causal = j[None, :] > i[:, None]
+    sim = (q @ k.mT) * q.shape[-1] ** -0.5
+    sim = sim.masked_fill(causal, -torch.finfo(sim.dtype).max)
+    return sim.softmax(dim=-1) @ v
+
+
+def bmm_3d(q, k, v, bias):
+    # fairseq MultiheadAttention / older HF encoders: heads folded into the batch, bmm.
+    B, H, L, E = q.shape
+    q3, k3, v3 = q.reshape(B * H, L, E), k.reshape(B * H, -1, E), v.reshape(B * H, -1, v.shape[-1])
+    weights = torch.bmm(q3 * E ** -0.5, k3.transpose(1, 2))
+    probs = torch.softmax(weights, -1)
+    return torch.bmm(probs, v3).reshape(B, H, L, -1)
+
+
+# name -> (pattern, is_causal)
+PATTERNS = {
+    "nanogpt": (nanogpt, True),
+    "hf_eager": (hf_eager, True),
+    "gpt2": (gpt2, True),
+    "llama_reference": (llama_reference, True),
+    "timm_vit": (timm_vit, False),
+    "arange_mask": (arange_mask, True),
+    "bmm_3d": (bmm_3d, False),
+}
+
+
+# ---------------------------------------------------------------------------- must not match
+def linear_attention(q, k, v, bias):
+    # Katharopoulos et al. linear attention: feature maps, no softmax.
+    q, k = F.elu(q) + 1, F.elu(k) + 1
+    kv = k.transpose(-2, -1) @ v
+    normaliser = q @ k.sum(-2, keepdim=True).transpose(-2, -1)
+    return (q @ kv) / normaliser
+
+
+def ttt_dual_form(q, k, v, bias):
+    # test-time training (TTT-Linear) dual form: a causal matmul chain without softmax.
+    attn = torch.tril(q @ k.transpose(-2, -1))
+    return v - attn @ v
+
+
+def softmax_over_queries(q, k, v, bias):
+    # normalised over the queries (dim -2), as in some slot-attention variants.
+    return F.softmax(q @ k.transpose(-2, -1), dim=-2) @ v
+
+
+def scale_after_softmax(q, k, v, bias):
+    return (F.softmax(q @ k.transpose(-2, -1), dim=-1) * 0.5) @ v
+
+
+def probabilities_returned(q, k, v, bias):
+    # output_attentions=True: the probabilities leave the graph.
+    probs = F.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1)
+    return probs @ v, probs
+
+
+def active_dropout(q, k, v, bias):
+    probs = F.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1)
+    return F.dropout(probs, p=0.1, training=True) @ v
+
+
+def padding_mask(q, k, v, bias):
+    # a mask that depends on the data (here: the input itself), not on positions.
+    keep = v[..., :1].transpose(-2, -1) > 0
+    scores = (q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def soft_additive_mask(q, k, v, bias):
+    # old BERT/GPT-2 style -10000.0 mask: not provably -inf.
+    T = q.shape[-2]
+    mask = (1.0 - torch.tril(torch.ones(T, T, dtype=q.dtype))) * -10000.0
+    return F.softmax(q @ k.transpose(-2, -1) + mask, dim=-1) @ v
+
+
+def bottom_right_causal(q, k, v, bias):
+    # causal mask aligned bottom-right (KV cache with L < S): not the op's top-left mask.
+    L, S = q.shape[-2], k.shape[-2]
+    mask = bias[:, :, S - L:S, :S] == 0
+    return F.softmax((q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
+MUST_NOT_MATCH = {
+    "linear_attention": (linear_attention, "no softmax"),
+    "ttt_dual_form": (ttt_dual_form, "no softmax"),
+    "softmax_over_queries": (softmax_over_queries, "softmax over dim -2"),
+    "scale_after_softmax": (scale_after_softmax, "the probabilities go to"),
+    "probabilities_returned": (probabilities_returned, "used 2 times"),
+    "active_dropout": (active_dropout, "dropout is active"),
+    "padding_mask": (padding_mask, "not provably causal"),
+    "soft_additive_mask": (soft_additive_mask, "not provably -inf"),
+    "bottom_right_causal": (bottom_right_causal, "offset"),
+}

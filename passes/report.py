@@ -1,0 +1,78 @@
+"""What the passes did to one graph, in words, and process-wide counters.
+
+Every attention site gets one line: replaced (with shapes, scale, causal and how causality
+was proven) or skipped (with the reason). A softmax counts as a site only if a matmul is
+near it, so that a classifier's softmax does not clutter the report.
+
+`counters` (also mirrored into torch._dynamo.utils.counters["flashbob"]) counts, over the
+process: sdpa_replaced, sdpa_skipped, handwritten_replaced, handwritten_skipped, graphs,
+route_<name> and fallback. Clear it with `counters.clear()`.
+"""
+import collections
+import dataclasses
+from typing import Optional
+
+counters = collections.Counter()
+
+
+def count(key, n=1):
+    counters[key] += n
+    try:
+        from torch._dynamo.utils import counters as dynamo_counters
+        dynamo_counters["flashbob"][key] += n
+    except ImportError:
+        pass
+
+
+@dataclasses.dataclass
+class Site:
+    kind: str                    # "sdpa" or "handwritten"
+    node: str                    # the SDPA node, or the softmax of hand-written attention
+    code: str = ""               # the user's line, "file.py:LINE: code"
+    replaced: bool = False
+    reason: str = ""             # why it stays untouched
+    shapes: str = ""             # q/k/v shapes
+    scale: str = ""
+    is_causal: bool = False
+    enable_gqa: bool = False
+    causal_proof: str = ""       # how the mask was proven causal, when there was one
+
+    def line(self):
+        where = f"{self.kind} at {self.node}" + (f" ({self.code})" if self.code else "")
+        if not self.replaced:
+            return f"skipped  {where}: {self.reason}"
+        causal = f"causal=True ({self.causal_proof})" if self.causal_proof else f"causal={self.is_causal}"
+        gqa = " enable_gqa=True" if self.enable_gqa else ""
+        return f"replaced {where}: {self.shapes} scale={self.scale} {causal}{gqa}"
+
+
+@dataclasses.dataclass
+class GraphReport:
+    compile_id: Optional[str] = None
+    sites: list = dataclasses.field(default_factory=list)
+    guards: list = dataclasses.field(default_factory=list)
+    route: str = ""
+    route_reason: str = ""
+    error: str = ""              # set when the backend fell back to the untouched graph
+
+    @property
+    def replaced(self):
+        return [s for s in self.sites if s.replaced]
+
+    @property
+    def skipped(self):
+        return [s for s in self.sites if not s.replaced]
+
+    def add(self, site):
+        self.sites.append(site)
+        count(f"{site.kind}_{'replaced' if site.replaced else 'skipped'}")
+
+    def text(self):
+        head = f"flashbob graph {self.compile_id or '?'}: {len(self.replaced)} attention site(s) " \
+               f"replaced, {len(self.skipped)} skipped"
+        lines = [head] + ["  " + s.line() for s in self.sites]
+        lines += [f"  run-time check: {g}" for g in self.guards]
+        if self.error:
+            lines.append(f"  error: {self.error}")
+        lines.append(f"  route: {self.route}" + (f" ({self.route_reason})" if self.route_reason else ""))
+        return "\n".join(lines) + "\n"
