@@ -85,15 +85,16 @@ def _native_forward(backend, q, k, v, scale, causal):
 
 def _native_backward(backend, q, k, v, o, lse, do, scale, causal):
     L, S = q.shape[2], k.shape[2]
-    empty = torch.empty(0, device=q.device, dtype=torch.long)
+    # no dropout: the RNG state is never read; cumulative lengths = None means "not varlen"
+    seed = torch.empty(0, device=q.device, dtype=torch.long)
     do = do.contiguous() if do.stride() != o.stride() else do
     if backend == "cudnn":
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, k, v, o, lse.unsqueeze(-1), empty, empty, None, empty, empty, L, S, 0.0,
+            do, q, k, v, o, lse.unsqueeze(-1), seed, seed, None, None, None, L, S, 0.0,
             causal, scale=scale)
     else:
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, empty, empty, L, S, 0.0, causal, empty, empty, scale=scale)
+            do, q, k, v, o, lse, None, None, L, S, 0.0, causal, seed, seed, scale=scale)
     return tuple(g.contiguous() for g in grads[:3])
 
 

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
                             key_blocks_of_row_block, load_lse2, load_row_vector, load_tile,
-                            padded_dim, row_blocks_of_key_block, store_tile, strides4,
-                            tuning_key, visibility_mask)
+                            padded_dim, row_blocks_of_key_block, row_bytes, store_tile, strides4,
+                            tuning_key, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -210,23 +210,24 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ,
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-def column_candidates(head_dim, dtype):
+def column_candidates(dtype, head_dim, head_dim_v, atomics):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
-    if dtype == torch.float32 or head_dim > 128:
-        return [dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-                dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2)]
-    return [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-            dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
+    nbytes = row_bytes(dtype, head_dim, head_dim_v) * (2 if atomics else 1)
+    if nbytes > 128:
+        return wide_candidates(nbytes, column=True)
+    # measured on the H200: 32 x 128 (3 stages) from 8K on, 64 x 64 below
+    return [dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)]
 
 
-def dq_candidates(head_dim, dtype):
+def dq_candidates(dtype, head_dim, head_dim_v):
     if interpreting():
         return [dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)]
-    if dtype == torch.float32 or head_dim > 128:
-        return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-                dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)]
+    nbytes = row_bytes(dtype, head_dim, head_dim_v)
+    if nbytes > 128:
+        return wide_candidates(nbytes, column=False)
     return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
@@ -256,7 +257,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
     cfg = choose_config(tuning_key("bwd_columns", q, k, v, causal, dq_atomics),
-                        column_candidates(E, q.dtype), run_columns)
+                        column_candidates(q.dtype, E, Ev, dq_atomics), run_columns)
     run_columns(cfg)
     if dq_atomics:
         return dq_acc.to(q.dtype), dk, dv
@@ -271,7 +272,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
-    cfg = choose_config(tuning_key("bwd_dq", q, k, v, causal), dq_candidates(E, q.dtype),
+    cfg = choose_config(tuning_key("bwd_dq", q, k, v, causal), dq_candidates(q.dtype, E, Ev),
                         run_rows)
     run_rows(cfg)
     return dq, dk, dv

@@ -27,8 +27,8 @@ import triton.language as tl
 from .triton_backward import row_dot
 from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
                             key_blocks_of_row_block, load_lse2, load_row_vector, load_tile,
-                            padded_dim, row_blocks_of_key_block, store_tile, strides4,
-                            tuning_key, visibility_mask)
+                            padded_dim, row_blocks_of_key_block, row_bytes, store_tile, strides4,
+                            tuning_key, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -338,27 +338,34 @@ def _finish_rows_kernel(GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, O, DO, GQ, GO, GDO, G
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-def row_candidates(head_dim, dtype):
+def row_candidates(dtype, head_dim, head_dim_v):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
-    if dtype == torch.float32 or head_dim > 64:
+    nbytes = row_bytes(dtype, head_dim, head_dim_v)
+    if nbytes > 256:
+        return wide_candidates(nbytes, column=False)
+    if nbytes > 128:
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
-    return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    # measured on the H200 (benchmarks/README.md): 64 x 64 with 4 warps wins at every length
+    return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
 
 
-def column_candidates(head_dim, dtype):
+def column_candidates(dtype, head_dim, head_dim_v, atomics):
     if interpreting():
         return [dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)]
-    if dtype == torch.float32 or head_dim > 64:
+    nbytes = row_bytes(dtype, head_dim, head_dim_v) * (2 if atomics else 1)
+    if nbytes > 256:
+        return wide_candidates(nbytes, column=True)
+    if nbytes > 128:
         return [dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
-    return [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
             dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)]
 
 
@@ -405,7 +412,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
     cfg = choose_config(tuning_key("bob_columns", q, k, v, causal, row_atomics, *flag_key),
-                        column_candidates(E, q.dtype), run_columns)
+                        column_candidates(q.dtype, E, Ev, row_atomics), run_columns)
     run_columns(cfg)
 
     if row_atomics:
@@ -426,6 +433,6 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
     cfg = choose_config(tuning_key("bob_rows", q, k, v, causal, *flag_key),
-                        row_candidates(E, q.dtype), run_rows)
+                        row_candidates(q.dtype, E, Ev), run_rows)
     run_rows(cfg)
     return gq, gk, gv, go, glse, gdo, gdlse

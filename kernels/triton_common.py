@@ -170,6 +170,28 @@ if interpreting():
     _patch_interpreter_scalar_index()
 
 
+def row_bytes(dtype, head_dim, head_dim_v):
+    """Bytes of one row of the widest operand tile: what bounds the block sizes that fit
+    in shared memory (228 KiB per program on Hopper)."""
+    return torch.tensor([], dtype=dtype).element_size() * padded_dim(max(head_dim, head_dim_v))
+
+
+def wide_candidates(nbytes, column):
+    """Small, single-stage tiles for wide rows (fp32 inputs, head dims above 64/128):
+    a row-major program keeps ~3 tiles of its rows and streams ~4 of the other side; a
+    column program keeps 4 key-side tiles resident, so its query blocks stay at 16."""
+    if nbytes <= 256:
+        return ([dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+                 dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)] if column else
+                [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                 dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)])
+    if nbytes <= 512:
+        return ([dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)] if column else
+                [dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+                 dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)])
+    return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
+
+
 def length_bucket(n):
     """Lengths that share tuning decisions: powers of two from 1K up to 64K."""
     return min(max(triton.next_power_of_2(max(n, 1)), 1024), 65536)

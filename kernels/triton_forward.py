@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 
 from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
-                            key_blocks_of_row_block, load_tile, padded_dim, store_tile,
-                            strides4, tuning_key, visibility_mask)
+                            key_blocks_of_row_block, load_tile, padded_dim, row_bytes, store_tile,
+                            strides4, tuning_key, visibility_mask,
+                            wide_candidates)
 
 
 @triton.jit
@@ -86,12 +87,16 @@ def _forward_kernel(Q, K, V, O, LSE,
 
 
 # Candidate launch configs, best measured default first (see benchmarks/README.md).
-def forward_candidates(head_dim, dtype):
+def forward_candidates(dtype, head_dim, head_dim_v):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
-    if dtype == torch.float32 or head_dim > 128:
+    nbytes = row_bytes(dtype, head_dim, head_dim_v)
+    if nbytes > 256:
+        return wide_candidates(nbytes, column=False)
+    if nbytes > 128:
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)]
     return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
             dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
@@ -114,6 +119,6 @@ def attention_forward(q, k, v, scale, causal):
             DOT_PRECISION=dot_precision(q.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    cfg = choose_config(tuning_key("forward", q, k, v, causal), forward_candidates(E, q.dtype), run)
+    cfg = choose_config(tuning_key("forward", q, k, v, causal), forward_candidates(q.dtype, E, Ev), run)
     run(cfg)
     return o, lse

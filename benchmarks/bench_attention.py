@@ -1,0 +1,308 @@
+"""Speed, memory and accuracy of softmax attention through second order, on one GPU.
+
+Providers
+- bob_compile: this package's kernels (kernels/triton_attention.py), one full second-order
+  step assembled from the chain-form contract exactly as autograd runs it:
+      o, lse = forward(q, k, v)                        # forward
+      dq, dk, dv = backward(..., do, dlse=None)        # grad(o, (q,k,v), do, create_graph)
+      gq, gk, gv, go, glse, gdo, _ = bob(..., gdq, gdk, gdv)
+      dq2, dk2, dv2 = backward(..., do=go, dlse=glse)  # cotangents of o and lse flow back
+      results: gq + dq2, gk + dk2, gv + dv2, gdo       # grad((dq,dk,dv), (q,k,v,do), ...)
+- torch_math: PyTorch eager, SDPBackend.MATH, forward + grad(create_graph=True) + grad
+  (materializes L x S; run only where it fits in memory and time);
+- torch_fused_first_order: PyTorch's native fused SDPA (default backend choice), forward +
+  backward only: the first-order cost, for scale;
+- bob_compile_first_order: this package's forward + backward, to check it is not slower
+  than native (it calls the same fused kernels where they apply).
+
+FLOP convention (per visible (query, key) pair, d = head dim): forward 4d, backward 10d,
+BoB 36d: the anchors' 50d per second-order step (4 + 10 + 36, FlashBoB's count), so that
+TFLOP/s compare directly with anchors-h200.md. The chain form actually executes more:
+`executed_flops` in the JSON counts forward 4d + backward 10d (2 x 7 GEMM units with
+the deterministic dq pass: 14d) + BoB (row pass 18d + column pass 16d = 34d; or 24d with
+atomics) + second backward 14d.
+
+Timing: median of CUDA-event times after warm-up, rotating over 2 input sets. Memory: peak
+allocated during one step minus what was allocated before it (the inputs).
+
+    python benchmarks/bench_attention.py --out results/ [--n 1024 4096 ...] [--d 64 128]
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def import_kernels():
+    """The package's kernels, also from a plain checkout (setup.cfg maps kernels/ into
+    bob_compile.kernels; without an install, load the folder as that package)."""
+    try:
+        from bob_compile.kernels import reference, triton_attention
+        return triton_attention, reference
+    except ImportError:
+        import importlib
+        import types
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        pkg = types.ModuleType("bob_compile_kernels")
+        pkg.__path__ = [os.path.join(root, "kernels")]
+        sys.modules["bob_compile_kernels"] = pkg
+        return (importlib.import_module("bob_compile_kernels.triton_attention"),
+                importlib.import_module("bob_compile_kernels.reference"))
+
+
+tri, reference = import_kernels()
+MIB = 2 ** 20
+
+
+# --------------------------------------------------------------------------------------
+# The steps
+# --------------------------------------------------------------------------------------
+def bob_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if stage_times is not None else None
+
+    def mark(i):
+        if events is not None:
+            events[i].record()
+
+    mark(0)
+    o, lse = tri.forward(q, k, v, scale, causal)
+    mark(1)
+    dq, dk, dv = tri.backward(q, k, v, o, lse, do, None, scale, causal)
+    mark(2)
+    bq, bk, bv, go, glse, gdo, _ = tri.bob(q, k, v, o, lse, do, None, gq, gk, gv, scale, causal)
+    mark(3)
+    dq2, dk2, dv2 = tri.backward(q, k, v, o, lse, go, glse, scale, causal)
+    bq += dq2
+    bk += dk2
+    bv += dv2
+    mark(4)
+    if events is not None:
+        torch.cuda.synchronize()
+        for name, a, b in zip(("forward", "backward", "bob", "backward2"), events, events[1:]):
+            stage_times.setdefault(name, []).append(a.elapsed_time(b))
+    return (dq, dk, dv), (bq, bk, bv, gdo)
+
+
+def math_step(q, k, v, do, gq, gk, gv, scale, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    with sdpa_kernel(SDPBackend.MATH):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                             scale=scale)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
+
+
+def native_first_order(q, k, v, do, gq, gk, gv, scale, causal):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return torch.autograd.grad(o, (q, k, v), do)
+
+
+def bob_first_order(q, k, v, do, gq, gk, gv, scale, causal):
+    o, lse = tri.forward(q, k, v, scale, causal)
+    return tri.backward(q, k, v, o, lse, do, None, scale, causal)
+
+
+PROVIDERS = {"bob_compile": bob_step, "torch_math": math_step,
+             "torch_fused_first_order": native_first_order,
+             "bob_compile_first_order": bob_first_order}
+
+
+# --------------------------------------------------------------------------------------
+def visible_pairs(n, causal):
+    return n * (n + 1) // 2 if causal else n * n
+
+
+def make_inputs(B, H, n, d, dtype, sets):
+    return [tuple(torch.randn(B, H, n, d, device="cuda", dtype=dtype) for _ in range(7))
+            for _ in range(sets)]
+
+
+def measure(fn, inputs, scale, causal, reps, warmup):
+    """Median ms over `reps` calls (rotating input sets), peak extra MiB, first-call s."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(*inputs[0], scale, causal)  # compiles, and tunes at a new length bucket
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - t0
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)], scale, causal)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(*inputs[0], scale, causal)
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / MIB
+    del out
+    times = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*inputs[i % len(inputs)], scale, causal)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), peak_mib, first_call_s, times
+
+
+def single_shot(fn, inputs, scale, causal):
+    """One timed call with its peak memory, for lengths where every call costs a minute."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn(*inputs, scale, causal)
+    end.record()
+    torch.cuda.synchronize()
+    del out
+    return start.elapsed_time(end), (torch.cuda.max_memory_allocated() - base) / MIB
+
+
+def stage_breakdown(inputs, scale, causal, reps):
+    stages = {}
+    for i in range(reps):
+        bob_step(*inputs[i % len(inputs)], scale, causal, stage_times=stages)
+    return {k: statistics.median(v) for k, v in stages.items()}
+
+
+def accuracy(B, H, n, d, causal, dtype):
+    """Relative L2 vs float64 of every output of the step, and of first order."""
+    scale = 1.0 / math.sqrt(d)
+    q, k, v, do, gq, gk, gv = make_inputs(B, H, n, d, dtype, 1)[0]
+    first, second = bob_step(q, k, v, do, gq, gk, gv, scale, causal)
+    o, _ = tri.forward(q, k, v, scale, causal)
+    x = [t.double() for t in (q, k, v, do, gq, gk, gv)]
+    ro, rlse = reference.forward(x[0], x[1], x[2], scale, causal)
+    rdq, rdk, rdv = reference.backward(x[0], x[1], x[2], ro, rlse, x[3], None, scale, causal)
+    rb = reference.bob(x[0], x[1], x[2], ro, rlse, x[3], None, x[4], x[5], x[6], scale, causal)
+    r2 = reference.backward(x[0], x[1], x[2], ro, rlse, rb[3], rb[4], scale, causal)
+    exact = dict(o=ro, dq=rdq, dk=rdk, dv=rdv, gq=rb[0] + r2[0], gk=rb[1] + r2[1],
+                 gv=rb[2] + r2[2], gdo=rb[5])
+    ours = dict(o=o, dq=first[0], dk=first[1], dv=first[2], gq=second[0], gk=second[1],
+                gv=second[2], gdo=second[3])
+    return {name: ((ours[name].double() - e).norm() / e.norm()).item()
+            for name, e in exact.items()}
+
+
+# --------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, nargs="+",
+                    default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144])
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--math-max-n", type=int, default=8192)
+    ap.add_argument("--max-step-seconds", type=float, default=60.0,
+                    help="skip larger N once one step of a provider takes longer")
+    ap.add_argument("--single-shot-n", type=int, default=1 << 30,
+                    help="from this N on, time one call only (kernels already compiled at "
+                         "smaller N in this process), with its peak memory")
+    ap.add_argument("--accuracy-n", type=int, default=2048)
+    ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--variants", nargs="+", default=[],
+                    help="extra bob_compile rows as BOB_SCHEDULE:BWD_DQ pairs, e.g. atomic:two_pass")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dtype = torch.bfloat16
+    B, H = args.batch, args.heads
+    causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
+    rows = []
+    json_path = os.path.join(args.out, f"bench_attention{args.tag}.json")
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                dtype=str(dtype), B=B, H=H,
+                flop_convention="per visible pair: fwd 4d, bwd 10d, BoB 36d (step 50d)",
+                env={k: v for k, v in os.environ.items() if k.startswith("BOB_COMPILE")})
+
+    for d in args.d:
+        for causal in causals:
+            slow = set()
+            for n in args.n:
+                scale = 1.0 / math.sqrt(d)
+                sets = 2 if n <= 65536 else 1
+                inputs = make_inputs(B, H, n, d, dtype, sets)
+                pairs = B * H * visible_pairs(n, causal)
+                for prov in args.providers + [f"bob_compile@{x}" for x in args.variants]:
+                    variant = None
+                    for key in ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ"):
+                        os.environ.pop(key, None)
+                    if "@" in prov:
+                        variant = prov.split("@")[1].split(":")
+                        os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = variant
+                    if prov in slow or (prov == "torch_math" and n > args.math_max_n):
+                        continue
+                    reps = 10 if n <= 16384 else (4 if n <= 65536 else 2)
+                    warmup = 2 if n <= 65536 else 0
+                    try:
+                        if n >= args.single_shot_n:
+                            ms, mib = single_shot(PROVIDERS[prov.split("@")[0]], inputs[0],
+                                                  scale, causal)
+                            first_s, times = float("nan"), [ms]
+                        else:
+                            ms, mib, first_s, times = measure(PROVIDERS[prov.split("@")[0]], inputs,
+                                                          scale, causal, reps, warmup)
+                    except torch.OutOfMemoryError:
+                        rows.append(dict(provider=prov, n=n, d=d, causal=causal, oom=True))
+                        torch.cuda.empty_cache()
+                        slow.add(prov)
+                        continue
+                    order = 50 if prov.startswith(("bob_compile@", "bob_compile", "torch_math")) \
+                        and not prov.endswith("first_order") else 14
+                    row = dict(provider=prov, n=n, d=d, causal=causal, ms=ms, times_ms=times,
+                               peak_extra_mib=mib, first_call_s=first_s,
+                               tflops=order * d * pairs / (ms * 1e-3) / 1e12)
+                    if prov.startswith("bob_compile") and order == 50 and n < args.single_shot_n:
+                        row["stages_ms"] = stage_breakdown(inputs, scale, causal,
+                                                           min(reps, 3) if n <= 65536 else 1)
+                    rows.append(row)
+                    print(f"{prov:24s} d={d:3d} causal={causal!s:5s} N={n:7d} {ms:10.2f} ms "
+                          f"{mib:9.1f} MiB {row['tflops']:6.1f} TFLOP/s first {first_s:5.1f} s "
+                          f"{row.get('stages_ms', '')}", flush=True)
+                    if ms > args.max_step_seconds * 1e3:
+                        slow.add(prov)
+                del inputs
+                torch.cuda.empty_cache()
+                with open(json_path, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    if args.accuracy_n:
+        acc = {}
+        for causal in causals:
+            for d in args.d:
+                acc[f"d{d}_causal{int(causal)}"] = accuracy(1, 4, args.accuracy_n, d, causal, dtype)
+                print("accuracy", d, causal, {k: f"{v:.2e}" for k, v in acc[f'd{d}_causal{int(causal)}'].items()})
+        meta["accuracy_rel_l2_vs_float64"] = dict(n=args.accuracy_n, B=1, H=4, results=acc)
+    try:
+        from bob_compile.kernels import triton_common
+    except ImportError:
+        triton_common = sys.modules.get("bob_compile_kernels.triton_common")
+    if triton_common is not None:
+        meta["tuned_configs"] = triton_common.TUNING_CACHE._load()
+    with open(json_path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print_table(rows)
+
+
+def print_table(rows):
+    print(f"\n{'provider':24s} {'d':>4s} {'causal':>6s} {'N':>8s} {'ms':>10s} {'MiB':>9s} "
+          f"{'TFLOP/s':>8s}")
+    for r in rows:
+        if r.get("oom"):
+            print(f"{r['provider']:24s} {r['d']:4d} {r['causal']!s:>6s} {r['n']:8d} {'OOM':>10s}")
+            continue
+        print(f"{r['provider']:24s} {r['d']:4d} {r['causal']!s:>6s} {r['n']:8d} {r['ms']:10.2f} "
+              f"{r['peak_extra_mib']:9.1f} {r['tflops']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The Triton kernels on a CUDA device against the float64 closed form (kernels/reference.py).
+
+Tolerance rule (flash-attention's): for every output, the relative L2 error of our kernels
+against float64 may be at most 3x the error that plain PyTorch math reaches in the same
+dtype on the same inputs, plus a small floor. The PyTorch baseline for the chain-form
+pieces (o, lse, dq/dk/dv, the seven BoB cotangents) is the contract's formulas written with
+torch ops in the input dtype and differentiated by autograd; for the full second-order
+step it is autograd's double backward through SDPBackend.MATH.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from bob_compile.kernels import reference, triton_attention  # noqa: E402
+
+FLOOR = 1e-5  # fp32-level noise that no dtype rule should fail on
+FACTOR = 3.0
+
+
+def rel_err(actual, expected):
+    a, e = actual.double(), expected.double()
+    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+# --------------------------------------------------------------------------------------
+# PyTorch math in the input dtype: the precision baseline
+# --------------------------------------------------------------------------------------
+def _expand(x, heads):
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def math_forward(q, k, v, scale, causal):
+    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    s = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
+                          float("-inf"))
+    lse = torch.logsumexp(s.float(), -1)
+    return (torch.softmax(s, -1) @ v), lse
+
+
+def math_backward(q, k, v, o, lse, do, dlse, scale, causal):
+    """The contract's backward, in q's dtype (P and dS rounded like a math implementation)."""
+    hkv, H = k.shape[1], q.shape[1]
+    ke, ve = _expand(k, H), _expand(v, H)
+    s = (q @ ke.transpose(-2, -1)).float() * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
+                          float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dp = (do @ ve.transpose(-2, -1)).float()
+    D = (do.float() * o.float()).sum(-1)
+    if dlse is not None:
+        D = D - dlse
+    ds = (p * (dp - D.unsqueeze(-1))).to(q.dtype)
+    dq = (ds @ ke) * scale
+    dk = reference.reduce_kv((ds.transpose(-2, -1) @ q) * scale, hkv)
+    dv = reference.reduce_kv(p.to(q.dtype).transpose(-2, -1) @ do, hkv)
+    return dq, dk, dv
+
+
+def math_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    inputs = [t.detach().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
+    grads = math_backward(*inputs, scale, causal)
+    cot = [(g, c) for g, c in zip(grads, (gdq, gdk, gdv)) if c is not None]
+    outs = torch.autograd.grad([g for g, _ in cot], inputs, [c for _, c in cot],
+                               allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(outs, inputs)]
+
+
+def second_order_step(attn, q, k, v, do, gq, gk, gv):
+    """forward, grad(create_graph=True), second grad: the anchors' benchmark step."""
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    o = attn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
+
+
+def chain_step(q, k, v, do, gq, gk, gv, scale, causal, impl):
+    """The same step assembled from the kernel contract (chain form)."""
+    o, lse = impl.forward(q, k, v, scale, causal)
+    impl.backward(q, k, v, o, lse, do, None, scale, causal)
+    bq, bk, bv, go, glse, gdo, _ = impl.bob(q, k, v, o, lse, do, None, gq, gk, gv, scale, causal)
+    dq2, dk2, dv2 = impl.backward(q, k, v, o, lse, go, glse, scale, causal)
+    return (bq.double() + dq2.double(), bk.double() + dk2.double(),
+            bv.double() + dv2.double(), gdo.double())
+
+
+# --------------------------------------------------------------------------------------
+def check_against(name, ours, lowp, exact, report):
+    ours_err = rel_err(ours, exact)
+    base_err = rel_err(lowp, exact)
+    report.append(f"{name}: ours {ours_err:.2e}, torch-math same dtype {base_err:.2e}")
+    assert torch.isfinite(ours).all(), f"{name}: NaN/inf"
+    assert ours_err <= FACTOR * base_err + FLOOR, \
+        f"{name}: relative L2 {ours_err:.2e} > {FACTOR} x {base_err:.2e} + {FLOOR}"
+
+
+CASES = [
+    # dtype, B, Hq, Hkv, L, S, E, Ev, causal
+    pytest.param(torch.bfloat16, 1, 4, 4, 4096, 4096, 64, 64, True, id="bf16-4096-causal-d64"),
+    pytest.param(torch.bfloat16, 1, 4, 4, 4096, 4096, 64, 64, False, id="bf16-4096-d64"),
+    pytest.param(torch.bfloat16, 2, 4, 2, 1531, 1000, 128, 128, True, id="bf16-gqa-causal-L>S-d128"),
+    pytest.param(torch.bfloat16, 1, 2, 2, 1000, 1531, 64, 128, False, id="bf16-odd-L<S-E!=Ev"),
+    pytest.param(torch.bfloat16, 1, 2, 1, 601, 601, 256, 256, True, id="bf16-d256-gqa-causal"),
+    pytest.param(torch.float16, 1, 3, 3, 777, 777, 64, 64, True, id="fp16-777-causal"),
+    pytest.param(torch.float16, 1, 2, 2, 300, 200, 16, 32, False, id="fp16-d16-Ev32"),
+    pytest.param(torch.float32, 1, 2, 2, 513, 513, 32, 64, False, id="fp32-513"),
+    pytest.param(torch.float32, 1, 4, 2, 257, 700, 128, 128, True, id="fp32-gqa-causal-L<S"),
+]
+
+
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("dtype,B,Hq,Hkv,L,S,E,Ev,causal", CASES)
+def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, L, S, E, Ev,
+                                      causal):
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    dev = "cuda"
+    scale = 1.0 / math.sqrt(E)
+    q = torch.randn(B, Hq, L, E, device=dev, dtype=dtype)
+    k = torch.randn(B, Hkv, S, E, device=dev, dtype=dtype)
+    v = torch.randn(B, Hkv, S, Ev, device=dev, dtype=dtype)
+    assert triton_attention.supports(q, k, v)
+    f64 = lambda *ts: [None if t is None else t.double() for t in ts]  # noqa: E731
+    report = []
+
+    # first order: forward
+    o, lse = triton_attention.forward(q, k, v, scale, causal)
+    ro, rlse = reference.forward(*f64(q, k, v), scale, causal)
+    mo, mlse = math_forward(q, k, v, scale, causal)
+    assert o.dtype == dtype and o.is_contiguous() and lse.dtype == torch.float32
+    check_against("o", o, mo, ro, report)
+    check_against("lse", lse, mlse, rlse, report)
+
+    # backward with and without dlse, on our (o, lse)
+    do = torch.randn_like(o)
+    for dlse in (None, torch.randn_like(lse)):
+        tag = "" if dlse is None else "+dlse"
+        ours = triton_attention.backward(q, k, v, o, lse, do, dlse, scale, causal)
+        exact = reference.backward(*f64(q, k, v, o, lse, do, dlse), scale, causal)
+        lowp = math_backward(q, k, v, o, lse, do, dlse, scale, causal)
+        for name, a, m, e in zip(("dq", "dk", "dv"), ours, lowp, exact):
+            assert a.dtype == dtype and a.is_contiguous()
+            check_against(name + tag, a, m, e, report)
+
+    # backward-over-backward, all seven outputs
+    dlse = torch.randn_like(lse)
+    cot = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+    ours = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
+    exact = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), scale, causal)
+    lowp = math_bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
+    for name, a, m, e in zip(reference.BOB_OUTPUTS, ours, lowp, exact):
+        check_against(name, a, m, e, report)
+
+    # the full second-order step (what a user's double backward computes)
+    if Hq == Hkv and E == Ev:
+        ours = chain_step(q, k, v, do, *cot, scale, causal, triton_attention)
+        exact = chain_step(*f64(q, k, v, do, *cot), scale, causal, reference)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            lowp = second_order_step(
+                lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                    a, b, c, is_causal=causal, scale=scale), q, k, v, do, *cot)
+        for name, a, m, e in zip(("step.gq", "step.gk", "step.gv", "step.gdo"), ours, lowp, exact):
+            check_against(name, a, m, e, report)
+    print("\n".join(report))
+
+
+def test_deterministic_two_pass(monkeypatch):
+    """The default schedules give bit-identical results run to run (no atomics)."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", "two_pass")
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", "two_pass")
+    monkeypatch.setenv("BOB_COMPILE_NATIVE_SDPA", "0")
+    q = torch.randn(1, 4, 1100, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 1100, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 1100, 64, device="cuda", dtype=torch.bfloat16)
+    o, lse = triton_attention.forward(q, k, v, 0.125, True)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    cot = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+    first = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, 0.125, True)
+    first_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, 0.125, True)
+    for _ in range(3):
+        again = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, 0.125, True)
+        again_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, 0.125, True)
+        for a, b in zip(first + first_bwd, again + again_bwd):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_key_rows_are_zero(causal):
+    q = torch.randn(1, 2, 33, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.bfloat16)
+    o, lse = triton_attention.forward(q, k, v, 0.125, causal)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    do = torch.randn_like(o)
+    dq, dk, dv = triton_attention.backward(q, k, v, o, lse, do, torch.randn_like(lse), 0.125,
+                                           causal)
+    assert (dq == 0).all() and dk.numel() == 0 and dv.numel() == 0
+    outs = triton_attention.bob(q, k, v, o, lse, do, None, torch.randn_like(q), None, None,
+                                0.125, causal)
+    assert all(torch.isfinite(t).all() and (t == 0).all() for t in outs)
+
+
+def test_first_call_tuning_is_cached(tmp_path, monkeypatch):
+    """Tuning writes its decisions to the JSON cache, and a new length in the same bucket
+    reuses them without timing again."""
+    from bob_compile.kernels import triton_common
+
+    monkeypatch.setenv("BOB_COMPILE_TUNE", "1")
+    monkeypatch.setattr(triton_common, "TUNING_CACHE", triton_common.TuningCache())
+    triton_common.TUNING_CACHE.path = str(tmp_path / "configs.json")
+    monkeypatch.setenv("BOB_COMPILE_NATIVE_SDPA", "0")
+    for n in (3000, 3500):  # one bucket
+        q = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
+        triton_attention.forward(q, q, q, 0.125, True)
+        assert os.path.exists(triton_common.TUNING_CACHE.path)
+        entries = dict(triton_common.TUNING_CACHE.entries)
+        assert len(entries) == 1
