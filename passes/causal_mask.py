@@ -150,7 +150,7 @@ class MaskProver:
         if not isinstance(value, Band):
             raise NotProven(f"the mask is uniform ({value.value!r}): it is not causal")
         if value.diagonal != 0:
-            raise NotProven(f"the mask keeps keys j <= i + {value.diagonal}: causal with an "
+            raise NotProven(f"the mask keeps keys j <= i{value.diagonal:+d}: causal with an "
                             f"offset (e.g. bottom-right aligned), not top-left causal")
         keeps, removes = {
             "masked": (not value.lower, bool(value.upper)),

@@ -1,0 +1,338 @@
+"""The attention passes on Dynamo-captured graphs: what is replaced, what must not be, and why.
+
+Graphs are captured with a recording backend, rewritten by `rewrite_attention`, then run:
+replaced sites must match SDPA math in float64, untouched ones must keep their nodes and
+say why in the report.
+"""
+import copy
+import operator
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bob_compile.attention import attention
+from bob_compile.passes import rewrite_attention
+from bob_compile.passes.causal_mask import CausalTensorGuard
+from bob_compile.passes.patterns import MUST_NOT_MATCH, PATTERNS
+
+B, H, L, E = 2, 2, 8, 4
+
+
+def capture(fn, *args, dynamic=False):
+    """The Dynamo graph(s) of fn(*args) and their example inputs, untouched."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append((copy.deepcopy(gm), list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=record, fullgraph=True, dynamic=dynamic)(*args)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def attention_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is attention]
+
+
+def qkv(seed=0, lq=L, lk=L):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, E, generator=g, dtype=torch.float64) for n in (lq, lk, lk)]
+
+
+def nanogpt_bias(n=16, dtype=torch.float64):
+    return torch.tril(torch.ones(n, n, dtype=dtype)).view(1, 1, n, n)
+
+
+def run_graph(gm, inputs):
+    out = gm(*inputs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_pattern_is_replaced_and_exact(name):
+    pattern, is_causal = PATTERNS[name]
+    q, k, v = qkv()
+    gm, inputs = capture(pattern, q, k, v, nanogpt_bias())
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True], report.text()
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["is_causal"] is is_causal
+    assert node.kwargs["scale"] == pytest.approx(E ** -0.5)
+    assert not any(n.target in (F.softmax, torch.softmax) or n.target == "softmax"
+                   for n in gm.graph.nodes), "the softmax must be gone"
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(MUST_NOT_MATCH))
+def test_must_not_match(name):
+    pattern, reason = MUST_NOT_MATCH[name]
+    q, k, v = qkv(lq=4) if name == "bottom_right_causal" else qkv()
+    gm, inputs = capture(pattern, q, k, v, nanogpt_bias())
+    before = gm.print_readable(print_output=False)
+    expected = pattern(q, k, v, nanogpt_bias())
+    report = rewrite_attention(gm, inputs)
+    assert not report.replaced and not attention_nodes(gm)
+    assert gm.print_readable(print_output=False) == before
+    if reason == "no softmax":
+        assert not report.sites
+    else:
+        (site,) = report.sites
+        assert reason in site.reason, site.reason
+    if name != "active_dropout":  # random
+        torch.testing.assert_close(run_graph(gm, inputs),
+                                   expected[0] if isinstance(expected, tuple) else expected)
+
+
+# ---------------------------------------------------------------------------- SDPA
+def sdpa_with(mask=False, **kwargs):
+    def f(q, k, v, attn_mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask if mask else None, **kwargs)
+    return f
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True), dict(scale=0.3), dict(is_causal=True, scale=0.7),
+    dict(attn_mask=None, dropout_p=0.0, is_causal=False), dict(enable_gqa=True),
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_sdpa_is_replaced(kwargs):
+    q, k, v = qkv()
+    if kwargs.get("enable_gqa"):
+        k, v = k[:, :1], v[:, :1]
+    gm, inputs = capture(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs), q, k, v)
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True]
+    (node,) = attention_nodes(gm)
+    assert node.kwargs == {"is_causal": kwargs.get("is_causal", False),
+                           "scale": kwargs.get("scale"), "enable_gqa": kwargs.get("enable_gqa", False)}
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+def test_sdpa_causal_attn_mask_becomes_is_causal():
+    # HF sdpa_attention_forward passes the causal mask it built, as a bool or additive mask.
+    def f(q, k, v):
+        T = q.shape[-2]
+        visible = torch.ones(T, T, dtype=torch.bool).tril()
+        additive = torch.zeros(T, T, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=visible),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=additive[None, None]))
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True, True]
+    assert [n.kwargs["is_causal"] for n in attention_nodes(gm)] == [True, True]
+    assert not any(n.target in (torch.ones, torch.zeros) for n in gm.graph.nodes), "mask nodes erased"
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for out in gm(*inputs):
+        torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(mask=True), "attn_mask is not provably causal: graph input"),
+    (dict(dropout_p=0.1), "dropout is active"),
+    (dict(mask=True, is_causal=True), "attn_mask and is_causal=True are both set"),
+], ids=["arbitrary_mask", "dropout", "mask_and_is_causal"])
+def test_sdpa_unsupported_stays(kwargs, reason):
+    q, k, v = qkv()
+    mask = torch.rand(L, L, dtype=torch.float64) > 0.5
+    mask.fill_diagonal_(True)
+    gm, inputs = capture(sdpa_with(**kwargs), q, k, v, mask)
+    before = gm.print_readable(print_output=False)
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert not site.replaced and reason in site.reason, site.reason
+    assert gm.print_readable(print_output=False) == before
+
+
+# ---------------------------------------------------------------------------- spellings
+def test_torch_2_11_spelling_of_eq():
+    """torch 2.11 records `mask == 0` as call_method __eq__ (2.13: operator.eq)."""
+    q, k, v = qkv()
+    gm, inputs = capture(PATTERNS["nanogpt"][0], q, k, v, nanogpt_bias())
+    (eq,) = [n for n in gm.graph.nodes if n.target is operator.eq]
+    with gm.graph.inserting_before(eq):
+        dunder = gm.graph.call_method("__eq__", eq.args)
+    dunder.meta = dict(eq.meta)
+    eq.replace_all_uses_with(dunder)
+    gm.graph.erase_node(eq)
+    gm.recompile()
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True], report.text()
+    assert attention_nodes(gm)[0].kwargs["is_causal"] is True
+
+
+@pytest.mark.parametrize("spelling", ["matmul_fn", "method", "div", "rmul", "scale_on_k", "no_transpose"])
+def test_operator_spellings(spelling):
+    def f(q, k, v):
+        T = q.shape[-2]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        if spelling == "matmul_fn":
+            s = torch.matmul(q, torch.transpose(k, -1, -2)) * 0.5
+        elif spelling == "method":
+            s = q.matmul(k.swapaxes(-2, -1)).mul(0.5)
+        elif spelling == "div":
+            s = torch.div(q @ k.permute(0, 1, 3, 2), 2.0)
+        elif spelling == "rmul":
+            s = 0.5 * (q @ k.mT)
+        elif spelling == "scale_on_k":
+            s = q @ (k.transpose(-2, -1) * 0.5)
+        else:  # keys already laid out as k^T, as GPT-2's split_heads(k, k=True) did
+            s = (q @ k.permute(0, 1, 3, 2).contiguous()) * 0.5
+        s = torch.where(mask, s, float("-inf"))
+        return torch.softmax(s, dim=3) @ v
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True], report.text()
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["scale"] == 0.5 and node.kwargs["is_causal"] is True
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+def test_symbolic_scale_under_dynamic_shapes():
+    # With dynamic shapes nanoGPT's 1/sqrt(k.size(-1)) is computed in the graph.
+    q, k, v = qkv()
+    gm, inputs = capture(PATTERNS["nanogpt"][0], q, k, v, nanogpt_bias(), dynamic=True)
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True], report.text()
+    scale = attention_nodes(gm)[0].kwargs["scale"]
+    assert isinstance(scale, torch.fx.Node), "scale should stay a graph value"
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------- causal masks
+CAUSAL_MASKS = {
+    # name: (scores -> masked scores), all top-left causal
+    "tril_ones_eq0": lambda s, T: s.masked_fill(torch.tril(torch.ones(T, T)) == 0, float("-inf")),
+    "triu_bool": lambda s, T: s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")),
+    "not_tril": lambda s, T: s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")),
+    "logical_not": lambda s, T: s.masked_fill(torch.ones(T, T).tril().bool().logical_not(), float("-inf")),
+    "arange_lt": lambda s, T: s.masked_fill(torch.arange(T)[:, None] < torch.arange(T)[None, :], float("-inf")),
+    "arange_ge_where": lambda s, T: torch.where(torch.arange(T).view(-1, 1) >= torch.arange(T), s, -1e30),
+    "arange_shifted": lambda s, T: s.masked_fill(torch.arange(1, T + 1)[None, :] > torch.arange(T)[:, None] + 1, float("-inf")),
+    "additive_triu_min": lambda s, T: s + torch.triu(torch.full((T, T), torch.finfo(s.dtype).min, dtype=s.dtype), 1),
+    "additive_one_minus": lambda s, T: s + (1.0 - torch.tril(torch.ones(T, T, dtype=s.dtype))) * torch.finfo(s.dtype).min,
+    "additive_where": lambda s, T: s + torch.where(torch.ones(T, T, dtype=torch.bool).tril(), 0.0, float("-inf")),
+    "sliced_big_tril": lambda s, T: s.masked_fill(torch.ones(32, 32).tril()[None, None, :T, :T] == 0, float("-inf")),
+}
+NOT_CAUSAL_MASKS = {
+    "tril_diagonal_1": (lambda s, T: s.masked_fill(torch.ones(T, T).tril(1) == 0, float("-inf")), "j <= i+1"),
+    "triu_0": (lambda s, T: s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(), float("-inf")), "j <= i-1"),
+    "anti_causal": (lambda s, T: s.masked_fill(torch.ones(T, T).tril() == 1, float("-inf")), "not causal"),
+    "arange_eq": (lambda s, T: s.masked_fill(torch.arange(T)[:, None] == torch.arange(T)[None, :], float("-inf")), "row and a column"),
+    "fill_minus_one": (lambda s, T: s.masked_fill(torch.ones(T, T).tril() == 0, -1.0), "fill value"),
+    "slice_offset": (lambda s, T: s.masked_fill(torch.ones(32, 32).tril()[2:T + 2, :T] == 0, float("-inf")), "offset"),
+    "row_broadcast": (lambda s, T: s.masked_fill(torch.ones(1, T).tril() == 0, float("-inf")), "does not end in"),
+    "random": (lambda s, T: s.masked_fill(torch.rand(T, T) > 0.5, float("-inf")), "not something"),
+}
+
+
+def masked_attention(mask_fn):
+    def f(q, k, v):
+        s = (q @ k.transpose(-2, -1)) * 0.5
+        return F.softmax(mask_fn(s, q.shape[-2]), dim=-1) @ v
+    return f
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_MASKS))
+def test_causal_mask_built_in_graph_is_proven(name):
+    q, k, v = qkv()
+    gm, inputs = capture(masked_attention(CAUSAL_MASKS[name]), q, k, v)
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True], report.text()
+    assert report.sites[0].causal_proof == "mask built in the graph" and not report.guards
+    assert [n.op for n in gm.graph.nodes] == ["placeholder"] * len(inputs) + ["call_function", "output"], \
+        "the mask's nodes must be erased"
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_CAUSAL_MASKS))
+def test_other_masks_are_not_causal(name):
+    mask_fn, reason = NOT_CAUSAL_MASKS[name]
+    torch.manual_seed(0)
+    q, k, v = qkv()
+    gm, inputs = capture(masked_attention(mask_fn), q, k, v)
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert not site.replaced and reason in site.reason, site.reason
+
+
+def test_causal_buffer_guard():
+    bias = nanogpt_bias()
+    q, k, v = qkv()
+    gm, inputs = capture(PATTERNS["nanogpt"][0], q, k, v, bias)
+    report = rewrite_attention(gm, inputs)
+    (guard,) = report.guards
+    assert isinstance(guard, CausalTensorGuard) and guard.holds(inputs)
+    assert guard.holds(inputs), "second check: the cached fast path"
+    bias[0, 0, 0, 3] = 1.0  # in place: the version counter changes
+    assert not guard.holds(inputs)
+    bias[0, 0, 0, 3] = 0.0
+    assert guard.holds(inputs)
+    swapped = list(inputs)
+    swapped[next(i for i, t in enumerate(inputs) if t is bias)] = torch.ones_like(bias)
+    assert not guard.holds(swapped)
+
+
+def test_buffer_that_is_not_causal_is_rejected():
+    q, k, v = qkv()
+    gm, inputs = capture(PATTERNS["nanogpt"][0], q, k, v, torch.ones(1, 1, 16, 16))
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert not site.replaced and "is not a lower-triangular mask" in site.reason
+
+
+# ---------------------------------------------------------------------------- graph hygiene
+def test_functorch_side_effect_nodes_survive():
+    """Only matched nodes are erased: graph-wide DCE would drop these user-less calls."""
+    def f(q):
+        def loss(q):
+            return (F.softmax((q @ q.transpose(-2, -1)) * 0.5, dim=-1) @ q).square().sum()
+        return torch.func.grad(loss)(q)
+    q, _, _ = qkv()
+    gm, inputs = capture(f, q)
+    side_effects = [n.target for n in gm.graph.nodes if n.op == "call_function" and not n.users]
+    assert side_effects, "expected functorch calls without users"
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function" and not n.users] == side_effects
+    torch.testing.assert_close(run_graph(gm, inputs), f(q))
+
+
+def normalize_graph(text):
+    """Stable across checkouts and torch versions: no paths, line numbers or dtype details."""
+    text = re.sub(r"# File: \S+:\d+ in (\w+), code:", r"# File: <file> in \1, code:", text)
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip()) + "\n"
+
+
+def test_golden_rewritten_nanogpt_graph():
+    q, k, v = qkv()
+    gm, inputs = capture(PATTERNS["nanogpt"][0], q, k, v, nanogpt_bias())
+    rewrite_attention(gm, inputs)
+    assert_expected_inline(normalize_graph(gm.print_readable(print_output=False)), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f64[2, 2, 8, 4]", L_k_: "f64[2, 2, 8, 4]", L_bias_: "f64[1, 1, 16, 16]", L_v_: "f64[2, 2, 8, 4]"):
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_bias_ = L_bias_
+        l_v_ = L_v_
+        # File: <file> in nanogpt, code: return att @ v
+        attention: "f64[2, 2, 8, 4]" = bob_compile_attention_attention(l_q_, l_k_, l_v_, is_causal = True, scale = 0.5, enable_gqa = False);  l_q_ = l_k_ = l_v_ = None
+        return (attention,)
+""")
