@@ -342,13 +342,14 @@ def _scale(graph, factors):
             constant = constant / value if divides else constant * value
         else:
             symbolic.append((value, divides))
-    if not symbolic:
-        return constant, f"{constant:.6g}"
     scale, text = constant, f"{constant:.6g}"
     for value, divides in symbolic:
+        if scale == 1.0 and not divides:
+            scale, text = value, f"{value.name} (computed)"
+            continue
         op = operator.truediv if divides else operator.mul
         node = graph.call_function(op, (scale, value))
         node.meta["example_value"] = op(example(scale) if isinstance(scale, torch.fx.Node) else scale,
                                         example(value))
-        scale, text = node, f"{text} {'/' if divides else '*'} {value.name}"
+        scale, text = node, f"{text} {'/' if divides else '*'} {value.name} (computed)"
     return scale, text
