@@ -290,6 +290,12 @@ def main():
         meta["tuned_configs"] = triton_common.TUNING_CACHE._load()
     with open(json_path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from plot_attention import plot
+        plot(rows, os.path.join(args.out, f"bench_attention{args.tag}.png"))
+    except ImportError:
+        print("matplotlib missing: plot later with benchmarks/plot_attention.py")
     print_table(rows)
 
 

@@ -257,7 +257,8 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
     cfg = choose_config(tuning_key("bwd_columns", q, k, v, causal, dq_atomics),
-                        column_candidates(q.dtype, E, Ev, dq_atomics), run_columns)
+                        column_candidates(q.dtype, E, Ev, dq_atomics), run_columns,
+                        pairs=L * S)
     run_columns(cfg)
     if dq_atomics:
         return dq_acc.to(q.dtype), dk, dv
@@ -273,6 +274,6 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
     cfg = choose_config(tuning_key("bwd_dq", q, k, v, causal), dq_candidates(q.dtype, E, Ev),
-                        run_rows)
+                        run_rows, pairs=L * S)
     run_rows(cfg)
     return dq, dk, dv

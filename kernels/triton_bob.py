@@ -412,7 +412,8 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
     cfg = choose_config(tuning_key("bob_columns", q, k, v, causal, row_atomics, *flag_key),
-                        column_candidates(q.dtype, E, Ev, row_atomics), run_columns)
+                        column_candidates(q.dtype, E, Ev, row_atomics), run_columns,
+                        pairs=L * S)
     run_columns(cfg)
 
     if row_atomics:
@@ -433,6 +434,6 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
     cfg = choose_config(tuning_key("bob_rows", q, k, v, causal, *flag_key),
-                        row_candidates(q.dtype, E, Ev), run_rows)
+                        row_candidates(q.dtype, E, Ev), run_rows, pairs=L * S)
     run_rows(cfg)
     return gq, gk, gv, go, glse, gdo, gdlse

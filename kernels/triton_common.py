@@ -192,9 +192,15 @@ def wide_candidates(nbytes, column):
     return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
 
 
+# Timing candidates costs a few runs of each; above this many (query, key) pairs per head
+# that would take minutes, so longer problems reuse the decision of the largest tuned
+# bucket (measured on the H200: the best configs no longer change from 16K on).
+TUNE_MAX_PAIRS = 16384 * 16384
+
+
 def length_bucket(n):
-    """Lengths that share tuning decisions: powers of two from 1K up to 64K."""
-    return min(max(triton.next_power_of_2(max(n, 1)), 1024), 65536)
+    """Lengths that share tuning decisions: powers of two from 1K up to 16K."""
+    return min(max(triton.next_power_of_2(max(n, 1)), 1024), 16384)
 
 
 class TuningCache:
@@ -241,17 +247,20 @@ def tuning_enabled():
     return os.environ.get("BOB_COMPILE_TUNE", "1") != "0" and not interpreting()
 
 
-def choose_config(key, candidates, run):
+def choose_config(key, candidates, run, pairs=0):
     """The fastest of `candidates` for `key`; `run(config)` launches the kernel once.
 
-    Without tuning (interpreter, BOB_COMPILE_TUNE=0, one candidate) the first candidate is
-    the choice, so the candidate lists put the measured best default first.
+    Without tuning (interpreter, BOB_COMPILE_TUNE=0, one candidate, or a problem of more
+    than TUNE_MAX_PAIRS (query, key) pairs per head with no decision cached yet) the first
+    candidate is the choice, so the candidate lists put the measured best default first.
     """
     if len(candidates) == 1 or not tuning_enabled():
         return candidates[0]
     known = TUNING_CACHE.get(key)
     if known is not None and known in candidates:
         return known
+    if pairs > TUNE_MAX_PAIRS:
+        return candidates[0]
     best, best_ms = candidates[0], math.inf
     for config in candidates:
         try:

@@ -119,6 +119,7 @@ def attention_forward(q, k, v, scale, causal):
             DOT_PRECISION=dot_precision(q.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    cfg = choose_config(tuning_key("forward", q, k, v, causal), forward_candidates(q.dtype, E, Ev), run)
+    cfg = choose_config(tuning_key("forward", q, k, v, causal), forward_candidates(q.dtype, E, Ev),
+                        run, pairs=L * S)
     run(cfg)
     return o, lse
