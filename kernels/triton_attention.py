@@ -30,18 +30,22 @@ from .triton_forward import attention_forward
 log = logging.getLogger("bob_compile.kernels")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256  # larger tiles exceed the shared memory of one program
+# Widest head dim per dtype whose tiles were run on the H200 (tests/test_gpu_kernels.py):
+# 256 for half types; float32 rows take twice the shared memory, so 128.
+MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
 
 
 def supports(q, k, v):
-    """True for 4-D CUDA tensors of one half/float dtype, head dims 1..256, Hkv | Hq."""
+    """True for 4-D CUDA tensors of one half/float dtype, head dims up to MAX_HEAD_DIM,
+    and Hkv dividing Hq."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if not (0 < q.shape[-1] <= MAX_HEAD_DIM and 0 < v.shape[-1] <= MAX_HEAD_DIM):
+    widest = MAX_HEAD_DIM[q.dtype]
+    if not (0 < q.shape[-1] <= widest and 0 < v.shape[-1] <= widest):
         return False
     if k.shape[-1] != q.shape[-1] or k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0]:
         return False

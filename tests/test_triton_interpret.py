@@ -124,6 +124,8 @@ CASES = [
     pytest.param(1, 2, 2, 45, 45, 16, 16, True, id="causal-square-odd"),
     pytest.param(1, 2, 1, 29, 41, 16, 16, True, id="causal-L<S-gqa2"),
     pytest.param(1, 3, 1, 41, 19, 20, 12, True, id="causal-L>S-gqa3-E20-Ev12"),
+    pytest.param(1, 1, 1, 1, 1, 16, 16, True, id="causal-one-query-one-key"),
+    pytest.param(1, 2, 2, 3, 70, 80, 8, False, id="noncausal-L3-S70-E80-Ev8"),
 ]
 
 
