@@ -1,0 +1,66 @@
+"""The examples at their tiny default sizes: each must finish and pass its own numeric check
+(it exits non-zero when flashbob's numbers differ from eager math attention, or when flashbob
+replaced no attention). Each runs in a fresh interpreter, as a user would run it, so that no
+Dynamo cache or tile setting of this test process leaks in."""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name, *args, timeout=300):
+    # One intra-op thread: the tiny default sizes gain nothing from more, and on a busy
+    # 2-core machine torch's spinning OpenMP threads made the same run 5-10x slower.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=EXAMPLES.parent,
+                            capture_output=True, text=True, timeout=timeout, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{output[-6000:]}"
+    return result.stdout
+
+
+@pytest.mark.parametrize("name", ["maml.py", "sophia_h.py", "func_hvp.py", "hf_gpt2.py"])
+def test_help(name):
+    assert "--device" in run_example(name, "--help")
+
+
+def test_maml():
+    out = run_example("maml.py")
+    assert "first-order MAML differs from second-order" in out
+    assert "stock torch.compile(backend='aot_eager')" in out  # its outcome is reported, whatever it is
+    assert "check flashbob meta-gradient vs eager math attention (second order)" in out
+    assert "all checks passed" in out
+
+
+def test_sophia_h():
+    out = run_example("sophia_h.py")
+    assert out.count("(with Hessian estimate)") >= 2
+    assert "check Hessian-vector product (trained weights)" in out
+    assert "all checks passed" in out
+
+
+def test_func_hvp():
+    out = run_example("func_hvp.py")
+    assert "check jvp(grad) HVP vs eager math attention" in out
+    assert "check grad(grad) HVP vs eager math attention" in out
+    assert "all checks passed" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers is not installed (optional extra: pip install -e '.[examples]')")
+def test_hf_gpt2():
+    out = run_example("hf_gpt2.py")
+    assert "check sdpa: Hessian-vector product" in out
+    assert "check eager: Hessian-vector product" in out
+    assert "all checks passed" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None,
+                    reason="transformers is installed: test_hf_gpt2 runs the example")
+def test_hf_gpt2_skips_cleanly_without_transformers():
+    assert "skipped: this example needs Hugging Face transformers" in run_example("hf_gpt2.py")
