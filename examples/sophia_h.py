@@ -36,6 +36,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import _common
 
@@ -44,14 +45,17 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------- the model
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head, block_size):
+    """nanoGPT's attention; `sdpa=True` is nanoGPT's `flash` branch (one SDPA call)."""
+
+    def __init__(self, n_embd, n_head, block_size, sdpa=False):
         super().__init__()
-        self.n_head, self.n_embd = n_head, n_embd
+        self.n_head, self.n_embd, self.sdpa = n_head, n_embd, sdpa
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
-        # nanoGPT's causal mask: a buffer, sliced to the sequence length in forward.
-        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size))
-                             .view(1, 1, block_size, block_size))
+        if not sdpa:
+            # nanoGPT's causal mask: a buffer, sliced to the sequence length in forward.
+            self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size))
+                                 .view(1, 1, block_size, block_size))
 
     def forward(self, x):
         B, T, C = x.size()
@@ -59,10 +63,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        att = F.softmax(att, dim=-1)
-        y = att @ v
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -79,10 +86,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd, n_head, block_size):
+    def __init__(self, n_embd, n_head, block_size, sdpa=False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, block_size)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, sdpa)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.mlp = MLP(n_embd)
 
@@ -94,12 +101,12 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """nanoGPT without dropout: token and position embeddings, blocks, tied LM head."""
 
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, sdpa=False):
         super().__init__()
         self.block_size = block_size
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList(Block(n_embd, n_head, block_size) for _ in range(n_layer))
+        self.h = nn.ModuleList(Block(n_embd, n_head, block_size, sdpa) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
@@ -196,7 +203,8 @@ def check_against_eager(model, compiled, batch, generator, tol, when):
     """Compiled vs eager (hand-written math attention): loss, gradient, Hessian-vector product."""
     params = [p for p in model.parameters()]
     zs = rademacher_like(params, generator)
-    ref_loss, ref_grads, _, ref_hvps = hutchinson_step(model, params, *batch, zs)
+    with sdpa_kernel(SDPBackend.MATH):  # for --attention sdpa: the only kernel with a double backward
+        ref_loss, ref_grads, _, ref_hvps = hutchinson_step(model, params, *batch, zs)
     loss, grads, _, hvps = hutchinson_step(compiled, params, *batch, zs)
     ok = _common.check(f"loss ({when})", [loss], [ref_loss], tol)
     ok &= _common.check(f"gradient ({when})", grads, ref_grads, tol)
@@ -208,6 +216,8 @@ def main(argv=None):
     p = _common.parser(__doc__.split("\n\n")[0], steps=20, text=str(REPO / "README.md"), block_size=32,
                        batch_size=4, n_layer=2, n_head=2, n_embd=32, lr=3e-3, hess_interval=2,
                        weight_decay=0.1)
+    p.add_argument("--attention", choices=["handwritten", "sdpa"], default="handwritten",
+                   help="nanoGPT's hand-written attention, or its F.scaled_dot_product_attention branch")
     args = p.parse_args(argv)
     device = _common.device_of(args)
     torch.manual_seed(args.seed)
@@ -215,7 +225,8 @@ def main(argv=None):
     data = load_bytes(args.text, args.block_size)
     print(f"training on {data.numel()} bytes of {args.text}")
 
-    model = GPT(256, args.block_size, args.n_layer, args.n_head, args.n_embd).to(device)
+    model = GPT(256, args.block_size, args.n_layer, args.n_head, args.n_embd,
+                sdpa=args.attention == "sdpa").to(device)
     params = [p for p in model.parameters()]
     compiled = torch.compile(model, backend=args.backend)
     optimizer = SophiaH(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -225,7 +236,7 @@ def main(argv=None):
     check_batch = get_batch(data, args.batch_size, args.block_size, device, generator)
     ok = check_against_eager(model, compiled, check_batch, generator, tol, "initial weights")
 
-    print(f"\nSophia-H with torch.compile(backend={args.backend!r}), {args.dtype}, "
+    print(f"\nSophia-H, {args.attention} attention, torch.compile(backend={args.backend!r}), {args.dtype}, "
           f"Hessian estimate every {args.hess_interval} steps:")
     plain_steps, hessian_steps = _common.StepTimer(device), _common.StepTimer(device)
     _common.reset_peak_memory(device)
