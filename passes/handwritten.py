@@ -325,7 +325,9 @@ def _replace(gm, chain, site):
             {"is_causal": causal, "scale": scale, "enable_gqa": False})
     replacement.meta = dict(chain.output.meta)
     chain.output.replace_all_uses_with(replacement)
+    name = chain.output.name
     erase_unused(graph, chain.nodes + [chain.output])
+    replacement.name = name  # the user's variable (y = att @ v): a smaller, readable diff
     site.replaced, site.is_causal, site.scale = True, causal, scale_text
     k_shape = shape_text(chain.k) if chain.k is not None else f"{shape_text(chain.k_transposed)}^T"
     site.shapes = f"q{shape_text(chain.q)} k{k_shape} v{shape_text(chain.v)}"

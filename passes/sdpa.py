@@ -70,6 +70,7 @@ def rewrite_sdpa(gm, prover, report):
         replacement.meta = dict(node.meta)
         node.replace_all_uses_with(replacement)
         erase_unused(gm.graph, [node] + (proof.nodes if proof else []))
+        replacement.name = node.name  # the user's variable: a smaller, readable diff
         site.replaced, site.is_causal, site.enable_gqa = True, is_causal, a["enable_gqa"]
         site.scale = scale_text(a["scale"])
         if proof:

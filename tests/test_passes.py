@@ -333,6 +333,6 @@ class GraphModule(torch.nn.Module):
         l_bias_ = L_bias_
         l_v_ = L_v_
         # File: <file> in nanogpt, code: return att @ v
-        attention: "f64[2, 2, 8, 4]" = bob_compile_attention_attention(l_q_, l_k_, l_v_, is_causal = True, scale = 0.5, enable_gqa = False);  l_q_ = l_k_ = l_v_ = None
-        return (attention,)
+        matmul_1: "f64[2, 2, 8, 4]" = bob_compile_attention_attention(l_q_, l_k_, l_v_, is_causal = True, scale = 0.5, enable_gqa = False);  l_q_ = l_k_ = l_v_ = None
+        return (matmul_1,)
 """)
