@@ -31,7 +31,7 @@ from torch import fx
 from . import _compat, dump
 from . import options as options_module
 from .passes import GraphReport, rewrite_attention
-from .passes.report import count
+from .passes.report import count, counters  # noqa: F401  (counters: re-exported for users)
 
 log = logging.getLogger(__name__)
 

@@ -120,23 +120,27 @@ def _check_dropout_inactive(node):
 
 def _match_scores(x, chain, prover):
     """Walk up from the softmax input to the q @ k^T matmul, collecting scales and the mask."""
-    node, masked, purpose = x, False, "attention scores"
+    node, masked = x, False
+    scales_after_mask = []  # met before the mask on the way up: applied after it
     while True:
-        _single_user(node, purpose)
+        _single_user(node, "attention scores")
         factor = _scale_factor(node, prover)
         if is_op(node, "cast") and _keeps_softmax_precision(node):
             node_next = node.args[0]
         elif factor is not None:
             operand, value, divides, constant_nodes = factor
-            if masked and not is_positive(value):
-                raise _Skip(f"{describe(node)} scales the masked scores by {describe(value)}, "
-                            f"which is not positive")
+            if not masked:
+                scales_after_mask.append((node, value))
             chain.factors.append((value, divides))
             chain.nodes.extend(constant_nodes)
             node_next = operand
         elif not masked and is_op(node, "masked_fill", "add", "where"):
             node_next = _match_mask(node, chain, prover)
             masked = True
+            for scale_node, value in scales_after_mask:  # -inf * c must stay -inf
+                if not is_positive(value):
+                    raise _Skip(f"{describe(scale_node)} scales the masked scores by "
+                                f"{describe(value)}, which is not positive")
         elif is_op(node, "matmul") and len(node.args) == 2:
             chain.nodes.append(node)
             return node

@@ -82,11 +82,6 @@ _METHODS = {
     "cast": ("to", "type", "type_as", "float", "double", "half", "bfloat16", "bool", "int", "long"),
 }
 
-# The dtypes that the no-argument casting methods convert to.
-CAST_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
-                      "bfloat16": torch.bfloat16, "bool": torch.bool, "int": torch.int32,
-                      "long": torch.int64}
-
 
 def is_op(node, *names):
     """Whether `node` is a call of one of the named operations, in any spelling."""
@@ -174,14 +169,16 @@ def dim_index(dim, ndim):
 
 
 def swaps_last_two_dims(node):
-    """If `node` is x.transpose(-2, -1) in any spelling (transpose/swapaxes/permute/.mT),
-    the x; else None."""
-    if is_op(node, "getattr") and node.args[1] == "mT":
-        return node.args[0]
+    """If `node` is x.transpose(-2, -1) in any spelling (transpose/swapaxes/permute/.mT,
+    and .T/.t() of a matrix), the x; else None."""
     source = example_tensor(node.args[0]) if isinstance(node, fx.Node) and node.args else None
     if source is None or source.dim() < 2:
         return None
     ndim = source.dim()
+    if is_op(node, "getattr") and (node.args[1] == "mT" or (node.args[1] == "T" and ndim == 2)):
+        return node.args[0]
+    if node.op == "call_method" and node.target == "t" and ndim == 2:
+        return node.args[0]
     if is_op(node, "transpose"):
         dims = {dim_index(arg(node, 1, "dim0"), ndim), dim_index(arg(node, 2, "dim1"), ndim)}
         return node.args[0] if dims == {ndim - 2, ndim - 1} else None

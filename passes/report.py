@@ -12,16 +12,14 @@ import collections
 import dataclasses
 from typing import Optional
 
+from torch._dynamo.utils import counters as dynamo_counters
+
 counters = collections.Counter()
 
 
 def count(key, n=1):
     counters[key] += n
-    try:
-        from torch._dynamo.utils import counters as dynamo_counters
-        dynamo_counters["flashbob"][key] += n
-    except ImportError:
-        pass
+    dynamo_counters["flashbob"][key] += n
 
 
 @dataclasses.dataclass

@@ -201,6 +201,29 @@ def test_operator_spellings(spelling):
     torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("scale_first", [True, False])
+def test_negative_scale_only_before_the_mask(scale_first):
+    def f(q, k, v):
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1)
+        s = q @ k.transpose(-2, -1)
+        if scale_first:
+            s = (s * -0.5).masked_fill(mask, float("-inf"))
+        else:  # -inf * -0.5 = +inf: not a mask any more
+            s = s.masked_fill(mask, float("-inf")) * -0.5
+        return s.softmax(-1) @ v
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    if scale_first:
+        assert site.replaced and attention_nodes(gm)[0].kwargs["scale"] == -0.5
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=-0.5)
+        torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+    else:
+        assert not site.replaced and "which is not positive" in site.reason, site.reason
+
+
 def test_symbolic_scale_under_dynamic_shapes():
     # With dynamic shapes nanoGPT's 1/sqrt(k.size(-1)) is computed in the graph.
     q, k, v = qkv()
@@ -271,6 +294,39 @@ def test_other_masks_are_not_causal(name):
     report = rewrite_attention(gm, inputs)
     (site,) = report.sites
     assert not site.replaced and reason in site.reason, site.reason
+
+
+def test_mask_shared_by_two_layers():
+    # Hugging Face builds one causal mask per forward and adds it in every layer.
+    def f(q, k, v):
+        T = q.shape[-2]
+        mask = torch.triu(torch.full((T, T), float("-inf"), dtype=q.dtype), diagonal=1)
+        h = F.softmax(q @ k.transpose(-2, -1) * 0.5 + mask, dim=-1) @ v
+        return F.softmax(h @ k.transpose(-2, -1) * 0.5 + mask, dim=-1) @ v
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True, True], report.text()
+    assert not any(n.target in (torch.full, torch.triu) for n in gm.graph.nodes)
+    with sdpa_kernel(SDPBackend.MATH):
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+        expected = F.scaled_dot_product_attention(h, k, v, is_causal=True, scale=0.5)
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+def test_rank_2_inputs():
+    def f(q, k, v):
+        return torch.softmax(q @ k.T / 2.0, dim=-1) @ v
+    q, k, v = (t[0, 0] for t in qkv())
+    q.requires_grad_()
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    assert [s.replaced for s in report.sites] == [True], report.text()
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "transpose"]
+    out = run_graph(gm, inputs)
+    (dq,) = torch.autograd.grad(out.square().sum(), q)
+    torch.testing.assert_close(out, f(q, k, v), atol=1e-12, rtol=0)
+    torch.testing.assert_close(dq, torch.autograd.grad(f(q, k, v).square().sum(), q)[0], atol=1e-12, rtol=0)
 
 
 def test_causal_buffer_guard():
