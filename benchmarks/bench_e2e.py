@@ -1,0 +1,415 @@
+"""End-to-end second-order training steps on a GPT-2-small-shaped model: flashbob vs eager math.
+
+The model is nanoGPT's GPT as in examples/sophia_h.py (12 layers, 12 heads, head dim 64,
+n_embd 768, vocabulary 50304, tied LM head, no dropout), trained under bf16 autocast as
+Sophia's and SASSHA's GPT-2 scripts do. Per sequence length N, three steps are timed:
+
+  sophia_hessian  a Sophia-H step with its Hessian estimate: forward, gradient with
+                  create_graph=True, Hessian-vector product with Rademacher z (double
+                  backward), Hessian EMA update, Sophia update
+  sophia_plain    a Sophia-H step without it: forward, gradient, Sophia update
+  maml_outer      a MAML outer step: one inner SGD step on a support batch (gradient with
+                  create_graph=True, fast weights through torch.func.functional_call), the
+                  query loss at the fast weights, its gradient w.r.t. the initial weights
+                  (through the inner step), Adam update
+
+by two implementations:
+
+  math      eager PyTorch under sdpa_kernel(SDPBackend.MATH), the only SDPA kernel with a
+            double backward (it stores N x N attention matrices)
+  flashbob  torch.compile(model, backend="flashbob"): the same model, with attention
+            replaced by this package's fused op
+
+Timing: CUDA events around each step after warm-up (the first warm-up step includes
+compilation and is reported separately), median of --reps. Peak memory:
+torch.cuda.max_memory_allocated over the timed steps, model and optimizer state included.
+Each row catches out-of-memory; an implementation that ran out of memory at some N is not
+tried at larger N (its rows say so), so the sweep goes on with flashbob alone. At every N
+where both ran, the Hessian-vector product of a fixed z at the initial weights is compared
+(relative error of flashbob against math, both in the autocast dtype).
+
+The JSON file (--out) is rewritten after every row, so a sweep cut short keeps what it
+measured; the table is printed last. Plot it with benchmarks/plot_e2e.py.
+
+    python benchmarks/bench_e2e.py --out results/bench_e2e.json             # full sweep, CUDA
+    python benchmarks/bench_e2e.py --quick --out results/bench_e2e_quick.json
+    python benchmarks/bench_e2e.py --device cpu --n-layer 2 --n-head 2 --n-embd 32 \\
+        --vocab-size 256 --seq-lens 32 64 --dtype float32 --out /tmp/e2e.json   # CPU smoke run
+
+Needs torch >= 2.11 and this package installed (pip install -e .); no network, no
+transformers.
+"""
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+from sophia_h import GPT, SophiaH, hutchinson_step  # noqa: E402  (the examples' nanoGPT and Sophia-H)
+
+IMPLS = ("math", "flashbob")
+WORKLOADS = ("sophia_hessian", "sophia_plain", "maml_outer")
+GIB = 2 ** 30
+
+
+def flashbob_backend():
+    """The backend callable; from the installed package, with a clear message otherwise."""
+    try:
+        from bob_compile.backend import flashbob
+    except ImportError as error:
+        sys.exit(f"bench_e2e: cannot import bob_compile.backend ({error}); run `pip install -e .` "
+                 "in the repository first")
+    return flashbob
+
+
+# ----------------------------------------------------------------------------- the steps
+def rademacher(params, generator):
+    """±1 vectors drawn on the parameters' device (drawing them on the host would time a copy)."""
+    return [torch.randint(0, 2, p.shape, device=p.device, generator=generator).to(p.dtype) * 2 - 1
+            for p in params]
+
+
+def make_step(workload, model, params, batch, args, generator):
+    """One full training step of `workload`, as a closure over its model and optimizer."""
+    device = params[0].device
+    autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "float32")
+    x, y, x_query, y_query = batch
+
+    def apply(optimizer, grads):
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()
+
+    if workload in ("sophia_hessian", "sophia_plain"):
+        optimizer = SophiaH(params, lr=6e-4)
+
+        def sophia_hessian():
+            with autocast:
+                _, grads, h_hat, _ = hutchinson_step(model, params, x, y, rademacher(params, generator))
+            optimizer.update_hessian(h_hat)
+            apply(optimizer, grads)
+
+        def sophia_plain():
+            with autocast:
+                loss = model(x, y)
+            apply(optimizer, torch.autograd.grad(loss, params))
+        return sophia_hessian if workload == "sophia_hessian" else sophia_plain
+
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+
+    def maml_outer():
+        with autocast:
+            # named_parameters of a compiled model carry its "_orig_mod." prefix, which is
+            # what functional_call on that compiled model expects; tied weights stay tied.
+            named = dict(model.named_parameters())
+            support_loss = functional_call(model, named, (x, y))
+            grads = torch.autograd.grad(support_loss, list(named.values()), create_graph=True)
+            fast = {name: p - args.inner_lr * g for (name, p), g in zip(named.items(), grads)}
+            query_loss = functional_call(model, fast, (x_query, y_query))
+        apply(optimizer, torch.autograd.grad(query_loss, params))
+    return maml_outer
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- measuring
+class Clock:
+    """CUDA events on CUDA (after a synchronize); perf_counter on CPU (smoke runs only)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def time_ms(self, fn):
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+
+
+def build(impl, seq_len, args, device):
+    """A fresh model (the same initial weights for every implementation) and how to call it."""
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = GPT(args.vocab_size, seq_len, args.n_layer, args.n_head, args.n_embd,
+                    sdpa=args.attention == "sdpa")
+    params = list(model.parameters())
+    if impl == "flashbob":
+        torch._dynamo.reset()  # no recompiles across rows: each row compiles its own graphs
+        _flashbob_counters(clear=True)
+        return torch.compile(model, backend=flashbob_backend(), dynamic=False), params
+    return model, params
+
+
+def make_batch(seq_len, args, device):
+    generator = torch.Generator(device=device).manual_seed(args.seed + seq_len)
+
+    def tokens():
+        return torch.randint(args.vocab_size, (args.batch_size, seq_len), device=device, generator=generator)
+    return tokens(), tokens(), tokens(), tokens()  # x, y, x_query, y_query
+
+
+def hvp_probe(model, params, batch, args):
+    """∇²L z for a fixed z at the initial weights, on the host (for the accuracy column)."""
+    generator = torch.Generator(device=params[0].device).manual_seed(args.seed)
+    zs = rademacher(params, generator)
+    with torch.autocast(params[0].device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "float32"):
+        hvps = hutchinson_step(model, params, batch[0], batch[1], zs)[3]
+    return [h.detach().float().cpu() for h in hvps]
+
+
+def measure(impl, workload, seq_len, args, device, want_probe):
+    """One row: median step time and peak memory of `workload` by `impl` at `seq_len`."""
+    model, params = build(impl, seq_len, args, device)
+    batch = make_batch(seq_len, args, device)
+    clock = Clock(device)
+    probes = []
+    with sdpa_kernel(SDPBackend.MATH) if impl == "math" else contextlib.nullcontext():
+        step = make_step(workload, model, params, batch, args,
+                         torch.Generator(device=device).manual_seed(args.seed + 1))
+        # The first call compiles (flashbob); with a probe, the probe is that first call and
+        # the step still runs once untimed before the timed ones.
+        if want_probe:
+            first_ms = clock.time_ms(lambda: probes.append(hvp_probe(model, params, batch, args)))
+            step()
+        else:
+            first_ms = clock.time_ms(step)
+        for _ in range(args.warmup - 1):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = [clock.time_ms(step) for _ in range(args.reps)]
+    peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
+    row = dict(status="ok", median_ms=statistics.median(times), times_ms=times, first_call_ms=first_ms,
+               peak_mem_gib=peak)
+    if impl == "flashbob":
+        row["flashbob_counters"] = _flashbob_counters()
+    return row, (probes[0] if probes else None)
+
+
+def _flashbob_counters(clear=False):
+    """What flashbob did in this row: attention sites replaced/skipped, graphs, routes."""
+    from torch._dynamo.utils import counters
+    if clear:
+        counters["flashbob"].clear()
+    return dict(counters["flashbob"])
+
+
+def _is_oom(error):
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def _free_memory(device):
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rel_err(got, ref):
+    num = sum(((g - r).double().norm() ** 2).item() for g, r in zip(got, ref)) ** 0.5
+    den = sum((r.double().norm() ** 2).item() for r in ref) ** 0.5
+    return num / max(den, 1e-30)
+
+
+# ----------------------------------------------------------------------------- the sweep
+def sweep(args, device, out_path, meta):
+    rows, failed_at, probes = [], {}, {}
+    start = time.monotonic()
+    for seq_len in args.seq_lens:
+        for workload in args.workloads:
+            for impl in args.impls:
+                row = dict(workload=workload, impl=impl, seq_len=seq_len, batch_size=args.batch_size)
+                if args.time_budget_s and time.monotonic() - start > args.time_budget_s:
+                    failed_at.setdefault((impl, workload), f"time budget of {args.time_budget_s:.0f} s spent")
+                if (impl, workload) in failed_at:
+                    row.update(status=f"skipped: {failed_at[impl, workload]}")
+                    rows.append(row)
+                    print(_row_line(row), flush=True)
+                    continue
+                # The accuracy probe: once per N, on the Hessian step, where both can run.
+                want_probe = workload == "sophia_hessian" and len(args.impls) == 2 and \
+                    ("math", workload) not in failed_at
+                try:
+                    result, probe = measure(impl, workload, seq_len, args, device, want_probe)
+                    row.update(result)
+                    if probe is not None:
+                        probes[impl] = probe
+                except Exception as error:  # noqa: BLE001  (a row must never end the sweep)
+                    message = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if str(error) \
+                        else type(error).__name__
+                    if _is_oom(error):
+                        row.update(status="oom", error=message)
+                        failed_at[impl, workload] = f"out of memory at N={seq_len}"
+                    else:
+                        row.update(status="error", error=message)
+                        failed_at[impl, workload] = f"error at N={seq_len}"
+                    error = None  # drop the traceback (and the tensors its frames hold)
+                _free_memory(device)
+                if impl == "flashbob" and "math" in probes and "flashbob" in probes:
+                    row["hvp_rel_err_vs_math"] = rel_err(probes["flashbob"], probes["math"])
+                if workload == "sophia_hessian" and impl == args.impls[-1]:
+                    probes.clear()
+                rows.append(row)
+                print(_row_line(row), flush=True)
+                out_path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return rows
+
+
+def _row_line(row):
+    head = f"N={row['seq_len']:6d} {row['workload']:15s} {row['impl']:9s}"
+    if row["status"] != "ok":
+        return f"{head} {row['status']}" + (f" ({row['error']})" if row.get("error") else "")
+    peak = f"{row['peak_mem_gib']:7.2f} GiB" if row["peak_mem_gib"] is not None else "   n/a"
+    err = f"  HVP rel err vs math {row['hvp_rel_err_vs_math']:.1e}" if "hvp_rel_err_vs_math" in row else ""
+    return (f"{head} median {row['median_ms']:9.1f} ms  peak {peak}  "
+            f"(first call, with compilation: {row['first_call_ms'] / 1e3:.1f} s){err}")
+
+
+def table(rows, args):
+    """Per workload: math vs flashbob time and memory per N; plus Sophia-H amortised over k."""
+    by = {(r["workload"], r["impl"], r["seq_len"]): r for r in rows}
+
+    def cell_ms(r):
+        return f"{r['median_ms']:.1f}" if r and r["status"] == "ok" else (r["status"].split(":")[0] if r else "-")
+
+    def cell_gib(r):
+        if r and r["status"] == "ok":
+            return f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "n/a"
+        return r["status"].split(":")[0] if r else "-"
+
+    def ratio(a, b, key):
+        if a and b and a["status"] == b["status"] == "ok" and a[key] and b[key]:
+            return f"{a[key] / b[key]:.2f}x"
+        return "-"
+
+    lines = []
+    for workload in args.workloads:
+        lines.append(f"\n{workload}  (B={args.batch_size}, {args.dtype}, {args.attention} attention)")
+        lines.append(f"{'N':>7} | {'math ms':>9} {'flashbob ms':>11} {'speedup':>8} | "
+                     f"{'math GiB':>9} {'flashbob GiB':>12} {'mem ratio':>9} | HVP rel err")
+        for n in args.seq_lens:
+            m, f = by.get((workload, "math", n)), by.get((workload, "flashbob", n))
+            err = f"{f['hvp_rel_err_vs_math']:.1e}" if f and "hvp_rel_err_vs_math" in f else ""
+            lines.append(f"{n:>7} | {cell_ms(m):>9} {cell_ms(f):>11} {ratio(m, f, 'median_ms'):>8} | "
+                         f"{cell_gib(m):>9} {cell_gib(f):>12} {ratio(m, f, 'peak_mem_gib'):>9} | {err}")
+    if {"sophia_hessian", "sophia_plain"} <= set(args.workloads):
+        k = args.hess_interval
+        lines.append(f"\nSophia-H training step, Hessian estimate every k={k} steps: "
+                     f"(Hessian step + {k - 1} plain steps) / {k}, in ms")
+        lines.append(f"{'N':>7} | {'math':>9} {'flashbob':>9} {'speedup':>8}")
+        for n in args.seq_lens:
+            amortised = {}
+            for impl in IMPLS:
+                h, p = by.get(("sophia_hessian", impl, n)), by.get(("sophia_plain", impl, n))
+                if h and p and h["status"] == p["status"] == "ok":
+                    amortised[impl] = (h["median_ms"] + (k - 1) * p["median_ms"]) / k
+            m, f = amortised.get("math"), amortised.get("flashbob")
+            lines.append(f"{n:>7} | {m and f'{m:.1f}' or '-':>9} {f and f'{f:.1f}' or '-':>9} "
+                         f"{(m and f) and f'{m / f:.2f}x' or '-':>8}")
+    return "\n".join(lines)
+
+
+def metadata(args, device):
+    def git_commit():
+        try:
+            return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                  text=True, timeout=10).stdout.strip() or None
+        except OSError:
+            return None
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return dict(
+        benchmark="bench_e2e", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__, triton=triton_version, python=platform.python_version(),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        git_commit=git_commit(), args=vars(args))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file to write (a directory gets bench_e2e.json)")
+    p.add_argument("--quick", action="store_true",
+                   help="fast subset: N in {1024, 2048}, 1 warm-up step, 3 timed steps")
+    p.add_argument("--seq-lens", type=int, nargs="+",
+                   default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+    p.add_argument("--vocab-size", type=int, default=50304, help="GPT-2's 50257, padded as in nanoGPT")
+    p.add_argument("--attention", choices=["sdpa", "handwritten"], default="sdpa",
+                   help="nanoGPT's SDPA branch, or its hand-written attention (which keeps a "
+                        "float N x N causal-mask buffer per layer, as nanoGPT does)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="autocast dtype")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
+    p.add_argument("--reps", type=int, default=5, help="timed steps; the median is reported")
+    p.add_argument("--inner-lr", type=float, default=1e-3, help="MAML inner SGD step size")
+    p.add_argument("--hess-interval", type=int, default=10,
+                   help="k of the amortised Sophia-H table (Sophia's default is 10)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no new row after this many seconds (rows left say so); for "
+                        "machines that stop a command after a fixed time")
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only for a smoke run")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seq_lens, args.warmup, args.reps = [1024, 2048], 1, 3
+    args.warmup = max(args.warmup, 1)
+    args.impls = [i for i in IMPLS if i in args.impls]  # math first: the probe compares against it
+    args.seq_lens = sorted(args.seq_lens)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_e2e: no CUDA device (use --device cpu for a smoke run)")
+    if "flashbob" in args.impls:
+        flashbob_backend()  # fail now, not after the math rows
+    out_path = pathlib.Path(args.out)
+    if out_path.is_dir():
+        out_path = out_path / "bench_e2e.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    meta = metadata(args, device)
+    print(f"bench_e2e: torch {meta['torch']}, triton {meta['triton']}, {meta['device']}; "
+          f"GPT {args.n_layer}L/{args.n_head}H/{args.n_embd}, B={args.batch_size}, {args.dtype}, "
+          f"{args.attention} attention; N in {args.seq_lens}", flush=True)
+    rows = sweep(args, device, out_path, meta)
+    print(table(rows, args))
+    print(f"\nwrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
