@@ -16,8 +16,11 @@ the MAML trainers built on Hugging Face models:
 Before training, the script computes one meta-gradient four ways and compares them:
 eager PyTorch with math attention (the reference), eager first-order MAML (inner gradients
 detached), stock torch.compile (backend aot_eager by default), and flashbob. Stock
-torch.compile silently drops the second-order term here (no error, first-order numbers);
-flashbob must match the eager reference, or the script exits with status 1.
+torch.compile cannot give second-order MAML: AOTAutograd refuses the double backward with
+an error (this model, torch 2.11 and 2.13), or, for compiled graphs that save no tensor
+requiring grad (a single linear layer, say), silently returns first-order numbers. The
+script prints which happened. flashbob must match the eager reference, or the script exits
+with status 1.
 
     python examples/maml.py                       # tiny, CPU, ~10 s
     python examples/maml.py --device cuda --dtype bfloat16 --seq-len 1024 --d-model 256 \\
@@ -138,7 +141,7 @@ def compare_meta_gradients(model, tasks, args, tol):
         print(f"stock torch.compile(backend={args.stock_backend!r}): relative difference "
               f"{_common.rel_err(stock, second_order):.2e} from second-order MAML, "
               f"{_common.rel_err(stock, first_order):.2e} from first-order MAML")
-    except Exception as error:  # a future PyTorch may raise instead of dropping the term
+    except Exception as error:  # AOTAutograd's "does not currently support double backward"
         print(f"stock torch.compile(backend={args.stock_backend!r}) failed: "
               f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
