@@ -57,7 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
-from sophia_h import GPT, SophiaH, hutchinson_step  # noqa: E402  (the examples' nanoGPT and Sophia-H)
+from sophia_h import GPT, SophiaH, hutchinson_step, rademacher_like  # noqa: E402  (the examples' nanoGPT, Sophia-H)
 
 IMPLS = ("math", "flashbob")
 WORKLOADS = ("sophia_hessian", "sophia_plain", "maml_outer")
@@ -75,12 +75,6 @@ def flashbob_backend():
 
 
 # ----------------------------------------------------------------------------- the steps
-def rademacher(params, generator):
-    """±1 vectors drawn on the parameters' device (drawing them on the host would time a copy)."""
-    return [torch.randint(0, 2, p.shape, device=p.device, generator=generator).to(p.dtype) * 2 - 1
-            for p in params]
-
-
 def make_step(workload, model, params, batch, args, generator):
     """One full training step of `workload`, as a closure over its model and optimizer."""
     device = params[0].device
@@ -97,7 +91,7 @@ def make_step(workload, model, params, batch, args, generator):
 
         def sophia_hessian():
             with autocast:
-                _, grads, h_hat, _ = hutchinson_step(model, params, x, y, rademacher(params, generator))
+                _, grads, h_hat, _ = hutchinson_step(model, params, x, y, rademacher_like(params, generator))
             optimizer.update_hessian(h_hat)
             apply(optimizer, grads)
 
@@ -171,7 +165,7 @@ def make_batch(seq_len, args, device):
 def hvp_probe(model, params, batch, args):
     """∇²L z for a fixed z at the initial weights, on the host (for the accuracy column)."""
     generator = torch.Generator(device=params[0].device).manual_seed(args.seed)
-    zs = rademacher(params, generator)
+    zs = rademacher_like(params, generator)
     with torch.autocast(params[0].device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "float32"):
         hvps = hutchinson_step(model, params, batch[0], batch[1], zs)[3]
     return [h.detach().float().cpu() for h in hvps]

@@ -69,10 +69,11 @@ def train(args, attn_implementation, data, device, tol):
     model = build_gpt2(args, attn_implementation, device)
     params = list(model.parameters())
     compiled = torch.compile(model, backend=args.backend)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)  # batches are cut on the host
+    z_generator = torch.Generator(device=device).manual_seed(args.seed)
 
     x, _ = get_batch(data, args.batch_size, args.block_size, device, generator)
-    ok = check_against_eager(model, compiled, attn_implementation, x, rademacher_like(params, generator), tol)
+    ok = check_against_eager(model, compiled, attn_implementation, x, rademacher_like(params, z_generator), tol)
     ok &= _common.attention_replaced(args.backend)
 
     optimizer = SophiaH(params, lr=args.lr)
@@ -82,7 +83,7 @@ def train(args, attn_implementation, data, device, tol):
         x, _ = get_batch(data, args.batch_size, args.block_size, device, generator)
         with timer.step():
             with _common.autocast(args, device):
-                loss, grads, h_hat, _ = hessian_step(compiled, params, x, rademacher_like(params, generator))
+                loss, grads, h_hat, _ = hessian_step(compiled, params, x, rademacher_like(params, z_generator))
             optimizer.update_hessian(h_hat)
             for p, g in zip(params, grads):
                 p.grad = g

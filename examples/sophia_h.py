@@ -173,7 +173,10 @@ class SophiaH(torch.optim.Optimizer):
 
 
 def rademacher_like(tensors, generator):
-    return [torch.randint(0, 2, t.shape, generator=generator).to(t) * 2 - 1 for t in tensors]
+    """±1 vectors, drawn on the tensors' device by `generator` (a generator of that device:
+    drawing on the host would add a copy of every parameter to each Hessian step)."""
+    return [torch.randint(0, 2, t.shape, device=t.device, generator=generator).to(t.dtype) * 2 - 1
+            for t in tensors]
 
 
 def hutchinson_step(model, params, x, y, zs):
@@ -199,10 +202,10 @@ def get_batch(data, batch_size, block_size, device, generator):
     return x.to(device), y.to(device)
 
 
-def check_against_eager(model, compiled, batch, generator, tol, when):
+def check_against_eager(model, compiled, batch, z_generator, tol, when):
     """Compiled vs eager (hand-written math attention): loss, gradient, Hessian-vector product."""
     params = [p for p in model.parameters()]
-    zs = rademacher_like(params, generator)
+    zs = rademacher_like(params, z_generator)
     with sdpa_kernel(SDPBackend.MATH):  # for --attention sdpa: the only kernel with a double backward
         ref_loss, ref_grads, _, ref_hvps = hutchinson_step(model, params, *batch, zs)
     loss, grads, _, hvps = hutchinson_step(compiled, params, *batch, zs)
@@ -221,7 +224,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = _common.device_of(args)
     torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)  # batches are cut on the host
+    z_generator = torch.Generator(device=device).manual_seed(args.seed)
     data = load_bytes(args.text, args.block_size)
     print(f"training on {data.numel()} bytes of {args.text}")
 
@@ -234,7 +238,7 @@ def main(argv=None):
     # fp32 kernels on CUDA may use TF32 internally; on CPU the blockwise path is plain fp32.
     tol = 1e-4 if device.type == "cpu" else 1e-2
     check_batch = get_batch(data, args.batch_size, args.block_size, device, generator)
-    ok = check_against_eager(model, compiled, check_batch, generator, tol, "initial weights")
+    ok = check_against_eager(model, compiled, check_batch, z_generator, tol, "initial weights")
 
     print(f"\nSophia-H, {args.attention} attention, torch.compile(backend={args.backend!r}), {args.dtype}, "
           f"Hessian estimate every {args.hess_interval} steps:")
@@ -248,7 +252,7 @@ def main(argv=None):
             with _common.autocast(args, device):
                 if with_hessian:
                     loss, grads, h_hat, _ = hutchinson_step(compiled, params, x, y,
-                                                            rademacher_like(params, generator))
+                                                            rademacher_like(params, z_generator))
                     optimizer.update_hessian(h_hat)
                 else:
                     loss = compiled(x, y)
@@ -262,7 +266,7 @@ def main(argv=None):
     print(f"Hessian steps: {hessian_steps.summary()}")
     print(f"plain steps:   {plain_steps.summary()}")
     print(f"peak memory: {_common.peak_memory(device)}")
-    ok &= check_against_eager(model, compiled, check_batch, generator, tol, "trained weights")
+    ok &= check_against_eager(model, compiled, check_batch, z_generator, tol, "trained weights")
     ok &= _common.attention_replaced(args.backend)
     return _common.finish(ok)
 
