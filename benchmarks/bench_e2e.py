@@ -29,10 +29,13 @@ where both ran, the Hessian-vector product of a fixed z at the initial weights i
 (relative error of flashbob against math, both in the autocast dtype).
 
 The JSON file (--out) is rewritten after every row, so a sweep cut short keeps what it
-measured; the table is printed last. Plot it with benchmarks/plot_e2e.py.
+measured, and --resume measures only the rows it lacks (with --time-budget-s, the sweep fits
+machines that stop a command after a fixed time). The table is printed last. Plot it with
+benchmarks/plot_e2e.py.
 
     python benchmarks/bench_e2e.py --out results/bench_e2e.json             # full sweep, CUDA
     python benchmarks/bench_e2e.py --quick --out results/bench_e2e_quick.json
+    python benchmarks/bench_e2e.py --out results/bench_e2e.json --resume --time-budget-s 480  # repeat until done
     python benchmarks/bench_e2e.py --device cpu --n-layer 2 --n-head 2 --n-embd 32 \\
         --vocab-size 256 --seq-lens 32 64 --dtype float32 --out /tmp/e2e.json   # CPU smoke run
 
@@ -230,13 +233,24 @@ def rel_err(got, ref):
 
 
 # ----------------------------------------------------------------------------- the sweep
-def sweep(args, device, out_path, meta):
+def sweep(args, device, out_path, meta, previous_rows=()):
+    """Measure every (N, workload, implementation) row; rows in `previous_rows` that ran (or
+    failed) are kept as they are, so that a sweep cut short can be resumed."""
+    done = {(r["workload"], r["impl"], r["seq_len"]): r for r in previous_rows
+            if r["status"] in ("ok", "oom", "error")}
     rows, failed_at, probes = [], {}, {}
     start = time.monotonic()
     for seq_len in args.seq_lens:
         for workload in args.workloads:
             for impl in args.impls:
                 row = dict(workload=workload, impl=impl, seq_len=seq_len, batch_size=args.batch_size)
+                if (workload, impl, seq_len) in done:
+                    row = done[workload, impl, seq_len]
+                    if row["status"] != "ok":
+                        failed_at[impl, workload] = f"{row['status']} at N={seq_len}"
+                    rows.append(row)
+                    print(_row_line(row) + "  [kept from --out]", flush=True)
+                    continue
                 if args.time_budget_s and time.monotonic() - start > args.time_budget_s:
                     failed_at.setdefault((impl, workload), f"time budget of {args.time_budget_s:.0f} s spent")
                 if (impl, workload) in failed_at:
@@ -244,9 +258,9 @@ def sweep(args, device, out_path, meta):
                     rows.append(row)
                     print(_row_line(row), flush=True)
                     continue
-                # The accuracy probe: once per N, on the Hessian step, where both can run.
+                # The accuracy probe: once per N, on the Hessian step, where both run in this call.
                 want_probe = workload == "sophia_hessian" and len(args.impls) == 2 and \
-                    ("math", workload) not in failed_at
+                    ("math", workload) not in failed_at and (impl == "math" or "math" in probes)
                 try:
                     result, probe = measure(impl, workload, seq_len, args, device, want_probe)
                     row.update(result)
@@ -257,7 +271,7 @@ def sweep(args, device, out_path, meta):
                         else type(error).__name__
                     if _is_oom(error):
                         row.update(status="oom", error=message)
-                        failed_at[impl, workload] = f"out of memory at N={seq_len}"
+                        failed_at[impl, workload] = f"oom at N={seq_len}"
                     else:
                         row.update(status="error", error=message)
                         failed_at[impl, workload] = f"error at N={seq_len}"
@@ -373,6 +387,10 @@ def parse_args(argv=None):
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new row after this many seconds (rows left say so); for "
                         "machines that stop a command after a fixed time")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows already measured in --out (same model and dtype) and "
+                        "measure only the others; with --time-budget-s, a long sweep runs as "
+                        "several shorter commands")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only for a smoke run")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -396,10 +414,18 @@ def main(argv=None):
         out_path = out_path / "bench_e2e.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     meta = metadata(args, device)
+    previous_rows = []
+    if args.resume and out_path.exists():
+        previous = json.loads(out_path.read_text())
+        same = ("batch_size", "n_layer", "n_head", "n_embd", "vocab_size", "attention", "dtype")
+        changed = [k for k in same if previous["meta"]["args"].get(k) != getattr(args, k)]
+        if changed:
+            sys.exit(f"bench_e2e: --resume: {out_path} was measured with other {', '.join(changed)}")
+        previous_rows = previous["rows"]
     print(f"bench_e2e: torch {meta['torch']}, triton {meta['triton']}, {meta['device']}; "
           f"GPT {args.n_layer}L/{args.n_head}H/{args.n_embd}, B={args.batch_size}, {args.dtype}, "
           f"{args.attention} attention; N in {args.seq_lens}", flush=True)
-    rows = sweep(args, device, out_path, meta)
+    rows = sweep(args, device, out_path, meta, previous_rows)
     print(table(rows, args))
     print(f"\nwrote {out_path}")
     return 0
