@@ -5,9 +5,11 @@
 
 Importing this package registers the custom ops (namespace `bob_compile`) but never the
 backend name: torch discovers "flashbob" through the `torch_dynamo_backends` entry point,
-and registering it twice would fail the first compile.
+and registering it twice would fail the first compile. `register()` is for source
+checkouts without installed metadata.
 """
 from . import ops  # noqa: F401  (registers torch.ops.bob_compile.*)
 from .attention import attention
+from .backend import counters, flashbob, register
 
-__all__ = ["attention"]
+__all__ = ["attention", "counters", "flashbob", "register"]
