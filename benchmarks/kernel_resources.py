@@ -1,0 +1,94 @@
+"""Registers, spills, shared memory and tensor-core instructions of the Triton kernels,
+compiled ahead of time for the H200 (sm_90a) on any machine, no GPU needed.
+
+Uses Triton's own ptxas (-v) and nvdisasm. Prints one line per kernel and launch config:
+the configs are those the tuner picked on the H200 (benchmarks/results/*.json).
+
+    python benchmarks/kernel_resources.py
+"""
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+FLOAT_ARGS = ("qk_scale_log2", "scale")
+
+
+def load_kernels():
+    pkg = types.ModuleType("bob_compile_kernels_aot")
+    pkg.__path__ = [os.path.join(ROOT, "kernels")]
+    sys.modules[pkg.__name__] = pkg
+    return (importlib.import_module(pkg.__name__ + ".triton_bob"),
+            importlib.import_module(pkg.__name__ + ".triton_backward"))
+
+
+def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
+    """ptxas' register/spill/stack report and the SASS matrix-instruction counts."""
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.isupper() and name not in ("L", "S"):  # tensors: upper-case, but lengths
+            signature[name] = "*fp32" if name.endswith("_ACC") else f"*{dtype}"
+        else:
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        report = subprocess.run([os.path.join(NVIDIA_BIN, "ptxas"), "-arch=sm_90a", "-v", ptx,
+                                 "-o", cubin], capture_output=True, text=True).stderr
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(NVIDIA_BIN, "nvdisasm"), cubin],
+                              capture_output=True, text=True).stdout
+    number = lambda pattern: int(re.search(pattern, report).group(1))  # noqa: E731
+    return dict(registers=number(r"Used (\d+) registers"),
+                spill_stores=number(r"(\d+) bytes spill stores"),
+                spill_loads=number(r"(\d+) bytes spill loads"),
+                stack=number(r"(\d+) bytes stack frame"),
+                shared=kernel.metadata.shared,
+                hgmma=len(re.findall(r"\bHGMMA\b", sass)), hmma=len(re.findall(r"\bHMMA\b", sass)))
+
+
+def main():
+    bob, bwd = load_kernels()
+    print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'regs':>5s} "
+          f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s}")
+    # (kernel, function, pick flags, {d: (BLOCK_M, BLOCK_N, warps, stages)}) as tuned on H200
+    tuned = [
+        ("bob rows", bob._row_kernel, True, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
+        ("bob columns", bob._column_kernel, True, {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
+        ("bwd columns", bwd._column_kernel, False, {64: (32, 128, 4, 3), 128: (32, 64, 4, 2)}),
+        ("bwd dq", bwd._dq_kernel, False, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
+    ]
+    for name, fn, is_bob, configs in tuned:
+        for d, (bm, bn, warps, stages) in configs.items():
+            consts = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_E=d, BLOCK_EV=d, BLOCK_M=bm,
+                          BLOCK_N=bn, CAUSAL=True, DOT_PRECISION="ieee")
+            if is_bob:
+                consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True)
+            if "ROW_ATOMICS" in fn.arg_names:
+                consts["ROW_ATOMICS"] = False
+            if "DQ_ATOMICS" in fn.arg_names:
+                consts["DQ_ATOMICS"] = False
+            r = resources(fn, consts, warps, stages)
+            print(f"{name:14s} {d:4d} {bm:4d}x{bn:<4d} {warps:5d} {r['registers']:5d} "
+                  f"{r['spill_stores']:6d}/{r['spill_loads']:<7d} {r['stack']:6d} "
+                  f"{r['shared']:7d} {r['hgmma']:6d} {r['hmma']:5d}")
+
+
+if __name__ == "__main__":
+    main()
