@@ -64,3 +64,31 @@ def test_hf_gpt2():
                     reason="transformers is installed: test_hf_gpt2 runs the example")
 def test_hf_gpt2_skips_cleanly_without_transformers():
     assert "skipped: this example needs Hugging Face transformers" in run_example("hf_gpt2.py")
+
+
+def test_checks_fail_loudly():
+    """The examples' pass/fail helpers: a large or non-finite error fails, and so does a
+    flashbob run that replaced no attention (it would match eager trivially)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    import torch
+    from torch._dynamo.utils import counters
+    ref = [torch.ones(3)]
+    assert _common.check("same", [torch.ones(3)], ref, 1e-6)
+    assert not _common.check("off by 1%", [torch.full((3,), 1.01)], ref, 1e-4)
+    assert not _common.check("nan", [torch.tensor([1.0, float("nan"), 1.0])], ref, 1e-4)
+    assert _common.finish(True) == 0 and _common.finish(False) == 1
+    saved = dict(counters["flashbob"])
+    counters["flashbob"].clear()
+    try:
+        assert not _common.attention_replaced("flashbob")
+        counters["flashbob"]["sdpa_replaced"] += 1
+        assert _common.attention_replaced("flashbob")
+        counters["flashbob"]["fallback"] += 1
+        assert not _common.attention_replaced("flashbob")
+    finally:
+        counters["flashbob"].clear()
+        counters["flashbob"].update(saved)
