@@ -65,6 +65,7 @@ from sophia_h import GPT, SophiaH, hutchinson_step, rademacher_like  # noqa: E40
 IMPLS = ("math", "flashbob")
 WORKLOADS = ("sophia_hessian", "sophia_plain", "maml_outer")
 GIB = 2 ** 30
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def flashbob_backend():
@@ -117,9 +118,6 @@ def make_step(workload, model, params, batch, args, generator):
             query_loss = functional_call(model, fast, (x_query, y_query))
         apply(optimizer, torch.autograd.grad(query_loss, params))
     return maml_outer
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ----------------------------------------------------------------------------- measuring
