@@ -341,11 +341,14 @@ def table(rows, args):
 
 def metadata(args, device):
     def git_commit():
+        """The checkout's commit, or None (a copied tree may carry no usable .git)."""
         try:
-            return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                  text=True, timeout=10).stdout.strip() or None
-        except OSError:
+            done = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
             return None
+        sha = done.stdout.strip()
+        return sha if done.returncode == 0 and len(sha) == 40 else None
     try:
         import triton
         triton_version = triton.__version__
