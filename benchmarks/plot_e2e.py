@@ -73,7 +73,7 @@ def plot(results, png_path):
             ax.grid(True, which="both", alpha=0.3)
             if row == 0:
                 ax.set_title(TITLES[workload])
-    axes[0][0].legend(fontsize=8, loc="lower right")
+    axes[0][0].legend(fontsize=8, loc="best")
     args = meta.get("args", {})
     fig.suptitle(f"GPT {args.get('n_layer')}L/{args.get('n_head')}H/{args.get('n_embd')}, "
                  f"B={args.get('batch_size')}, {args.get('dtype')} autocast, {args.get('attention')} attention; "
