@@ -13,12 +13,13 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name, *args, timeout=300):
+def run_example(name, *args, timeout=300, python_prefix=()):
     # One intra-op thread: the tiny default sizes gain nothing from more, and on a busy
     # 2-core machine torch's spinning OpenMP threads made the same run 5-10x slower.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=EXAMPLES.parent,
-                            capture_output=True, text=True, timeout=timeout, env=env)
+    command = [sys.executable, *python_prefix, str(EXAMPLES / name), *args]
+    result = subprocess.run(command, cwd=EXAMPLES.parent, capture_output=True, text=True,
+                            timeout=timeout, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{output[-6000:]}"
     return result.stdout
@@ -60,10 +61,23 @@ def test_hf_gpt2():
     assert "all checks passed" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None,
-                    reason="transformers is installed: test_hf_gpt2 runs the example")
+# Runs a script as `python script.py` would (its folder first on sys.path), but with
+# `import transformers` failing, installed or not.
+WITHOUT_TRANSFORMERS = ("-c", "import os, runpy, sys; sys.modules['transformers'] = None; "
+                              "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+                              "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 def test_hf_gpt2_skips_cleanly_without_transformers():
-    assert "skipped: this example needs Hugging Face transformers" in run_example("hf_gpt2.py")
+    out = run_example("hf_gpt2.py", python_prefix=WITHOUT_TRANSFORMERS)
+    assert "skipped: this example needs Hugging Face transformers" in out
+
+
+def test_quickstart():
+    """The README's main job."""
+    out = run_example("quickstart.py")
+    assert "+" in out and "bob_compile_attention" in out      # it shows the graph diff
+    assert "all checks passed" in out
 
 
 def test_checks_fail_loudly():
