@@ -50,42 +50,44 @@ def _unflat(t: Tensor, shape):
     return t.reshape(shape).contiguous()
 
 
-def call_forward(impl, q, k, v, scale, causal):
-    """Run impl.forward on flattened inputs and restore the leading dims."""
-    o, lse = impl.forward(_flat(q), _flat(k), _flat(v), scale, causal)
+def call_forward(pick, q, k, v, scale, causal):
+    """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
+    restore the leading dims. The call_* functions below do the same for each op."""
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, scale, causal)
     return _unflat(o, (*q.shape[:-1], v.shape[-1])), _unflat(lse, q.shape[:-1])
 
 
-def call_backward(impl, q, k, v, o, lse, do, dlse, scale, causal):
-    dq, dk, dv = impl.backward(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q),
-                               _flat(do), _flat_rows(dlse, q), scale, causal)
+def call_backward(pick, q, k, v, o, lse, do, dlse, scale, causal):
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(do),
+                                           _flat_rows(dlse, q), scale, causal)
     return _unflat(dq, q.shape), _unflat(dk, k.shape), _unflat(dv, v.shape)
 
 
-def call_bob(impl, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
-    outs = impl.bob(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q), _flat(do),
-                    _flat_rows(dlse, q), _flat(gdq), _flat(gdk), _flat(gdv), scale, causal)
+def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(do),
+                                _flat_rows(dlse, q), _flat(gdq), _flat(gdk), _flat(gdv), scale, causal)
     shapes = (q.shape, k.shape, v.shape, o.shape, lse.shape, do.shape, lse.shape)
     return tuple(_unflat(t, s) for t, s in zip(outs, shapes))
 
 
-def call_forward_jvp(impl, q, k, v, o, lse, tq, tk, tv, scale, causal):
-    to, tlse = impl.forward_jvp(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q),
-                                _flat(tq), _flat(tk), _flat(tv), scale, causal)
+def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, scale, causal):
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(tq),
+                                            _flat(tk), _flat(tv), scale, causal)
     return _unflat(to, o.shape), _unflat(tlse, lse.shape)
 
 
-def call_backward_jvp(impl, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
+def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
                       scale, causal):
-    outs = impl.backward_jvp(_flat(q), _flat(k), _flat(v), _flat(o), _flat_rows(lse, q),
-                             _flat(do), _flat_rows(dlse, q), _flat(tq), _flat(tk), _flat(tv),
-                             _flat(to), _flat_rows(tlse, q), _flat(tdo), _flat_rows(tdlse, q),
-                             scale, causal)
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    outs = pick(qf, kf, vf).backward_jvp(
+        qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(do), _flat_rows(dlse, q), _flat(tq),
+        _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, q), _flat(tdo), _flat_rows(tdlse, q),
+        scale, causal)
     return tuple(_unflat(t, s) for t, s in zip(outs, (q.shape, k.shape, v.shape)))
-
-
-def _impl(q, k, v):
-    return kernels.select(_flat(q), _flat(k), _flat(v))
 
 
 def _new(t: Tensor, shape=None, dtype=None):
@@ -96,7 +98,7 @@ def _new(t: Tensor, shape=None, dtype=None):
 # ----------------------------------------------------------------------------- forward
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    return call_forward(_impl(q, k, v), q, k, v, scale, causal)
+    return call_forward(kernels.select, q, k, v, scale, causal)
 
 
 @attn_fwd.register_fake
@@ -108,7 +110,7 @@ def _(q, k, v, scale, causal):
 @torch.library.custom_op(f"{NAMESPACE}::attn_bwd", mutates_args=())
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
              dlse: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return call_backward(_impl(q, k, v), q, k, v, o, lse, do, dlse, scale, causal)
+    return call_backward(kernels.select, q, k, v, o, lse, do, dlse, scale, causal)
 
 
 @attn_bwd.register_fake
@@ -122,7 +124,7 @@ def attn_bob(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
              dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
              gdv: Optional[Tensor], scale: float, causal: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return call_bob(_impl(q, k, v), q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+    return call_bob(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
 
 
 @attn_bob.register_fake
@@ -135,7 +137,7 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
 def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
                  tk: Optional[Tensor], tv: Optional[Tensor], scale: float, causal: bool
                  ) -> tuple[Tensor, Tensor]:
-    return call_forward_jvp(_impl(q, k, v), q, k, v, o, lse, tq, tk, tv, scale, causal)
+    return call_forward_jvp(kernels.select, q, k, v, o, lse, tq, tk, tv, scale, causal)
 
 
 @attn_fwd_jvp.register_fake
@@ -149,7 +151,7 @@ def attn_bwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Te
                  tv: Optional[Tensor], to: Optional[Tensor], tlse: Optional[Tensor],
                  tdo: Optional[Tensor], tdlse: Optional[Tensor], scale: float, causal: bool
                  ) -> tuple[Tensor, Tensor, Tensor]:
-    return call_backward_jvp(_impl(q, k, v), q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse,
+    return call_backward_jvp(kernels.select, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse,
                              tdo, tdlse, scale, causal)
 
 
