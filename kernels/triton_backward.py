@@ -17,8 +17,8 @@ import triton.language as tl
 
 from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
                             key_blocks_of_row_block, load_lse2, load_row_vector, load_tile,
-                            padded_dim, row_blocks_of_key_block, row_bytes, store_tile, strides4,
-                            tuning_key, visibility_mask, wide_candidates)
+                            padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
+                            store_tile, strides4, tuning_key, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -177,18 +177,8 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ,
                DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // num_q_heads).to(tl.int64)
-    h = (pid_bh % num_q_heads).to(tl.int64)
-    hk = h // kv_group
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
-    row = pid_bh.to(tl.int64) * L
+    b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
+        num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
     lse2 = load_lse2(LSE + row, offs_m, L)

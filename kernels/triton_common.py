@@ -74,6 +74,23 @@ def store_tile(base, value, offs_rows, offs_cols, stride_rows, stride_cols, num_
 
 
 @triton.jit
+def row_block_program(num_q_heads, kv_group, L, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_EV: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where a program of a query-block-major grid (row blocks, B·Hq) works: batch b, query
+    head h, key/value head hk, first row m0, the row and feature offsets, and the start of
+    its (b, h) row vectors. Causal grids run the last row blocks (most keys) first."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_q_heads).to(tl.int64)
+    h = (pid_bh % num_q_heads).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    return (b, h, h // kv_group, m0, m0 + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_E),
+            tl.arange(0, BLOCK_EV), pid_bh.to(tl.int64) * L)
+
+
+@triton.jit
 def load_lse2(lse_row_ptr, offs_m, L):
     """lse in base 2; rows past L get +inf so that every P of theirs is exp2(-inf) = 0."""
     lse = tl.load(lse_row_ptr + offs_m, mask=offs_m < L, other=float("inf"))

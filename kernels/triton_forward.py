@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
-                            key_blocks_of_row_block, load_tile, padded_dim, row_bytes, store_tile,
-                            strides4, tuning_key, visibility_mask,
+                            key_blocks_of_row_block, load_tile, padded_dim, row_block_program,
+                            row_bytes, store_tile, strides4, tuning_key, visibility_mask,
                             wide_candidates)
 
 
@@ -48,17 +48,8 @@ def _forward_kernel(Q, K, V, O, LSE,
                     DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the last query blocks see the most keys: start them first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // num_q_heads).to(tl.int64)
-    h = (pid_bh % num_q_heads).to(tl.int64)
-    hk = h // kv_group
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
+    b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
+        num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
 
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     k_base = K + b * skb + hk * skh
@@ -83,7 +74,7 @@ def _forward_kernel(Q, K, V, O, LSE,
     lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     store_tile(O + b * sob + h * soh, o.to(O.dtype.element_ty), offs_m, offs_ev, sol, soe, L,
                HEAD_DIM_V, PAD_EV)
-    tl.store(LSE + pid_bh.to(tl.int64) * L + offs_m, lse, mask=offs_m < L)
+    tl.store(LSE + row + offs_m, lse, mask=offs_m < L)
 
 
 # Candidate launch configs, best measured default first (see benchmarks/README.md).
