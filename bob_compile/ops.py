@@ -39,11 +39,11 @@ def _flat(t: Optional[Tensor]):
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
-def _flat_rows(r: Optional[Tensor], q: Tensor):
-    """Row vectors (..., H, L) -> (B, H, L), matching _flat(q)."""
+def _flat_rows(r: Optional[Tensor], qf: Tensor):
+    """Row vectors (..., H, L) -> (B, H, L), matching the flattened query qf."""
     if r is None:
         return None
-    return r.reshape(_flat(q).shape[:3])
+    return r.reshape(qf.shape[:3])
 
 
 def _unflat(t: Tensor, shape):
@@ -60,22 +60,22 @@ def call_forward(pick, q, k, v, scale, causal):
 
 def call_backward(pick, q, k, v, o, lse, do, dlse, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(do),
-                                           _flat_rows(dlse, q), scale, causal)
+    dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
+                                           _flat_rows(dlse, qf), scale, causal)
     return _unflat(dq, q.shape), _unflat(dk, k.shape), _unflat(dv, v.shape)
 
 
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(do),
-                                _flat_rows(dlse, q), _flat(gdq), _flat(gdk), _flat(gdv), scale, causal)
+    outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
+                                _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv), scale, causal)
     shapes = (q.shape, k.shape, v.shape, o.shape, lse.shape, do.shape, lse.shape)
     return tuple(_unflat(t, s) for t, s in zip(outs, shapes))
 
 
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(tq),
+    to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq),
                                             _flat(tk), _flat(tv), scale, causal)
     return _unflat(to, o.shape), _unflat(tlse, lse.shape)
 
@@ -84,8 +84,8 @@ def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo
                       scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).backward_jvp(
-        qf, kf, vf, _flat(o), _flat_rows(lse, q), _flat(do), _flat_rows(dlse, q), _flat(tq),
-        _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, q), _flat(tdo), _flat_rows(tdlse, q),
+        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
+        _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
         scale, causal)
     return tuple(_unflat(t, s) for t, s in zip(outs, (q.shape, k.shape, v.shape)))
 

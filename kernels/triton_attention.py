@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from . import blockwise
 from .triton_backward import attention_backward
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
@@ -159,11 +160,9 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
 
 
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
-    from . import blockwise  # imported late: only the tangent paths need it
     return blockwise.forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal)
 
 
 def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
-    from . import blockwise
     return blockwise.backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
                                   scale, causal)
