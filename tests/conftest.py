@@ -3,6 +3,7 @@ sequences cross tile borders (odd lengths, partial and diagonal tiles)."""
 import pytest
 import torch
 
+from bob_compile.backend import recent_reports
 from bob_compile.kernels import blockwise
 
 
@@ -15,6 +16,15 @@ def small_tiles():
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled graph, recompile count or backend report leaks between tests."""
+    torch._dynamo.reset()
+    recent_reports.clear()
+    yield
+    torch._dynamo.reset()
 
 
 def pytest_collection_modifyitems(config, items):

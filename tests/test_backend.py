@@ -25,12 +25,7 @@ from models import CASES, NanoGPTBlock, loss_of
 FAST = {"compiler": "aot_eager", "fallback": False}
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    recent_reports.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def nanogpt_inputs(seq=8):

@@ -21,12 +21,7 @@ OPTIONS = {"compiler": "aot_eager", "fallback": False}
 TOLERANCE = 1e-9
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    recent_reports.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def max_error(actual, expected):

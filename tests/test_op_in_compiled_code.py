@@ -7,6 +7,8 @@ from torch.func import grad, jvp
 from attention_math import math_attention
 from bob_compile import attention
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 
 def make(causal=True):
     q, k, v = (torch.randn(2, 2, 6, 4, dtype=torch.float64) for _ in range(3))
@@ -19,7 +21,6 @@ def make(causal=True):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_first_order_under_stock_backends(backend):
-    torch._dynamo.reset()
     inputs, f, f_ref = make()
     compiled = torch.compile(f, backend=backend, fullgraph=True)
     xs = [t.clone().requires_grad_() for t in inputs]
@@ -32,7 +33,6 @@ def test_first_order_under_stock_backends(backend):
 def test_in_graph_torch_func_under_aot_eager():
     """compile(grad(grad(f))) and compile(jvp(grad(f))): the derivatives are traced into the
     AOT graph as our ops."""
-    torch._dynamo.reset()
     inputs, f, f_ref = make()
     second = lambda fn: grad(lambda q, k, v: grad(fn, argnums=1)(q, k, v).sum(), argnums=(0, 1, 2))
     got = torch.compile(second(f), backend="aot_eager", fullgraph=True)(*inputs)
@@ -46,7 +46,6 @@ def test_in_graph_torch_func_under_aot_eager():
 
 
 def test_double_backward_under_eager_backend():
-    torch._dynamo.reset()
     inputs, f, f_ref = make()
     compiled = torch.compile(f, backend="eager", fullgraph=True)
 
