@@ -2,29 +2,37 @@
 
     report = rewrite_attention(gm, example_inputs)
 
-rewrites `gm` in place (SDPA calls first, then hand-written attention), recompiles it, and
-returns a GraphReport: one Site per attention site, and the run-time guards that the
-rewritten graph needs (causal masks read from graph inputs, see causal_mask.py).
+rewrites `gm` in place (SDPA calls first, then hand-written attention, then the bodies of
+higher-order ops such as activation checkpointing), recompiles it, and returns a
+GraphReport: one Site per attention site, and the run-time guards that the rewritten graph
+needs (causal masks read from graph inputs, see causal_mask.py).
 
-Modules: sdpa.py and handwritten.py (the two rewrites), patterns.py (the model spellings
-they are written against), causal_mask.py (proofs that a mask is causal), nodes.py (node
-spellings and queries), erase.py (targeted dead-node removal), report.py (reports, counters).
+Modules: sdpa.py and handwritten.py (the rewrites), patterns.py (the model spellings
+they are written against), subgraphs.py (higher-order op bodies), causal_mask.py (proofs
+that a mask is causal), nodes.py (node spellings and queries), erase.py (targeted
+dead-node removal), report.py (reports, counters).
 """
 from .causal_mask import CausalTensorGuard, MaskProver
 from .handwritten import rewrite_handwritten
 from .report import GraphReport, Site, counters
 from .sdpa import rewrite_sdpa
+from .subgraphs import rewrite_bodies
 
 
 def rewrite_attention(gm, example_inputs, report=None):
     """Replace every supported attention site of `gm` by bob_compile.attention, in place."""
     report = report if report is not None else GraphReport()
-    prover = MaskProver(gm, example_inputs)
+    _rewrite_graph(gm, MaskProver(gm, example_inputs), report)
+    return report
+
+
+def _rewrite_graph(gm, prover, report):
     rewrite_sdpa(gm, prover, report)
     rewrite_handwritten(gm, prover, report)
+    rewrite_bodies(gm, prover, report, _rewrite_graph,
+                   lambda body, outer: MaskProver(body, (), outer))
     gm.graph.lint()
     gm.recompile()
-    return report
 
 
 __all__ = ["rewrite_attention", "GraphReport", "Site", "CausalTensorGuard", "counters"]

@@ -14,9 +14,9 @@ rewritten with is_causal=True only with a proof, which comes in two kinds:
   and the causal mask is Band(0, visible, masked). This holds for every sequence length,
   so it is also a proof under dynamic shapes.
 - The mask is read from a tensor the graph receives (nanoGPT's `bias` buffer, a mask passed
-  in): its value is checked when compiling, and `CausalTensorGuard` checks it again at run
-  time whenever the tensor object or its version counter changes. If it no longer holds,
-  the backend runs the untouched graph instead: a changed buffer is never silently wrong.
+  in): its value is checked when compiling, and `CausalTensorGuard` checks its contents
+  again on every call. If it no longer holds, the backend runs the untouched graph
+  instead: a changed buffer is never silently wrong, however it was changed.
 
 A masked score must vanish from the softmax: we accept -inf and any value at or below
 float16's lowest (-65504), which covers `torch.finfo(dtype).min` of every float dtype
@@ -26,12 +26,12 @@ below masked ones. Old-style -10000.0 masks are not provably -inf and are left a
 import dataclasses
 import math
 import operator
-import weakref
 
 import torch
 from torch import fx
 
-from .nodes import arg, describe, example_tensor, is_op, is_one, same_sizes
+from .nodes import (arg, describe, example_tensor, is_op, is_one, same_sizes, storage_key,
+                    written_operands)
 
 MASKED_SCORE_LIMIT = torch.finfo(torch.float16).min
 
@@ -62,38 +62,45 @@ def _band(diagonal, lower, upper):
     return Uniform(lower) if lower == upper else Band(diagonal, lower, upper)
 
 
+def band_pattern(like, lower, upper):
+    """A tensor shaped and typed like `like`: `lower` on and below the main diagonal of
+    every (..., R, C) matrix, `upper` above it."""
+    rows, cols = like.shape[-2:]
+    below = torch.ones(rows, cols, dtype=torch.bool, device=like.device).tril()
+    pattern = torch.where(below, torch.tensor(lower, dtype=like.dtype, device=like.device),
+                          torch.tensor(upper, dtype=like.dtype, device=like.device))
+    return pattern.expand(like.shape)
+
+
 def band_matches(t, lower, upper):
-    """Whether every (..., R, C) matrix of `t` is `lower` on and below the main diagonal
-    and `upper` above it."""
+    """Whether `t` holds exactly band_pattern(t, lower, upper)."""
     with torch.no_grad():
-        rows, cols = t.shape[-2:]
-        below = torch.ones(rows, cols, dtype=torch.bool, device=t.device).tril()
-        expected = torch.where(below, torch.tensor(lower, dtype=t.dtype, device=t.device),
-                               torch.tensor(upper, dtype=t.dtype, device=t.device))
-        return bool((t.detach() == expected).all())
+        return torch.equal(t.detach(), band_pattern(t, lower, upper))
 
 
 class CausalTensorGuard:
     """The run-time half of a proof that reads a mask from a graph input (e.g. a buffer).
 
-    `holds(args)` re-checks the input when its tensor object or version counter differ
-    from the last checked ones; otherwise it costs two attribute reads."""
+    `holds(args)` compares the input's contents with the causal pattern on every call.
+    Cheaper signals (tensor identity, version counter, data pointer) can all be bypassed:
+    `buf.data[...] = x` or `buf.data.fill_(x)` writes through a tensor with its own
+    version counter and changes no pointer. The comparison reads the mask once (one
+    elementwise kernel and a host synchronization on CUDA); the pattern it compares with
+    is cached per shape, dtype and device."""
 
     def __init__(self, arg_index, name, lower, upper):
         self.arg_index, self.name, self.lower, self.upper = arg_index, name, lower, upper
-        self._checked = None
-        self._checked_version = None
+        self._pattern = None
 
     def holds(self, args):
         t = args[self.arg_index]
-        version = getattr(t, "_version", None) if not t.is_inference() else None
-        if self._checked is not None and self._checked() is t and version is not None \
-                and version == self._checked_version:
-            return True
-        if t.dim() < 2 or not band_matches(t, self.lower, self.upper):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
             return False
-        self._checked, self._checked_version = weakref.ref(t), version
-        return True
+        pattern = self._pattern
+        if pattern is None or (pattern.shape, pattern.dtype, pattern.device) != (t.shape, t.dtype, t.device):
+            pattern = self._pattern = band_pattern(t, self.lower, self.upper)
+        with torch.no_grad():
+            return torch.equal(t.detach(), pattern)
 
     def __repr__(self):
         return f"CausalTensorGuard({self.name}: lower-triangular {self.lower!r}/{self.upper!r})"
@@ -122,14 +129,21 @@ def _cast(value, dtype):
     return torch.tensor(value).to(dtype).item()
 
 class MaskProver:
-    """Abstract evaluation of mask subgraphs of one graph (memoised across sites)."""
+    """Abstract evaluation of mask subgraphs of one graph (memoised across sites).
 
-    def __init__(self, gm, example_inputs):
+    For the body of a higher-order op (an activation-checkpointed block, say), `outer`
+    maps the body's placeholders to (prover of the enclosing graph, the value passed in
+    there), so that a mask built or read outside the block is proven where it is made."""
+
+    def __init__(self, gm, example_inputs, outer=None):
+        self._graph = gm.graph
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._arg_index = {n: i for i, n in enumerate(placeholders)}
         self._example_inputs = list(example_inputs)
+        self._outer = dict(outer or {})
         self._memo = {}
         self._guards = {}
+        self._writes = None
 
     # ------------------------------------------------------------------ public
     def prove(self, mask, kind, scores_size):
@@ -162,11 +176,10 @@ class MaskProver:
                             f"{value.upper!r} above it: as {kind} mask that is not causal"
                             + (" (masked value not <= -65504, so not provably -inf)"
                                if kind == "additive" and keeps else ""))
-        nodes = self._subgraph(mask)
-        guards = tuple(self._guards[n] for n in nodes if n in self._guards)
+        nodes, guards = self._dependencies(mask)
         how = ("built in the graph" if not guards else
                "from " + ", ".join(g.name for g in guards) + ", checked at run time")
-        return MaskProof([n for n in nodes if n.op != "placeholder"], guards, how)
+        return MaskProof([n for n in nodes if n.op != "placeholder"], tuple(guards), how)
 
     def masking_value(self, fill):
         """Raise NotProven unless `fill` (a number or a graph value) removes a score."""
@@ -175,6 +188,8 @@ class MaskProver:
             value = value.value
         if not isinstance(value, (int, float)) or value > MASKED_SCORE_LIMIT:
             raise NotProven(f"the fill value {describe(fill)} is not -inf (nor <= -65504)")
+        if isinstance(fill, fx.Node):
+            self._dependencies(fill)
 
     def value(self, x):
         if not isinstance(x, fx.Node):
@@ -192,6 +207,30 @@ class MaskProver:
         return result
 
     # ------------------------------------------------------------------ evaluation
+    def _dependencies(self, x):
+        """(the nodes of this graph that x's proven value rests on, the run-time guards
+        it needs, from enclosing graphs too). NotProven if the graph writes any of
+        them in place: the proof reads the code that builds a mask, so a later
+        `mask[i] = v`, `mask.fill_(v)`, `out=mask` (or a write through a view) would
+        make it wrong."""
+        nodes = self._subgraph(x)
+        self._check_not_written(nodes)
+        guards = [self._guards[n] for n in nodes if n in self._guards]
+        for n in nodes:
+            if n in self._outer:
+                prover, outer_node = self._outer[n]
+                guards += [g for g in prover._dependencies(outer_node)[1] if g not in guards]
+        return nodes, guards
+
+    def _check_not_written(self, nodes):
+        if self._writes is None:
+            self._writes = [(n, w) for n in self._graph.nodes for w in written_operands(n)]
+        storages = {storage_key(n) for n in nodes} - {None}
+        for writer, written in self._writes:
+            if written in nodes or storage_key(written) in storages:
+                raise NotProven(f"{describe(writer)} writes in place to {written.name}, "
+                                f"which the mask is made from")
+
     def _subgraph(self, mask):
         seen, stack = [], [mask]
         while stack:
@@ -225,6 +264,9 @@ class MaskProver:
         return Uniform(_cast(value, out.dtype))
 
     def _graph_input(self, node):
+        if node in self._outer:
+            prover, outer_node = self._outer[node]
+            return prover.value(outer_node)
         index = self._arg_index[node]
         t = self._example_inputs[index] if index < len(self._example_inputs) else None
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.numel() == 0:

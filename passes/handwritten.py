@@ -12,8 +12,14 @@ The matcher starts at each softmax and walks the graph both ways:
   with the mask proven causal by causal_mask.py;
 - the transpose of k in any spelling (transpose/swapaxes/permute/.mT); without one, the
   op gets `k_transposed.transpose(-2, -1)`;
+- the products as matmul/bmm, `torch.baddbmm(_, q, kᵀ, beta=0, alpha=scale)` (Megatron,
+  BLOOM-style; beta=1 adds a mask), or einsum in any layout that einsum.py accepts;
 - every node of the chain has a single user: if the scores or probabilities are used
   elsewhere (returned, logged, a second matmul), the site is left alone.
+
+A site is every softmax over a product of two activations (`attention_like_softmaxes`):
+each one is either replaced or reported with the reason, so that a model with attention
+never reports "0 attention sites".
 
 The model spellings this was written against are in patterns.py. Anything else keeps its
 nodes, and the report says which link of the chain failed and why.
@@ -23,6 +29,7 @@ import operator
 import torch
 
 from ..attention import attention
+from . import einsum
 from .causal_mask import NotProven
 from .erase import erase_unused
 from .nodes import (arg, describe, dim_index, example, example_tensor, is_number, is_op,
@@ -43,14 +50,14 @@ class _Chain:
         self.factors = []        # (number or SymFloat node, divides: bool)
         self.proof = None
         self.q = self.k = self.k_transposed = self.v = self.output = None
+        # einsum layouts: permutations to the op's (batch..., N, E) and back, None = as is
+        self.q_perm = self.k_perm = self.v_perm = self.out_perm = None
 
 
 def rewrite_handwritten(gm, prover, report):
     """Rewrite every supported hand-written attention of `gm` in place; one Site per
     softmax that sits next to a matmul."""
-    for softmax in [n for n in gm.graph.nodes if is_op(n, "softmax")]:
-        if not _near_matmul(softmax):
-            continue
+    for softmax in attention_like_softmaxes(gm.graph):
         site = Site("handwritten", softmax.name, user_code(softmax))
         try:
             chain = _match(softmax, prover)
@@ -102,6 +109,9 @@ def _match_probabilities_to_output(softmax, chain):
         elif is_op(user, "matmul") and len(user.args) == 2 and user.args[0] is node:
             chain.output, chain.v = user, user.args[1]
             return
+        elif is_op(user, "einsum"):
+            _match_output_einsum(user, node, chain)
+            return
         else:
             raise _Skip(f"the probabilities go to {describe(user)}, not to a matmul with the values")
         chain.nodes.append(user)
@@ -137,11 +147,13 @@ def _match_scores(x, chain, prover):
         elif not masked and is_op(node, "masked_fill", "add", "where"):
             node_next = _match_mask(node, chain, prover)
             masked = True
-            for scale_node, value in scales_after_mask:  # -inf * c must stay -inf
-                if not is_positive(value):
-                    raise _Skip(f"{describe(scale_node)} scales the masked scores by "
-                                f"{describe(value)}, which is not positive")
-        elif is_op(node, "matmul") and len(node.args) == 2:
+            _check_positive(scales_after_mask)
+        elif is_op(node, "matmul") and len(node.args) == 2 or is_op(node, "einsum"):
+            chain.nodes.append(node)
+            return node
+        elif is_op(node, "baddbmm"):
+            if _match_baddbmm(node, chain, prover, masked):
+                _check_positive(scales_after_mask)
             chain.nodes.append(node)
             return node
         else:
@@ -149,6 +161,13 @@ def _match_scores(x, chain, prover):
                         f"not from q @ k^T with scales and a causal mask")
         chain.nodes.append(node)
         node = node_next
+
+
+def _check_positive(scales_after_mask):
+    for scale_node, value in scales_after_mask:  # -inf * c must stay -inf
+        if not is_positive(value):
+            raise _Skip(f"{describe(scale_node)} scales the masked scores by "
+                        f"{describe(value)}, which is not positive")
 
 
 def _match_mask(node, chain, prover):
@@ -193,9 +212,60 @@ def _scores_and_other(node, a, b):
     raise _Skip(f"{describe(node)}: cannot tell the scores from the mask")
 
 
+def _match_output_einsum(node, probs, chain):
+    operands = _einsum_operands(node)
+    if len(operands) != 2 or probs not in operands:
+        raise _Skip(f"the probabilities go to {describe(node)}, not to a product with the values")
+    probs_first = operands[0] is probs
+    v = operands[1] if probs_first else operands[0]
+    p_value, v_value = example_tensor(probs), example_tensor(v)
+    if p_value is None or v_value is None:
+        raise _Skip(f"{describe(node)} has operands without recorded tensor values")
+    try:
+        chain.v_perm, chain.out_perm = einsum.output_layout(
+            node.args[0], p_value.dim(), v_value.dim(), probs_first)
+    except einsum.NotAttention as e:
+        raise _Skip(str(e)) from None
+    chain.output, chain.v = node, v
+
+
+def _einsum_operands(node):
+    """The operand nodes of einsum(equation, a, b) or einsum(equation, [a, b])."""
+    operands = node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = operands[0]
+    return list(operands)
+
+
+def _match_baddbmm(node, chain, prover, masked):
+    """baddbmm(input, q, kᵀ, beta=β, alpha=α) = β·input + α·q kᵀ: β = 0 ignores input (even
+    NaN in it, as torch documents); β = 1 with masked=False adds a causal mask. Returns
+    whether it did."""
+    beta, alpha = arg(node, None, "beta", 1), arg(node, None, "alpha", 1)
+    if not (is_number(alpha) or is_symbolic_number(alpha)):
+        raise _Skip(f"{describe(node)} has alpha={describe(alpha)}, not a number")
+    if is_zero(beta):
+        chain.nodes.append(node.args[0])  # the ignored buffer: erased if nothing else reads it
+    else:
+        if masked or beta != 1:
+            raise _Skip(f"{describe(node)} adds beta={describe(beta)} times its input to the "
+                        f"scores: a bias, not a causal mask")
+        try:
+            chain.proof = prover.prove(node.args[0], "additive", example_tensor(node).shape[-2:])
+        except NotProven as e:
+            raise _Skip(f"the mask is not provably causal: {e}") from None
+        chain.nodes.extend(chain.proof.nodes)
+    if not (is_number(alpha) and alpha == 1):
+        chain.factors.append((alpha, False))
+    return not is_zero(beta)
+
+
 def _match_operands(qk, chain, prover):
-    """q and k from matmul(q, k^T), absorbing scales applied to q or k."""
-    q, kt = qk.args
+    """q and k from matmul(q, k^T) (or baddbmm), absorbing scales applied to q or k; or
+    from einsum(q, k) in a layout einsum.py accepts."""
+    if is_op(qk, "einsum"):
+        return _match_einsum_operands(qk, chain, prover)
+    q, kt = qk.args[1:3] if is_op(qk, "baddbmm") else qk.args
     q = _absorb_scales(q, chain, prover)
     kt = _absorb_scales(kt, chain, prover)
     k = swaps_last_two_dims(kt)
@@ -205,6 +275,18 @@ def _match_operands(qk, chain, prover):
     else:
         chain.k_transposed = kt
     chain.q = q
+
+
+def _match_einsum_operands(qk, chain, prover):
+    operands = _einsum_operands(qk)
+    values = [example_tensor(o) for o in operands]
+    if len(operands) != 2 or any(v is None for v in values):
+        raise _Skip(f"{describe(qk)} is not an einsum of two recorded tensors")
+    try:
+        chain.q_perm, chain.k_perm, _ = einsum.scores_layout(qk.args[0], *(v.dim() for v in values))
+    except einsum.NotAttention as e:
+        raise _Skip(str(e)) from None
+    chain.q, chain.k = (_absorb_scales(o, chain, prover) for o in operands)
 
 
 def _absorb_scales(x, chain, prover):
@@ -226,6 +308,8 @@ def _check_operands(chain):
     kt = example_tensor(chain.k_transposed if chain.k is None else chain.k)
     if any(t is None for t in (q, kt, v, out)):
         raise _Skip("q, k or v has no recorded tensor value")
+    q, kt, v = (t if perm is None else t.permute(perm)
+                for t, perm in ((q, chain.q_perm), (kt, chain.k_perm), (v, chain.v_perm)))
     if not (q.dim() == kt.dim() == v.dim() >= 2):
         raise _Skip(f"q, k and v have ranks {q.dim()}, {kt.dim()}, {v.dim()} (broadcasting matmul)")
     if not (same_sizes(q.shape[:-2], kt.shape[:-2]) and same_sizes(q.shape[:-2], v.shape[:-2])):
@@ -292,7 +376,7 @@ def _reaches_matmul(x, depth=8):
     for _ in range(depth):
         if not isinstance(x, torch.fx.Node):
             return False
-        if is_op(x, "matmul"):
+        if is_op(x, "matmul", "einsum", "baddbmm"):
             return True
         factor = _scale_factor(x, None)
         if factor is not None:
@@ -304,15 +388,59 @@ def _reaches_matmul(x, depth=8):
     return False
 
 
-def _near_matmul(softmax, depth=3):
-    """Whether a matmul is within `depth` edges of this softmax (is it attention-like?)."""
-    frontier, seen = [softmax], {softmax}
-    for _ in range(depth):
-        frontier = [m for n in frontier for m in (*n.all_input_nodes, *n.users) if m not in seen]
-        seen.update(frontier)
-        if any(is_op(n, "matmul") for n in frontier):
-            return True
-    return False
+# The ops a score may pass through between the product q·kᵀ and the softmax: scales,
+# masks, biases, casts, soft-capping (Gemma's tanh), views. Not linear layers or norms: a
+# classifier's softmax over logits that an earlier attention fed is not attention.
+_SCORE_OPS = ("add", "sub", "mul", "truediv", "neg", "masked_fill", "where", "cast",
+              "same_values", "reshape", "unsqueeze", "broadcast_to", "getitem", "dropout")
+_SCORE_METHODS = ("tanh", "clamp", "clip", "softcap")
+_SCORE_FUNCTIONS = (torch.tanh, torch.clamp, torch.clip)
+
+
+def attention_like_softmaxes(graph, depth=10):
+    """Softmaxes of `graph` over a product of two activations (tensors computed from the
+    inputs, not parameters), found within `depth` score ops of the softmax's input."""
+    activations = _activations(graph)
+    found = []
+    for softmax in (n for n in graph.nodes if is_op(n, "softmax")):
+        frontier, seen = [softmax.args[0]], set()
+        for _ in range(depth):
+            frontier = [n for n in frontier if isinstance(n, torch.fx.Node) and n not in seen]
+            seen.update(frontier)
+            if any(_is_activation_product(n, activations) for n in frontier):
+                found.append(softmax)
+                break
+            frontier = [i for n in frontier if _is_score_op(n) for i in n.all_input_nodes]
+    return found
+
+
+def _is_score_op(node):
+    return is_op(node, *_SCORE_OPS) or (node.op == "call_method" and node.target in _SCORE_METHODS) \
+        or (node.op == "call_function" and node.target in _SCORE_FUNCTIONS)
+
+
+def _is_activation_product(node, activations):
+    if is_op(node, "matmul"):
+        operands = node.args[:2]
+    elif is_op(node, "baddbmm"):
+        operands = node.args[1:3]
+    elif is_op(node, "einsum"):
+        operands = _einsum_operands(node)
+    else:
+        return False
+    return len(operands) == 2 and all(o in activations for o in operands)
+
+
+def _activations(graph):
+    """Nodes computed from a graph input that is not a parameter."""
+    activations = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if not isinstance(example(node), torch.nn.Parameter):
+                activations.add(node)
+        elif any(i in activations for i in node.all_input_nodes):
+            activations.add(node)
+    return activations
 
 
 # ---------------------------------------------------------------------------- rewriting
@@ -322,21 +450,41 @@ def _replace(gm, chain, site):
         k = chain.k
         if k is None:  # no recorded value: inside transforms it could not be computed here
             k = graph.call_method("transpose", (chain.k_transposed, -2, -1))
+        q, k, v = (_permuted(graph, x, perm) for x, perm in
+                   ((chain.q, chain.q_perm), (k, chain.k_perm), (chain.v, chain.v_perm)))
         scale, scale_text = _scale(graph, chain.factors)
         causal = chain.proof is not None
         replacement = graph.call_function(
-            attention, (chain.q, k, chain.v),
-            {"is_causal": causal, "scale": scale, "enable_gqa": False})
+            attention, (q, k, v), {"is_causal": causal, "scale": scale, "enable_gqa": False})
+        result = _permuted(graph, replacement, chain.out_perm)
     replacement.meta = dict(chain.output.meta)
-    chain.output.replace_all_uses_with(replacement)
+    if result is not replacement:
+        replacement.meta.pop("example_value", None)
+        result.meta = dict(chain.output.meta)
+    chain.output.replace_all_uses_with(result)
     name = chain.output.name
     erase_unused(graph, chain.nodes + [chain.output])
-    replacement.name = name  # the user's variable (y = att @ v): a smaller, readable diff
+    result.name = name  # the user's variable (y = att @ v): a smaller, readable diff
     site.replaced, site.is_causal, site.scale = True, causal, scale_text
     k_shape = shape_text(chain.k) if chain.k is not None else f"{shape_text(chain.k_transposed)}^T"
     site.shapes = f"q{shape_text(chain.q)} k{k_shape} v{shape_text(chain.v)}"
+    if chain.q_perm or chain.k_perm or chain.v_perm or chain.out_perm:
+        site.shapes += f" (einsum layouts: q{chain.q_perm or ''} k{chain.k_perm or ''} " \
+                       f"v{chain.v_perm or ''} out{chain.out_perm or ''})"
     if chain.proof:
         site.causal_proof = f"mask {chain.proof.how}"
+
+
+def _permuted(graph, x, perm):
+    """x.permute(perm) as a new node (x itself for None), with its recorded value where
+    one can be computed (not for functorch-wrapped values inside transforms)."""
+    if perm is None:
+        return x
+    node = graph.call_method("permute", (x, *perm))
+    value = example_tensor(x)
+    if value is not None and not torch._C._functorch.is_functorch_wrapped_tensor(value):
+        node.meta["example_value"] = value.permute(perm)
+    return node
 
 
 def _scale(graph, factors):

@@ -5,6 +5,7 @@ One operation reaches a Dynamo graph under several spellings: `q @ k` is `operat
 2.11 records `mask == 0` as `call_method "__eq__"` where 2.13 records `operator.eq`
 (bob_compile/_compat.py). `is_op(node, "matmul")` accepts them all.
 """
+import inspect
 import math
 import operator
 
@@ -29,6 +30,8 @@ _FUNCTIONS = {
     "mul": (operator.mul, torch.mul),
     "truediv": (operator.truediv, torch.div, torch.true_divide),
     "matmul": (operator.matmul, torch.matmul, torch.bmm),
+    "einsum": (torch.einsum, torch.functional.einsum),
+    "baddbmm": (torch.baddbmm,),
     "neg": (operator.neg, torch.neg),
     "invert": (operator.invert, torch.bitwise_not),
     "and_": (operator.and_, torch.bitwise_and),
@@ -62,6 +65,8 @@ _FUNCTIONS = {
 # call_method names, by operation name (operators add their dunder spellings from _compat).
 _METHODS = {
     **OPERATOR_METHOD_SPELLINGS,
+    "matmul": (*OPERATOR_METHOD_SPELLINGS["matmul"], "bmm"),
+    "baddbmm": ("baddbmm",),
     "logical_not": ("logical_not",),
     "logical_and": ("logical_and",),
     "logical_or": ("logical_or",),
@@ -222,3 +227,76 @@ def user_code(node):
             code = lines[i + 1] if i + 1 < len(lines) else ""
             return f"{where}:{line_no}: {code}"
     return ""
+
+
+# ---------------------------------------------------------------------------- mutation
+# In-place operator functions: `x += y` is recorded as operator.iadd(x, y).
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.setitem}
+# Trailing-underscore methods that change no values.
+_METADATA_ONLY_METHODS = {"requires_grad_", "share_memory_"}
+
+
+def written_operands(node):
+    """The graph values that `node` writes in place: `x[i] = v`, `x.add_(y)`, `x += y`,
+    `torch.relu_(x)`, aten in-place/out overloads, `F.relu(x, inplace=True)`, `out=` ...
+    Writes through views count as writes of the view; callers compare storages."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return []
+    written = []
+    out = node.kwargs.get("out")
+    written += [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, fx.Node)]
+    first = node.args[0] if node.args else None
+    if node.op == "call_method":
+        name = node.target
+        in_place = (name.endswith("_") and not name.startswith("__") and name not in _METADATA_ONLY_METHODS) \
+            or name in ("__setitem__",) or (name.startswith("__i") and name[3:-2] in _IN_PLACE_DUNDERS)
+        return written + ([first] if in_place and isinstance(first, fx.Node) else [])
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:      # an aten or custom op overload: its schema says what it writes
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+                written += [value] if isinstance(value, fx.Node) else []
+        return written
+    name = getattr(target, "__name__", "")
+    if target in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("__")
+                                        and name not in _METADATA_ONLY_METHODS):
+        return written + ([first] if isinstance(first, fx.Node) else [])
+    if _inplace_flag(node):
+        written += [first] if isinstance(first, fx.Node) else []
+    return written
+
+
+_IN_PLACE_DUNDERS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                     "and", "or", "xor", "lshift", "rshift"}
+
+
+def _inplace_flag(node):
+    """Whether a Python function with an `inplace` parameter (F.relu, F.dropout, ...) is
+    called with inplace=True, by keyword or position."""
+    if "inplace" in node.kwargs:
+        return node.kwargs["inplace"] is True
+    try:
+        parameters = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):
+        return False
+    if "inplace" not in parameters:
+        return False
+    position = parameters.index("inplace")
+    return len(node.args) > position and node.args[position] is True
+
+
+def storage_key(node):
+    """An identity for the memory behind a node's recorded tensor (views share it), or
+    None where it cannot be read (functorch-wrapped values inside transforms)."""
+    value = example_tensor(node)
+    if value is None:
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None

@@ -91,6 +91,46 @@ def bmm_3d(q, k, v, bias):
     return torch.bmm(probs, v3).reshape(B, H, L, -1)
 
 
+def einsum_lucidrains(q, k, v, bias):
+    # lucidrains x-transformers / Perceiver / imagen: einsum with spaced letters, a boolean
+    # triu mask filled with -finfo.max.
+    i, j = q.shape[-2], k.shape[-2]
+    sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * q.shape[-1] ** -0.5
+    causal_mask = torch.ones((i, j), dtype=torch.bool, device=q.device).triu(j - i + 1)
+    sim = sim.masked_fill(causal_mask, -torch.finfo(sim.dtype).max)
+    attn = sim.softmax(dim=-1)
+    return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+
+
+def einsum_sequence_major(q, k, v, bias):
+    # flash-attention's tests, attention_ref: (batch, seq, heads, dim) layout throughout,
+    # the scale on q; here transposed in and out so that the pattern takes (B, H, L, E).
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    scores = torch.einsum("bthd,bshd->bhts", q / math.sqrt(q.shape[-1]), k)
+    attention = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhts,bshd->bthd", attention, v).transpose(1, 2)
+
+
+def megatron_baddbmm(q, k, v, bias):
+    # Megatron-LM CoreAttention (and GPT-NeoX): heads folded into the batch, the scale as
+    # baddbmm's alpha over an empty buffer that beta=0 ignores, a method-spelled bmm after.
+    B, H, L, E = q.shape
+    q3, k3, v3 = q.reshape(B * H, L, E), k.reshape(B * H, -1, E), v.reshape(B * H, -1, v.shape[-1])
+    buffer = torch.empty(B * H, L, k3.shape[1], dtype=q.dtype, device=q.device)
+    scores = torch.baddbmm(buffer, q3, k3.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(E))
+    probs = F.softmax(scores, dim=-1)
+    return probs.bmm(v3).reshape(B, H, L, -1)
+
+
+def baddbmm_causal_mask(q, k, v, bias):
+    # BLOOM/Falcon-style baddbmm with its input added (beta=1), here a causal mask.
+    B, H, L, E = q.shape
+    q3, k3, v3 = q.reshape(B * H, L, E), k.reshape(B * H, -1, E), v.reshape(B * H, -1, v.shape[-1])
+    mask = torch.triu(torch.full((L, L), float("-inf"), dtype=q.dtype, device=q.device), 1)
+    scores = torch.baddbmm(mask.expand(B * H, L, L), q3, k3.transpose(1, 2), alpha=E ** -0.5)
+    return torch.bmm(F.softmax(scores, dim=-1), v3).reshape(B, H, L, -1)
+
+
 # name -> (pattern, is_causal)
 PATTERNS = {
     "nanogpt": (nanogpt, True),
@@ -100,6 +140,10 @@ PATTERNS = {
     "timm_vit": (timm_vit, False),
     "arange_mask": (arange_mask, True),
     "bmm_3d": (bmm_3d, False),
+    "einsum_lucidrains": (einsum_lucidrains, True),
+    "einsum_sequence_major": (einsum_sequence_major, False),
+    "megatron_baddbmm": (megatron_baddbmm, False),
+    "baddbmm_causal_mask": (baddbmm_causal_mask, True),
 }
 
 
@@ -159,6 +203,31 @@ def bottom_right_causal(q, k, v, bias):
     return F.softmax((q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf")), dim=-1) @ v
 
 
+def alibi_baddbmm(q, k, v, bias):
+    # BLOOM: baddbmm(alibi, q, k, beta=1.0, alpha=1/sqrt(d)), a per-head linear bias.
+    B, H, L, E = q.shape
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(H)], dtype=q.dtype)
+    alibi = (slopes[:, None, None] * torch.arange(L, dtype=q.dtype)[None, None, :]).repeat(B, L, 1)
+    q3, k3, v3 = q.reshape(B * H, L, E), k.reshape(B * H, -1, E), v.reshape(B * H, -1, v.shape[-1])
+    scores = torch.baddbmm(alibi, q3, k3.transpose(1, 2), beta=1.0, alpha=E ** -0.5)
+    return torch.bmm(F.softmax(scores, dim=-1), v3).reshape(B, H, L, -1)
+
+
+def einsum_over_queries(q, k, v, bias):
+    # the scores laid out (keys, queries): softmax(-1) normalises over the queries.
+    scores = torch.einsum("bhqd,bhkd->bhkq", q, k)
+    return torch.einsum("bhkq,bhkd->bhqd", scores.softmax(-1), v)
+
+
+def relative_position_bias(q, k, v, bias):
+    # T5-style learned relative position bias added to the scores: a bias, not a mask.
+    L = q.shape[-2]
+    distance = torch.arange(L)[None, :] - torch.arange(L)[:, None]
+    position_bias = torch.sin(distance.to(q.dtype))
+    scores = q @ k.transpose(-2, -1) + position_bias
+    return F.softmax(scores, dim=-1) @ v
+
+
 MUST_NOT_MATCH = {
     "linear_attention": (linear_attention, "no softmax"),
     "ttt_dual_form": (ttt_dual_form, "no softmax"),
@@ -169,4 +238,7 @@ MUST_NOT_MATCH = {
     "padding_mask": (padding_mask, "not provably causal"),
     "soft_additive_mask": (soft_additive_mask, "not provably -inf"),
     "bottom_right_causal": (bottom_right_causal, "offset"),
+    "alibi_baddbmm": (alibi_baddbmm, "not provably causal"),
+    "einsum_over_queries": (einsum_over_queries, "does not contract the probabilities' key dim"),
+    "relative_position_bias": (relative_position_bias, "not provably causal"),
 }

@@ -1,12 +1,14 @@
 """What the passes did to one graph, in words, and process-wide counters.
 
 Every attention site gets one line: replaced (with shapes, scale, causal and how causality
-was proven) or skipped (with the reason). A softmax counts as a site only if a matmul is
-near it, so that a classifier's softmax does not clutter the report.
+was proven) or skipped (with the reason). A softmax counts as a site when it is over a
+product of two activations (handwritten.attention_like_softmaxes), so that a classifier's
+softmax does not clutter the report while no attention goes unreported; sites inside the
+bodies of higher-order ops (activation checkpointing, cond, ...) count too.
 
 `counters` (also mirrored into torch._dynamo.utils.counters["flashbob"]) counts, over the
-process: sdpa_replaced, sdpa_skipped, handwritten_replaced, handwritten_skipped, graphs,
-route_<name> and fallback. Clear it with `counters.clear()`.
+process: sdpa_replaced, sdpa_skipped, handwritten_replaced, handwritten_skipped,
+flex_attention_skipped, graphs, route_<name> and fallback. Clear it with `counters.clear()`.
 """
 import collections
 import dataclasses
@@ -24,7 +26,7 @@ def count(key, n=1):
 
 @dataclasses.dataclass
 class Site:
-    kind: str                    # "sdpa" or "handwritten"
+    kind: str                    # "sdpa", "handwritten" or "flex_attention"
     node: str                    # the SDPA node, or the softmax of hand-written attention
     code: str = ""               # the user's line, "file.py:LINE: code"
     replaced: bool = False

@@ -187,6 +187,22 @@ class ViTBlock(NanoGPTBlock):
         super().__init__(dim, ViTAttention)
 
 
+class CheckpointedBlock(nn.Module):
+    """A transformer block under activation checkpointing, as long-sequence training runs
+    it: torch.utils.checkpoint.checkpoint(block, x) (Dynamo puts the block in a body graph
+    of tag_activation_checkpoint, whose causal `bias` buffer comes from outside it)."""
+
+    def __init__(self, dim=WIDTH, block=NanoGPTBlock, use_reentrant=False):
+        super().__init__()
+        self.block, self.use_reentrant = block(dim), use_reentrant
+        self.checkpointing = True
+
+    def forward(self, x):
+        if not self.checkpointing:
+            return self.block(x)
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+
 class GPT(nn.Module):
     """nanoGPT GPT, 2 layers (hand-written attention), returning the cross-entropy loss."""
 
@@ -212,6 +228,9 @@ class Case:
     make: Callable        # () -> float64 nn.Module
     batch: Callable       # (seed, seq) -> tuple of inputs
     sites: int            # attention sites the backend must replace in one forward
+    # whether torch.func transforms run over it (PyTorch's own torch.func refuses the
+    # saved-tensor hooks of activation checkpointing, compiled or not)
+    transforms: bool = True
 
     def model(self):
         torch.manual_seed(0)
@@ -235,6 +254,9 @@ CASES = {
     "hf_eager": Case(HFEagerBlock, float_batch, 1),
     "vit": Case(ViTBlock, float_batch, 1),
     "gpt2layer": Case(GPT, token_batch, 2),
+    "checkpointed_nanogpt": Case(CheckpointedBlock, float_batch, 1, transforms=False),
+    "checkpointed_sdpa": Case(lambda: CheckpointedBlock(block=SDPABlock), float_batch, 1,
+                              transforms=False),
 }
 
 
@@ -243,9 +265,15 @@ def loss_of(output):
 
 
 def exact_twin(model):
-    """A copy whose eager run is exact in float64 (HF's float32 softmax made float64)."""
+    """A copy whose eager run is exact in float64 (HF's float32 softmax made float64), and
+    without activation checkpointing: eager checkpointing recomputes the block in the
+    backward with the module's own parameters, so under functional_call (MAML's fast
+    weights) it differentiates the wrong weights. Compiled, the weights are inputs of the
+    checkpointed body and the result is exact."""
     twin = copy.deepcopy(model)
     for module in twin.modules():
         if isinstance(module, HFEagerAttention):
             module.softmax_dtype = torch.float64
+        if isinstance(module, CheckpointedBlock):
+            module.checkpointing = False
     return twin

@@ -356,6 +356,190 @@ def test_buffer_that_is_not_causal_is_rejected():
     assert not site.replaced and "is not a lower-triangular mask" in site.reason
 
 
+# ---------------------------------------------------------------------------- masks written in place
+def _bool_causal(q):
+    T = q.shape[-2]
+    return torch.ones(q.shape[0], 1, T, T, dtype=torch.bool).tril()
+
+
+def _set_last_keys(keep):
+    keep[0, :, :, -3:] = False
+
+
+def _fill_through_view(keep):
+    keep.view(keep.shape[0], -1)[:, :3].fill_(False)
+
+
+def _out_argument(keep):
+    torch.logical_and(keep, torch.zeros_like(keep), out=keep)
+
+
+def _in_place_operator(keep):
+    keep &= torch.zeros_like(keep)
+
+
+def _in_place_method(keep):
+    keep.logical_not_()
+
+
+def _through_data(keep):
+    keep.data[1, 0, 0, 1] = True
+
+
+def _aten_in_place(keep):
+    torch.ops.aten.fill_.Scalar(keep, True)
+
+
+# The mask is built causal in the graph, then edited before the attention reads it: the
+# proof must see the write and refuse (issue: a hand-edited mask was taken for causal).
+MASK_WRITES = {
+    "setitem": _set_last_keys,
+    "fill_through_view": _fill_through_view,
+    "out_argument": _out_argument,
+    "in_place_operator": _in_place_operator,
+    "in_place_method": _in_place_method,
+    "through_data": _through_data,
+    "aten_in_place": _aten_in_place,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASK_WRITES))
+@pytest.mark.parametrize("where", ["sdpa", "handwritten"])
+def test_mask_written_in_place_is_not_causal(name, where):
+    write = MASK_WRITES[name]
+
+    def f(q, k, v):
+        keep = _bool_causal(q)
+        write(keep)
+        if where == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return F.softmax((q @ k.transpose(-2, -1) * 0.5).masked_fill(~keep, float("-inf")), dim=-1) @ v
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert not site.replaced and "writes in place to" in site.reason, site.reason
+    assert not attention_nodes(gm)
+    with sdpa_kernel(SDPBackend.MATH):
+        torch.testing.assert_close(run_graph(gm, inputs), f(q, k, v), atol=1e-12, rtol=0, equal_nan=True)
+
+
+def test_writes_to_other_tensors_do_not_block_the_proof():
+    def f(q, k, v):
+        keep = _bool_causal(q)
+        scratch = torch.zeros(3)
+        scratch.add_(1.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep), scratch
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    assert [s.replaced for s in rewrite_attention(gm, inputs).sites] == [True]
+
+
+def test_causal_buffer_written_in_the_graph_is_not_trusted():
+    def f(q, k, v, bias):
+        # the forward writes the buffer before reading it (a no-op on these values, so the
+        # buffer still looks causal when compiling: only the write can tell)
+        bias[:, :, 0, 0] = q[0, 0, 0, 0].detach() * 0 + 1
+        return PATTERNS["nanogpt"][0](q, k, v, bias)
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v, nanogpt_bias())
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert not site.replaced and "writes in place to" in site.reason and not report.guards
+
+
+# ---------------------------------------------------------------------------- what counts as a site
+def softcapped(q, k, v):
+    # Gemma 2: scores soft-capped by tanh before the softmax (not supported: a site left alone).
+    scores = (q @ k.transpose(-2, -1)) * 0.5
+    scores = torch.tanh(scores / 50.0) * 50.0
+    return F.softmax(scores, dim=-1) @ v
+
+
+def with_long_chain(q, k, v):
+    # many score ops between the product and the softmax, and an unsupported bias at the end
+    scores = (q @ k.transpose(-2, -1)).float().double() * 0.5 / 1.0 * 1.0
+    return F.softmax(scores + torch.cos(scores.detach()), dim=-1) @ v
+
+
+@pytest.mark.parametrize("pattern", [softcapped, with_long_chain], ids=lambda f: f.__name__)
+def test_every_softmax_over_attention_scores_is_reported(pattern):
+    q, k, v = qkv()
+    gm, inputs = capture(pattern, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert not site.replaced and site.reason
+    assert "0 attention site(s) replaced, 1 skipped" in report.text()
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(E, 3)
+        self.weight = torch.nn.Parameter(torch.randn(E, 3, dtype=torch.float64))
+
+    def forward(self, h):
+        return F.softmax(self.head(h), dim=-1), F.softmax(h @ self.weight, dim=-1)
+
+
+def test_softmax_over_logits_is_not_an_attention_site():
+    """A softmax over a product with a parameter (a classifier's logits) is not attention,
+    nor is one whose input an attention computed several layers back."""
+    model = Classifier().double()
+
+    def f(q, k, v):
+        h = F.scaled_dot_product_attention(q, k, v)
+        return model(torch.nn.functional.layer_norm(h, (E,)))
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    assert [s.kind for s in report.sites] == ["sdpa"] and report.sites[0].replaced, report.text()
+
+
+def test_attention_in_a_checkpointed_body_is_rewritten():
+    def block(q, k, v, bias):
+        return PATTERNS["nanogpt"][0](q, k, v, bias) + F.scaled_dot_product_attention(q, k, v)
+
+    def f(q, k, v, bias):
+        return torch.utils.checkpoint.checkpoint(block, q, k, v, bias, use_reentrant=False)
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v, nanogpt_bias())
+    report = rewrite_attention(gm, inputs)
+    assert [(s.node.split(".")[0], s.replaced) for s in report.sites] == [("wrap_body_0", True)] * 2
+    assert report.sites[1].causal_proof.startswith("mask from l_bias_"), report.text()
+    assert len(report.guards) == 1 and report.guards[0].holds(inputs)
+    body = gm.wrap_body_0
+    assert len(attention_nodes(body)) == 2 and not attention_nodes(gm)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = block(q, k, v, nanogpt_bias())
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+def test_attention_in_other_higher_order_ops_is_reported():
+    def f(q, k, v):
+        return torch.cond(q.sum() > 0, lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+                          lambda q, k, v: F.softmax(q @ k.transpose(-2, -1), dim=-1) @ v, (q, k, v))
+    q, k, v = qkv()
+    gm, inputs = capture(f, q, k, v)
+    before = gm.print_readable(print_output=False)
+    report = rewrite_attention(gm, inputs)
+    assert gm.print_readable(print_output=False) == before
+    assert sorted(s.kind for s in report.sites) == ["handwritten", "sdpa"]
+    assert all(not s.replaced and "inside cond" in s.reason for s in report.sites), report.text()
+
+
+def test_flex_attention_is_reported():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def f(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score * 2)
+    q, k, v = (t.float() for t in qkv())
+    gm, inputs = capture(f, q, k, v)
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert site.kind == "flex_attention" and not site.replaced and "score_mod" in site.reason
+
+
 # ---------------------------------------------------------------------------- graph hygiene
 def test_functorch_side_effect_nodes_survive():
     """Only matched nodes are erased: graph-wide DCE would drop these user-less calls."""
