@@ -6,10 +6,11 @@ backend inserts calls of this function into captured graphs; users may also call
 their own code, compiled (with any backend) or not.
 """
 import math
+import sys
 
 import torch
 
-from .autograd import AttnFn
+from .autograd import attention_with_lse
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -53,6 +54,32 @@ def _check_inputs(query, key, value, enable_gqa):
                 f"heads in query (enable_gqa=True), got query {hq}, key {hk} and value {hv} heads.")
 
 
+def _is_numpy_number(x):
+    numpy = sys.modules.get("numpy")        # numpy scalars exist only once numpy is imported
+    return numpy is not None and isinstance(x, (numpy.number, numpy.bool_))
+
+
+def _scale_value(scale, head_dim):
+    """scale as a number, accepting what SDPA accepts: None (1/sqrt(E)), a Python or numpy
+    number, a SymInt/SymFloat, or a 0-d tensor that does not require grad (read once)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0:
+            raise TypeError(f"bob_compile.attention: scale must be a float, got a Tensor of shape "
+                            f"{tuple(scale.shape)}; pass a Python float or a 0-d tensor.")
+        if scale.requires_grad:
+            raise TypeError(
+                "bob_compile.attention: scale must be a float, got a Tensor that requires grad, "
+                "whose gradient would be lost (SDPA refuses it too): to learn a scale, multiply "
+                "query by the tensor instead; to use its value only, pass scale=float(t).")
+        return float(scale)
+    if isinstance(scale, (int, float, torch.SymInt, torch.SymFloat)) or _is_numpy_number(scale):
+        return float(scale)
+    raise TypeError(f"bob_compile.attention: scale must be a float or None (for "
+                    f"1/sqrt(E)), got {type(scale).__name__}.")
+
+
 def _broadcast_leading(query, key, value, enable_gqa):
     """Broadcast leading dims like SDPA's math path; with GQA the head dim is exempt."""
     split = -3 if enable_gqa else -2
@@ -79,7 +106,8 @@ def attention(query, key, value, *, is_causal=False, scale=None, enable_gqa=Fals
     Args:
         query: (..., Hq, L, E); key: (..., Hkv, S, E); value: (..., Hkv, S, Ev).
         is_causal: mask aligned top-left, as in PyTorch: query i attends to keys j <= i.
-        scale: defaults to 1/sqrt(E).
+        scale: a float (or what SDPA takes for one: int, numpy number, 0-d tensor without
+            grad); defaults to 1/sqrt(E). Not differentiated, as in SDPA.
         enable_gqa: grouped-query attention; Hkv must divide Hq (query head h uses key/value
             head h // (Hq // Hkv)). Without it, leading dims (heads included) broadcast.
 
@@ -90,8 +118,7 @@ def attention(query, key, value, *, is_causal=False, scale=None, enable_gqa=Fals
     _check_inputs(query, key, value, enable_gqa)
     if not isinstance(is_causal, bool):
         raise TypeError(f"bob_compile.attention: is_causal must be a bool, got {type(is_causal).__name__}")
+    scale = _scale_value(scale, query.shape[-1])
     query, key, value = _broadcast_leading(query, key, value, enable_gqa)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    o, _ = AttnFn.apply(query, key, value, float(scale), is_causal)
+    o, _ = attention_with_lse(query, key, value, scale, is_causal)
     return o

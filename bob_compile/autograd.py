@@ -20,13 +20,24 @@ Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; ex
 formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP of
 attn_bob or of a jvp op) runs through the closed-form math of kernels/reference.py:
 correct and traceable, but unfused and O(L·S) in memory.
+
+Torch's legacy vmap (`torch._vmap_internals._vmap`, behind `is_grads_batched=True` and
+`vectorize=True` in torch.autograd.functional) wraps tensors in BatchedTensors. Builtin ops
+under it record autograd on the unbatched tensors inside, but an autograd.Function's apply
+records its node on the wrapper, which vmap throws away with the wrapper: a fused step
+applied there with grad mode on would silently lose its derivatives. Such steps run the
+closed-form twin instead (builtin ops, exact at every order); without grad mode (no
+create_graph) the fused ops run, as their results are never differentiated.
 """
+import logging
+
 import torch
 
 from . import ops
 from .kernels import reference
 
 op = torch.ops.bob_compile
+log = logging.getLogger("bob_compile.autograd")
 
 
 def _zeros_if_none(t, like):
@@ -45,9 +56,43 @@ def _canonical_twin(call):
     return twin
 
 
+_forward_twin = _canonical_twin(ops.call_forward)
+_backward_twin = _canonical_twin(ops.call_backward)
 _bob_twin = _canonical_twin(ops.call_bob)
 _forward_jvp_twin = _canonical_twin(ops.call_forward_jvp)
 _backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
+
+
+# ----------------------------------------------------------------------------- legacy vmap
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor   # in torch since 2.0
+_legacy_vmap_fallback_logged = False
+
+
+def _needs_twin_under_legacy_vmap(*tensors):
+    """Whether a fused step on these tensors must run its closed-form twin instead: grad mode
+    is on, so its result may be differentiated again, and some tensor is batched by legacy
+    vmap, which would drop the step's autograd node (see the module docstring)."""
+    global _legacy_vmap_fallback_logged
+    if not torch.is_grad_enabled():
+        return False
+    if not any(t is not None and _is_legacy_batched(t) for t in tensors):
+        return False
+    if not _legacy_vmap_fallback_logged:
+        _legacy_vmap_fallback_logged = True
+        log.warning(
+            "bob_compile.attention: differentiable derivatives under torch's legacy vmap "
+            "(is_grads_batched=True, or vectorize=True in torch.autograd.functional) run the "
+            "exact but unfused math (O(L·S) memory per batched cotangent); torch.func "
+            "(vmap, jacrev, hessian) keeps the fused kernels.")
+    return True
+
+
+def attention_with_lse(q, k, v, scale, causal):
+    """(o, lse) of the attention op, differentiable to any order (AttnFn, or its twin where
+    legacy vmap would drop AttnFn's node)."""
+    if _needs_twin_under_legacy_vmap(q, k, v):
+        return _forward_twin(q, k, v, scale, causal)
+    return AttnFn.apply(q, k, v, scale, causal)
 
 
 def _third_order(twin, ctx, grads, like):
@@ -150,7 +195,8 @@ class AttnBwdFn(torch.autograd.Function):
         if gdq is None and gdk is None and gdv is None:
             return (None,) * 9
         q, k, v, o, lse, do, dlse = ctx.saved_tensors
-        gq, gk, gv, go, glse, gdo, gdlse = AttnBobFn.apply(
+        bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
+        gq, gk, gv, go, glse, gdo, gdlse = bob(
             q, k, v, o, lse, do, dlse, gdq, gdk, gdv, ctx.scale, ctx.causal)
         return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None
 
@@ -159,8 +205,9 @@ class AttnBwdFn(torch.autograd.Function):
         q, k, v, o, lse, do, dlse = ctx.saved_tensors
         if dlse is None:
             tdlse = None
-        return AttnBwdJvpFn.apply(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
-                                  ctx.scale, ctx.causal)
+        tangents = (tq, tk, tv, to, tlse, tdo, tdlse)
+        jvp = _backward_jvp_twin if _needs_twin_under_legacy_vmap(*tangents) else AttnBwdJvpFn.apply
+        return jvp(q, k, v, o, lse, do, dlse, *tangents, ctx.scale, ctx.causal)
 
 
 # ----------------------------------------------------------------------------- first order
@@ -187,11 +234,12 @@ class AttnFn(torch.autograd.Function):
         if do is None and dlse is None:
             return None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
-        do = _zeros_if_none(do, o)
-        dq, dk, dv = AttnBwdFn.apply(q, k, v, o, lse, do, dlse, ctx.scale, ctx.causal)
+        backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else AttnBwdFn.apply
+        dq, dk, dv = backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, _scale, _causal):
         q, k, v, o, lse = ctx.saved_tensors
-        return AttnFwdJvpFn.apply(q, k, v, o, lse, tq, tk, tv, ctx.scale, ctx.causal)
+        jvp = _forward_jvp_twin if _needs_twin_under_legacy_vmap(tq, tk, tv) else AttnFwdJvpFn.apply
+        return jvp(q, k, v, o, lse, tq, tk, tv, ctx.scale, ctx.causal)

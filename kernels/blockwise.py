@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .reference import acc_dtype, expand_kv, reduce_kv
+from .reference import acc_dtype, expand_kv, lse_for_probabilities, reduce_kv
 
 # Tile edge lengths. 256 keeps Python overhead low on CPU while one tile stays far below
 # an L·S tensor; tests shrink them (`tiles`) so short sequences cross tile borders.
@@ -66,8 +66,9 @@ def _scores(q_tile, k_tile, scale, rows, cols, masked):
 
 
 def _probs(q_tile, k_tile, lse_rows, scale, rows, cols, masked):
-    """P tile from the saved lse (0 where masked; rows that see no key have no tiles)."""
-    return torch.exp(_scores(q_tile, k_tile, scale, rows, cols, masked) - lse_rows.unsqueeze(-1))
+    """P tile from the saved lse (0 where masked and on rows that see no key)."""
+    s = _scores(q_tile, k_tile, scale, rows, cols, masked)
+    return torch.exp(s - lse_for_probabilities(lse_rows).unsqueeze(-1))
 
 
 def _prepare(q, k, v, *kv_like):
@@ -105,16 +106,20 @@ def forward(q, k, v, scale, causal):
         for cols, masked in _key_tiles(rows, S, causal):
             s = _scores(q[:, :, rows], k[:, :, cols], scale, rows, cols, masked)
             m_new = torch.maximum(m, s.amax(-1))
-            # rows with every score -inf so far keep a finite reference point (no inf - inf)
-            m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            # rows with every score -inf so far keep a finite reference point (no inf - inf);
+            # a +inf score makes the row NaN, as softmax does
+            m_ref = torch.where(m_new == -math.inf, 0.0, m_new)
             rescale = torch.exp(m - m_ref)
             p = torch.exp(s - m_ref.unsqueeze(-1))
             denom = denom * rescale + p.sum(-1)
             acc = acc * rescale.unsqueeze(-1) + p @ v[:, :, cols]
             m = m_new
-        seen = denom > 0
-        o[:, :, rows] = torch.where(seen.unsqueeze(-1), acc / denom.clamp_min(1e-38).unsqueeze(-1), 0.0)
-        lse[:, :, rows] = torch.where(seen, m + torch.log(denom.clamp_min(1e-38)), -math.inf)
+        # A row sees no key iff its running max is still -inf (every score masked or -inf):
+        # its o is then acc = 0 and its lse -inf. A NaN score makes the max NaN, so a row that
+        # sees a NaN comes out NaN, as in SDPA, never as an empty row.
+        denom = torch.where(m == -math.inf, 1.0, denom)
+        o[:, :, rows] = acc / denom.unsqueeze(-1)
+        lse[:, :, rows] = m + torch.log(denom)
     return o.to(out_dtype), lse
 
 

@@ -38,13 +38,19 @@ def causal_mask(L, S, device):
     return torch.ones(L, S, dtype=torch.bool, device=device).tril()
 
 
+def lse_for_probabilities(lse):
+    """lse with 0 on rows that see no key (lse = -inf: every score masked or -inf), so that
+    P = exp(s - lse) is 0 there instead of exp(-inf + inf) = NaN. A NaN lse (the row sees a
+    NaN or +inf score) stays, and so do its NaN probabilities, as in SDPA's math path."""
+    return torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
+
+
 def probabilities(q, k, lse, scale, causal):
     """P = exp(scale * q k^T - lse), exactly 0 where masked or where the row sees no key."""
     s = scale * q @ k.transpose(-2, -1)
     if causal:
         s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
-    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(s - finite_lse.unsqueeze(-1))
+    return torch.exp(s - lse_for_probabilities(lse).unsqueeze(-1))
 
 
 def _upcast(*ts):
@@ -61,6 +67,8 @@ def forward(q, k, v, scale, causal):
     if causal:
         s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
+    # a +inf score leaves the row's softmax undefined (NaN in SDPA's math path), its lse too
+    lse = torch.where(lse == float("inf"), float("nan"), lse)
     p = probabilities(q, k, lse, scale, causal)
     return (p @ v).to(out_dtype), lse
 

@@ -22,6 +22,18 @@ from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
 
 
 # --------------------------------------------------------------------------------------
+# The saved lse, as every P = exp2(s2 - lse2) of the backward kernels reads it
+# --------------------------------------------------------------------------------------
+@triton.jit
+def load_lse2_for_probabilities(lse_row_ptr, offs_m, L):
+    """load_lse2, with 0 on rows that see no key (lse = -inf: every score -inf, from infinite
+    inputs), whose P is then exp2(-inf) = 0 as in SDPA's math path, not exp2(-inf + inf) = NaN.
+    A NaN lse stays NaN."""
+    lse2 = load_lse2(lse_row_ptr, offs_m, L)
+    return tl.where(lse2 == float("-inf"), 0.0, lse2)
+
+
+# --------------------------------------------------------------------------------------
 # D = rowsum(dO * O) - dlse
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -76,7 +88,7 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base,
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = load_tile(q_base, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
         do = load_tile(do_base, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
-        lse2 = load_lse2(lse_ptr, offs_m, L)
+        lse2 = load_lse2_for_probabilities(lse_ptr, offs_m, L)
         d = load_row_vector(d_ptr, offs_m, L)
         # everything is transposed ([keys, queries]) so that dk, dv accumulate without trans
         s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
@@ -181,7 +193,7 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ,
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
-    lse2 = load_lse2(LSE + row, offs_m, L)
+    lse2 = load_lse2_for_probabilities(LSE + row, offs_m, L)
     d = load_row_vector(D + row, offs_m, L)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh

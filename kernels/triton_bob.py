@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_backward import row_dot
+from .triton_backward import load_lse2_for_probabilities, row_dot
 from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
-                            key_blocks_of_row_block, load_lse2, load_row_vector, load_tile,
+                            key_blocks_of_row_block, load_row_vector, load_tile,
                             padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
                             store_tile, strides4, tuning_key, visibility_mask, wide_candidates)
 
@@ -120,7 +120,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
     if HAS_GDQ:
         gdq = load_tile(GDQ + b * sgqb + h * sgqh, offs_m, offs_e, sgql, sgqe, L, HEAD_DIM, True,
                         PAD_E)
-    lse2 = load_lse2(LSE + row, offs_m, L)
+    lse2 = load_lse2_for_probabilities(LSE + row, offs_m, L)
     d = load_row_vector(D + row, offs_m, L)
 
     gq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
@@ -174,7 +174,7 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = load_tile(q_base, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
         do = load_tile(do_base, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
-        lse2 = load_lse2(lse_ptr, offs_m, L)
+        lse2 = load_lse2_for_probabilities(lse_ptr, offs_m, L)
         d = load_row_vector(d_ptr, offs_m, L)
         # tiles are [keys, queries] so that gk, gv accumulate without transposes
         s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2

@@ -16,6 +16,13 @@ from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    # tl.maximum's default may drop a NaN operand (GPU max.f32 does); a NaN score must make
+    # the running max NaN so that its row comes out NaN, not empty
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -28,9 +35,11 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        rescale = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s2 - m_new[:, None])
+        m_new = _max_keeping_nan(m_i, tl.reduce(s2, 1, _max_keeping_nan))
+        # rows whose scores are all -inf so far keep a finite reference point (no inf - inf)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s2 - m_ref[:, None])
         l_i = l_i * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -68,10 +77,12 @@ def _forward_kernel(Q, K, V, O, LSE,
                                    qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
                                    PAD_E, PAD_EV, DOT_PRECISION)
 
-    # every row in range sees key 0 (S > 0 is checked on the host), so l_i > 0 there
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    # Every row in range sees key 0 (S > 0 is checked on the host). A running max still -inf
+    # means all its scores are -inf (infinite inputs): o = acc = 0 and lse = -inf, like SDPA's
+    # math path. A NaN score made the max NaN, so NaN rows stay NaN.
+    l_i = tl.where(m_i == float("-inf"), 1.0, l_i)
+    o = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453   # ln 2: base 2 -> natural log
     store_tile(O + b * sob + h * soh, o.to(O.dtype.element_ty), offs_m, offs_ev, sol, soe, L,
                HEAD_DIM_V, PAD_EV)
     tl.store(LSE + row + offs_m, lse, mask=offs_m < L)

@@ -1,6 +1,8 @@
 """Bad input gets the same kind of clear error SDPA gives, in bob_compile's name."""
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bob_compile import attention
 
@@ -74,3 +76,49 @@ def test_leading_dims_broadcast_like_sdpa():
     ours = attention(q, k, v)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(ours, ref)
+
+
+NOT_FLOATS = {"str": "0.5", "list": [0.5], "complex": 0.5j, "1-d tensor": torch.tensor([0.5])}
+
+
+@pytest.mark.parametrize("scale", list(NOT_FLOATS.values()), ids=list(NOT_FLOATS))
+def test_scale_that_is_not_a_float(scale):
+    q, k, v = qkv()
+    with pytest.raises(TypeError):      # what SDPA raises
+        F.scaled_dot_product_attention(q, k, v, scale=scale)
+    with pytest.raises(TypeError, match="bob_compile.attention: scale must be a float"):
+        attention(q, k, v, scale=scale)
+
+
+def test_scale_tensor_that_requires_grad_is_refused_not_detached():
+    """SDPA refuses it; detaching it silently would drop its gradient."""
+    q, k, v = qkv()
+    scale = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(TypeError):
+        F.scaled_dot_product_attention(q, k, v, scale=scale)
+    with pytest.raises(TypeError, match="requires grad.*multiply query by the tensor"):
+        attention(q, k, v, scale=scale)
+
+
+SDPA_SCALES = {"float": 0.5, "int": 2, "bool": True, "numpy float32": np.float32(0.5),
+               "numpy float64": np.float64(0.5), "numpy int64": np.int64(2),
+               "0-d tensor": torch.tensor(0.5), "0-d int tensor": torch.tensor(2), "None": None}
+
+
+@pytest.mark.parametrize("scale", list(SDPA_SCALES.values()), ids=list(SDPA_SCALES))
+def test_scales_that_sdpa_accepts(scale):
+    q, k, v = qkv(dtype=torch.float64)
+    torch.testing.assert_close(attention(q, k, v, scale=scale),
+                               F.scaled_dot_product_attention(q, k, v, scale=scale))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_symbolic_scale_under_dynamic_shapes(backend, fresh_dynamo):
+    """Under dynamic shapes a scale computed from a size is a SymFloat or SymInt."""
+    def f(q, k, v, sdpa):
+        return sdpa(q, k, v, scale=q.shape[-2] ** -0.5) + sdpa(q, k, v, scale=q.shape[-2])
+    compiled = torch.compile(f, backend=backend, dynamic=True, fullgraph=True)
+    for length in (5, 7):
+        q, k, v = qkv(q=(1, 2, length, 8), k=(1, 2, 6, 8), v=(1, 2, 6, 4), dtype=torch.float64)
+        torch.testing.assert_close(compiled(q, k, v, attention),
+                                   f(q, k, v, F.scaled_dot_product_attention))

@@ -4,7 +4,8 @@ Every output of forward, backward and bob is compared, on the same inputs, with
 kernels/reference.py evaluated in float64, by relative L2 error. Shapes are tiny but cross
 the interpreter's 16/32-wide tiles: odd lengths, L < S and L > S, causal and not, E != Ev,
 head dims that are not powers of two, GQA, strided inputs, None cotangents, S == 0 and
-L == 0, and both BoB/backward schedules (deterministic two-pass and fp32 atomics).
+L == 0, NaN and infinite inputs, and both BoB/backward schedules (deterministic two-pass and
+fp32 atomics).
 fp32 and fp16 only: the interpreter mishandles bf16.
 """
 import math
@@ -176,3 +177,73 @@ def test_all_cotangents_none_gives_zeros():
 def test_empty_lengths(L, S, causal):
     q, k, v = make_inputs(1, 2, 2, L, S, 16, 16, torch.float32)
     run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Non-finite inputs
+# --------------------------------------------------------------------------------------
+NAN_ROW, NAN_KEY = 20, 9     # a query row of head 1; a key of the one key/value head
+
+
+def check_nonfinite(name, actual, expected, same_places):
+    """Close to the float64 reference wherever both are finite; NaN and infinities at the
+    same places when same_places (masked pairs may spread 0 * NaN differently otherwise)."""
+    a, e = actual.double(), expected.double()
+    if same_places:
+        for kind in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(kind(a), kind(e)), f"{name}: {kind.__name__} differs"
+    both = torch.isfinite(a) & torch.isfinite(e)
+    if both.any() and e[both].norm() > 0:
+        err = rel_err(a[both], e[both])
+        assert err <= TOLERANCE[torch.float32], f"{name}: relative L2 error {err:.2e}"
+
+
+def forward_and_backward(q, k, v, causal):
+    """(o, lse, grads) of the kernels and of the float64 reference, on the same inputs."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    o, lse = triton_attention.forward(q, k, v, scale, causal)
+    ro, rlse = reference.forward(*f64(q, k, v), scale, causal)
+    do = torch.randn_like(o)
+    grads = triton_attention.backward(q, k, v, o, lse, do, None, scale, causal)
+    expected = reference.backward(*f64(q, k, v, o, lse, do, None), scale, causal)
+    return (o, lse, grads), (ro, rlse, expected)
+
+
+@in_interpreter
+@pytest.mark.parametrize("where,causal", [("q", False), ("q", True), ("k", False), ("k", True),
+                                          ("v", False)])
+def test_nan_reaches_every_row_that_sees_it(where, causal):
+    """A NaN gives NaN in o, lse and dq on every row that sees it (it gave zeros and
+    lse = -inf); other rows keep their values."""
+    q, k, v = make_inputs(1, 2, 1, 37, 29, 16, 16, torch.float32)
+    {"q": q[0, 1, NAN_ROW], "k": k[0, 0, NAN_KEY], "v": v[0, 0, NAN_KEY]}[where][3] = float("nan")
+    sees = torch.zeros(1, 2, 37, dtype=torch.bool)
+    if where == "q":
+        sees[0, 1, NAN_ROW] = True
+    else:
+        sees[:] = torch.arange(37) >= NAN_KEY if causal else True
+    (o, lse, grads), (ro, rlse, expected) = forward_and_backward(q, k, v, causal)
+
+    assert torch.equal(torch.isnan(o).any(-1), sees)
+    assert torch.equal(torch.isnan(lse), sees if where != "v" else torch.zeros_like(sees))
+    check_nonfinite("o", o, ro, same_places=True)
+    check_nonfinite("lse", lse, rlse, same_places=True)
+    assert torch.isnan(grads[0]).any(-1)[sees].all(), "dq is finite on a row that sees the NaN"
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
+        check_nonfinite(name, a, e, same_places=not causal)
+
+
+@in_interpreter
+def test_row_whose_scores_are_all_minus_inf_is_zero():
+    """SDPA's math path gives such a row zeros (it gave NaN), and no NaN probabilities in
+    the backward."""
+    q, k, v = make_inputs(1, 2, 1, 37, 29, 16, 16, torch.float32)
+    q[0, 1, NAN_ROW] = 0.0
+    q[0, 1, NAN_ROW, 0] = -float("inf")
+    k[..., 0] = k[..., 0].abs() + 0.1
+    (o, lse, grads), (ro, rlse, expected) = forward_and_backward(q, k, v, False)
+    assert torch.equal(o[0, 1, NAN_ROW], torch.zeros(16)) and lse[0, 1, NAN_ROW] == -math.inf
+    check_nonfinite("o", o, ro, same_places=True)
+    check_nonfinite("lse", lse, rlse, same_places=True)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
+        check_nonfinite(name, a, e, same_places=True)
