@@ -14,6 +14,7 @@ dead-node removal), report.py (reports, counters).
 """
 from .causal_mask import CausalTensorGuard, MaskProver
 from .handwritten import rewrite_handwritten
+from .multihead import rewrite_multihead
 from .report import GraphReport, Site, counters
 from .sdpa import rewrite_sdpa
 from .subgraphs import rewrite_bodies
@@ -28,6 +29,7 @@ def rewrite_attention(gm, example_inputs, report=None):
 
 def _rewrite_graph(gm, prover, report):
     rewrite_sdpa(gm, prover, report)
+    rewrite_multihead(gm, prover, report)
     rewrite_handwritten(gm, prover, report)
     rewrite_bodies(gm, prover, report, _rewrite_graph,
                    lambda body, outer: MaskProver(body, (), outer))

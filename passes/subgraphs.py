@@ -86,10 +86,13 @@ def rewrite_bodies(gm, prover, report, rewrite_graph, make_prover):
 def report_untouched(gm, report, reason):
     """Add a skipped Site for every attention site of `gm` and of the bodies it calls."""
     from .handwritten import attention_like_softmaxes
+    from .multihead import FAST_PATH_KERNELS
     from .sdpa import SDPA_TARGETS
+    kinds = {**{t: "sdpa" for t in SDPA_TARGETS}, **{t: "multihead" for t in FAST_PATH_KERNELS},
+             torch.nn.functional.multi_head_attention_forward: "multihead"}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in SDPA_TARGETS:
-            report.add(Site("sdpa", node.name, user_code(node), reason=reason))
+        if node.op == "call_function" and node.target in kinds:
+            report.add(Site(kinds[node.target], node.name, user_code(node), reason=reason))
     for softmax in attention_like_softmaxes(gm.graph):
         report.add(Site("handwritten", softmax.name, user_code(softmax), reason=reason))
     for node in gm.graph.nodes:

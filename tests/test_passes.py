@@ -516,15 +516,18 @@ def test_attention_in_a_checkpointed_body_is_rewritten():
 
 
 def test_attention_in_other_higher_order_ops_is_reported():
+    mha = torch.nn.MultiheadAttention(E, 1).double()
+
     def f(q, k, v):
         return torch.cond(q.sum() > 0, lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
-                          lambda q, k, v: F.softmax(q @ k.transpose(-2, -1), dim=-1) @ v, (q, k, v))
+                          lambda q, k, v: F.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+                          + mha(q[0], k[0], v[0], need_weights=False)[0], (q, k, v))
     q, k, v = qkv()
     gm, inputs = capture(f, q, k, v)
     before = gm.print_readable(print_output=False)
     report = rewrite_attention(gm, inputs)
     assert gm.print_readable(print_output=False) == before
-    assert sorted(s.kind for s in report.sites) == ["handwritten", "sdpa"]
+    assert sorted(s.kind for s in report.sites) == ["handwritten", "multihead", "sdpa"]
     assert all(not s.replaced and "inside cond" in s.reason for s in report.sites), report.text()
 
 
