@@ -2,8 +2,9 @@
 
 The model is nanoGPT's GPT as in examples/sophia_h.py (12 layers, 12 heads, head dim 64,
 n_embd 768, vocabulary 50304, tied LM head, no dropout), trained under bf16 autocast as
-Sophia's and SASSHA's GPT-2 scripts do. Per sequence length N, three steps are timed:
+Sophia's and SASSHA's GPT-2 scripts do. Per sequence length N, these steps are timed:
 
+  first_order     forward and gradient (what first-order training compiles)
   sophia_hessian  a Sophia-H step with its Hessian estimate: forward, gradient with
                   create_graph=True, Hessian-vector product with Rademacher z (double
                   backward), Hessian EMA update, Sophia update
@@ -13,12 +14,22 @@ Sophia's and SASSHA's GPT-2 scripts do. Per sequence length N, three steps are t
                   query loss at the fast weights, its gradient w.r.t. the initial weights
                   (through the inner step), Adam update
 
-by two implementations:
+by these implementations:
 
   math      eager PyTorch under sdpa_kernel(SDPBackend.MATH), the only SDPA kernel with a
             double backward (it stores N x N attention matrices)
+  eager     eager PyTorch with its default (fused) SDPA: first-order workloads only
+  stock     torch.compile(model) with inductor: first-order workloads only (stock compile
+            refuses a double backward, or for MAML silently drops its second-order terms)
   flashbob  torch.compile(model, backend="flashbob"): the same model, with attention
             replaced by this package's fused op
+
+--maml-tasks adds the meta-learning rows: a 4-layer, width-256, 4-head GPT (vocabulary
+--maml-vocab), one MAML meta-gradient over T-token tasks (one support and one query
+sequence each, one inner SGD step with create_graph=True, the meta-gradient summed over
+tasks), e.g. `--maml-tasks 128x32 256x8` for T=128 with 32 tasks and T=256 with 8. Its
+implementations: math, flashbob (torch.func.functional_call), and flashbob_torchopt (the
+same step with torchopt's differentiable FuncOptimizer) when torchopt is installed.
 
 Timing: CUDA events around each step after warm-up (the first warm-up step includes
 compilation and is reported separately), median of --reps. Peak memory:
@@ -45,6 +56,7 @@ transformers.
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import pathlib
@@ -62,8 +74,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 from sophia_h import GPT, SophiaH, hutchinson_step, rademacher_like  # noqa: E402  (the examples' nanoGPT, Sophia-H)
 
-IMPLS = ("math", "flashbob")
-WORKLOADS = ("sophia_hessian", "sophia_plain", "maml_outer")
+IMPLS = ("math", "eager", "stock", "flashbob")
+FIRST_ORDER_ONLY = ("eager", "stock")
+WORKLOADS = ("first_order", "sophia_hessian", "sophia_plain", "maml_outer")
+FIRST_ORDER_WORKLOADS = ("first_order", "sophia_plain")
 GIB = 2 ** 30
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -89,6 +103,13 @@ def make_step(workload, model, params, batch, args, generator):
         for p, g in zip(params, grads):
             p.grad = g
         optimizer.step()
+
+    if workload == "first_order":
+        def first_order():
+            with autocast:
+                loss = model(x, y)
+            torch.autograd.grad(loss, params)
+        return first_order
 
     if workload in ("sophia_hessian", "sophia_plain"):
         optimizer = SophiaH(params, lr=6e-4)
@@ -148,10 +169,12 @@ def build(impl, seq_len, args, device):
         model = GPT(args.vocab_size, seq_len, args.n_layer, args.n_head, args.n_embd,
                     sdpa=args.attention == "sdpa")
     params = list(model.parameters())
+    torch._dynamo.reset()  # no recompiles across rows: each row compiles its own graphs
     if impl == "flashbob":
-        torch._dynamo.reset()  # no recompiles across rows: each row compiles its own graphs
         _flashbob_counters(clear=True)
         return torch.compile(model, backend=flashbob_backend(), dynamic=False), params
+    if impl == "stock":
+        return torch.compile(model, dynamic=False), params
     return model, params
 
 
@@ -230,6 +253,92 @@ def rel_err(got, ref):
     return num / max(den, 1e-30)
 
 
+# ----------------------------------------------------------------------------- MAML over tasks
+MAML_IMPLS = ("math", "flashbob", "flashbob_torchopt")
+
+
+def maml_meta_gradient(impl, model, params, tasks, args):
+    """One MAML meta-gradient: per task, one inner SGD step on the support sequence (with
+    create_graph=True), then the query loss's gradient w.r.t. the initial weights; summed."""
+    meta = [torch.zeros_like(p) for p in params]
+    for x, y, x_query, y_query in tasks:
+        if impl == "flashbob_torchopt":   # torchopt's differentiable SGD over functional_call
+            import torchopt
+            named = dict(model.named_parameters())
+            inner = torchopt.FuncOptimizer(torchopt.sgd(lr=args.inner_lr))
+            fast = inner.step(functional_call(model, named, (x, y)), named)
+            query_loss = functional_call(model, fast, (x_query, y_query))
+        else:
+            named = dict(model.named_parameters())
+            grads = torch.autograd.grad(functional_call(model, named, (x, y)), list(named.values()),
+                                        create_graph=True)
+            fast = {name: p - args.inner_lr * g for (name, p), g in zip(named.items(), grads)}
+            query_loss = functional_call(model, fast, (x_query, y_query))
+        for m, g in zip(meta, torch.autograd.grad(query_loss, params)):
+            m += g
+    return meta
+
+
+def maml_sweep(args, device):
+    rows = []
+    autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "float32")
+    for config in args.maml_tasks:
+        seq_len, num_tasks = (int(v) for v in config.split("x"))
+        for impl in args.maml_impls:
+            row = dict(workload="maml_tasks", impl=impl, seq_len=seq_len, tasks=num_tasks)
+            try:
+                torch.manual_seed(args.seed)
+                with torch.device(device):
+                    base = GPT(args.maml_vocab, seq_len, args.maml_n_layer, args.maml_n_head,
+                               args.maml_n_embd, sdpa=args.attention == "sdpa")
+                params = list(base.parameters())
+                torch._dynamo.reset()
+                model = base if impl == "math" else \
+                    torch.compile(base, backend=flashbob_backend(), dynamic=False)
+                generator = torch.Generator(device=device).manual_seed(args.seed + seq_len)
+                tasks = [tuple(torch.randint(args.maml_vocab, (1, seq_len), device=device,
+                                             generator=generator) for _ in range(4))
+                         for _ in range(num_tasks)]
+                clock = Clock(device)
+                with sdpa_kernel(SDPBackend.MATH) if impl == "math" else contextlib.nullcontext(), autocast:
+                    step = functools.partial(maml_meta_gradient, impl, model, params, tasks, args)
+                    first_ms = clock.time_ms(step)
+                    for _ in range(args.warmup - 1):
+                        step()
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    times = [clock.time_ms(step) for _ in range(args.reps)]
+                row.update(status="ok", median_ms=statistics.median(times), times_ms=times,
+                           first_call_ms=first_ms,
+                           peak_mem_gib=torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None)
+            except Exception as error:  # noqa: BLE001  (a row must never end the sweep)
+                row.update(status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
+            _free_memory(device)
+            rows.append(row)
+            print(_row_line(row), flush=True)
+    return rows
+
+
+def maml_table(rows):
+    lines = ["\nmaml_tasks  (MAML meta-gradient, one inner step per task; ms per meta-gradient)"]
+    by = {(r["impl"], r["seq_len"], r["tasks"]): r for r in rows}
+    for seq_len, tasks in sorted({(r["seq_len"], r["tasks"]) for r in rows}):
+        math_row = by.get(("math", seq_len, tasks))
+        cells = []
+        for impl in MAML_IMPLS:
+            r = by.get((impl, seq_len, tasks))
+            if r is None:
+                continue
+            if r["status"] != "ok":
+                cells.append(f"{impl} {r['status']}")
+                continue
+            speedup = (f" ({math_row['median_ms'] / r['median_ms']:.2f}x math)"
+                       if impl != "math" and math_row and math_row["status"] == "ok" else "")
+            cells.append(f"{impl} {r['median_ms']:.1f}{speedup}")
+        lines.append(f"T={seq_len:5d} x {tasks:3d} tasks | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- the sweep
 def sweep(args, device, out_path, meta, previous_rows=()):
     """Measure every (N, workload, implementation) row; rows in `previous_rows` that ran (or
@@ -251,14 +360,16 @@ def sweep(args, device, out_path, meta, previous_rows=()):
                     continue
                 if args.time_budget_s and time.monotonic() - start > args.time_budget_s:
                     failed_at.setdefault((impl, workload), f"time budget of {args.time_budget_s:.0f} s spent")
+                if impl in FIRST_ORDER_ONLY and workload not in FIRST_ORDER_WORKLOADS:
+                    continue  # no double backward: nothing to time
                 if (impl, workload) in failed_at:
                     row.update(status=f"skipped: {failed_at[impl, workload]}")
                     rows.append(row)
                     print(_row_line(row), flush=True)
                     continue
                 # The accuracy probe: once per N, on the Hessian step, where both run in this call.
-                want_probe = workload == "sophia_hessian" and len(args.impls) == 2 and \
-                    ("math", workload) not in failed_at and (impl == "math" or "math" in probes)
+                want_probe = workload == "sophia_hessian" and {"math", "flashbob"} <= set(args.impls) \
+                    and ("math", workload) not in failed_at and (impl == "math" or "math" in probes)
                 try:
                     result, probe = measure(impl, workload, seq_len, args, device, want_probe)
                     row.update(result)
@@ -286,7 +397,8 @@ def sweep(args, device, out_path, meta, previous_rows=()):
 
 
 def _row_line(row):
-    head = f"N={row['seq_len']:6d} {row['workload']:15s} {row['impl']:9s}"
+    head = f"N={row['seq_len']:6d} {row['workload']:15s} {row['impl']:9s}" + (
+        f" x{row['tasks']} tasks" if "tasks" in row else "")
     if row["status"] != "ok":
         return f"{head} {row['status']}" + (f" ({row['error']})" if row.get("error") else "")
     peak = f"{row['peak_mem_gib']:7.2f} GiB" if row["peak_mem_gib"] is not None else "   n/a"
@@ -314,14 +426,19 @@ def table(rows, args):
 
     lines = []
     for workload in args.workloads:
+        impls = [i for i in args.impls if i not in FIRST_ORDER_ONLY or workload in FIRST_ORDER_WORKLOADS]
+        others = [i for i in impls if i != "flashbob"]
         lines.append(f"\n{workload}  (B={args.batch_size}, {args.dtype}, {args.attention} attention)")
-        lines.append(f"{'N':>7} | {'math ms':>9} {'flashbob ms':>11} {'speedup':>8} | "
-                     f"{'math GiB':>9} {'flashbob GiB':>12} {'mem ratio':>9} | HVP rel err")
+        lines.append(f"{'N':>7} | " + " ".join(f"{i + ' ms':>11}" for i in impls) + " | "
+                     + " ".join(f"{'vs ' + i:>9}" for i in others) + " | "
+                     + " ".join(f"{i + ' GiB':>12}" for i in impls) + " | HVP rel err")
         for n in args.seq_lens:
-            m, f = by.get((workload, "math", n)), by.get((workload, "flashbob", n))
+            r = {i: by.get((workload, i, n)) for i in impls}
+            f = r.get("flashbob")
             err = f"{f['hvp_rel_err_vs_math']:.1e}" if f and "hvp_rel_err_vs_math" in f else ""
-            lines.append(f"{n:>7} | {cell_ms(m):>9} {cell_ms(f):>11} {ratio(m, f, 'median_ms'):>8} | "
-                         f"{cell_gib(m):>9} {cell_gib(f):>12} {ratio(m, f, 'peak_mem_gib'):>9} | {err}")
+            lines.append(f"{n:>7} | " + " ".join(f"{cell_ms(r[i]):>11}" for i in impls) + " | "
+                         + " ".join(f"{ratio(r[i], f, 'median_ms'):>9}" for i in others) + " | "
+                         + " ".join(f"{cell_gib(r[i]):>12}" for i in impls) + f" | {err}")
     if {"sophia_hessian", "sophia_plain"} <= set(args.workloads):
         k = args.hess_interval
         lines.append(f"\nSophia-H training step, Hessian estimate every k={k} steps: "
@@ -369,7 +486,7 @@ def parse_args(argv=None):
                    help="fast subset: N in {1024, 2048}, 1 warm-up step, 3 timed steps")
     p.add_argument("--seq-lens", type=int, nargs="+",
                    default=[1024, 2048, 4096, 8192, 16384, 32768])
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--n-layer", type=int, default=12)
@@ -392,6 +509,13 @@ def parse_args(argv=None):
                    help="keep the rows already measured in --out (same model and dtype) and "
                         "measure only the others; with --time-budget-s, a long sweep runs as "
                         "several shorter commands")
+    p.add_argument("--maml-tasks", nargs="*", default=[], metavar="TxTASKS",
+                   help="MAML meta-learning rows, e.g. 128x32 256x8 (sequence length x tasks)")
+    p.add_argument("--maml-impls", nargs="+", choices=MAML_IMPLS, default=list(MAML_IMPLS))
+    p.add_argument("--maml-n-layer", type=int, default=4)
+    p.add_argument("--maml-n-head", type=int, default=4)
+    p.add_argument("--maml-n-embd", type=int, default=256)
+    p.add_argument("--maml-vocab", type=int, default=512)
     p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only for a smoke run")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -426,8 +550,12 @@ def main(argv=None):
     print(f"bench_e2e: torch {meta['torch']}, triton {meta['triton']}, {meta['device']}; "
           f"GPT {args.n_layer}L/{args.n_head}H/{args.n_embd}, B={args.batch_size}, {args.dtype}, "
           f"{args.attention} attention; N in {args.seq_lens}", flush=True)
-    rows = sweep(args, device, out_path, meta, previous_rows)
+    rows = sweep(args, device, out_path, meta, previous_rows) if args.workloads else []
+    maml_rows = maml_sweep(args, device) if args.maml_tasks else []
+    out_path.write_text(json.dumps(dict(meta=meta, rows=rows + maml_rows), indent=1))
     print(table(rows, args))
+    if maml_rows:
+        print(maml_table(maml_rows))
     print(f"\nwrote {out_path}")
     return 0
 

@@ -6,17 +6,21 @@
 For each graph Dynamo captures:
 1. rewrite: every supported attention site becomes bob_compile.attention, whose
    derivatives of every order are exact fused kernels (passes/);
-2. route, so that every order of derivative stays correct (shared/research/compile.md §4):
-   - "eager": grad mode is on and an input requires grad, so the outputs may be
+2. route, so that every order of derivative stays correct (docs/routing.md):
+   - "training": grad mode is on and an input requires grad, so the outputs may be
      differentiated with create_graph=True and then again (Hessian-vector products, MAML).
-     AOTAutograd refuses that double backward, or for MAML silently returns first-order
-     gradients; the rewritten graph run eagerly differentiates exactly to any order.
+     Stock AOTAutograd refuses that double backward, or for MAML silently returns
+     first-order gradients. training_runtime.py keeps AOTAutograd's partition and
+     `compiler`'s code for the first order and compiles the backward's own backward too;
+   - "eager": a training graph training_runtime.py cannot run (input mutations, say), or
+     one that also differentiates itself: the rewritten graph runs eagerly, exact at
+     every order;
    - "aot": the graph differentiates itself (torch.func.grad/jvp/vmap inside the compiled
      function) and nothing outside can differentiate it: AOTAutograd traces the op's
      derivatives into the graph and `compiler` (inductor) compiles all of it;
    - "inference": no gradient can flow: `compiler` compiles the rewritten graph.
-   options["double_backward"]=False sends the "eager" graphs to AOTAutograd too.
-3. report and dump (dump.py).
+   options["double_backward"]=False sends training graphs to stock AOTAutograd.
+3. report and dump (dump.py), the compiled graphs of every order included.
 A failure inside the backend warns and runs the untouched graph: never a crash, never a
 wrong result (options["fallback"]=False raises instead).
 """
@@ -28,7 +32,7 @@ import warnings
 import torch
 from torch import fx
 
-from . import _compat, dump
+from . import _compat, dump, training_runtime
 from . import options as options_module
 from .passes import GraphReport, rewrite_attention
 from .passes.report import count, counters  # noqa: F401  (counters: re-exported for users)
@@ -53,11 +57,11 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     untouched = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     try:
         rewrite_attention(gm, example_inputs, report)
+        after = dump.graph_text(gm)
         report.route, report.route_reason = choose_route(gm, example_inputs, opts)
-        compiled = _compile(report.route, gm, example_inputs, opts)
+        compiled = _compile(report, gm, example_inputs, opts)
         if report.guards:
             compiled = _with_guards(compiled, untouched.forward, report.guards)
-        after = dump.graph_text(gm)
     except Exception as e:
         if not opts.fallback:
             raise
@@ -72,7 +76,9 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     count(f"route_{report.route}" if report.route != "untouched" else "fallback")
     recent_reports.append(report)
     try:
-        dump.emit(report, before, after, opts.dump_dir)
+        report.dump_folder = dump.emit(report, before, after, opts.dump_dir)
+        for what, pair in report.compiled_pairs:
+            dump.emit_compiled(report, what, pair)
     except OSError as e:
         warnings.warn(f"flashbob could not write its dump to {opts.dump_dir!r}: {e}", stacklevel=2)
     return compiled
@@ -100,25 +106,55 @@ def choose_route(gm, example_inputs, opts):
     transform = next((n for n in transforms if "increment_nesting" in n.name), None) or \
         next(iter(transforms), None)
     differentiable = torch.is_grad_enabled() and requiring_grad
-    if differentiable and opts.double_backward:
-        return "eager", (f"grad mode is on and {len(requiring_grad)} input(s) require grad: "
-                         f"the outputs may be differentiated twice (create_graph=True), which "
-                         f"AOTAutograd refuses or silently truncates to first order; running "
-                         f"the rewritten graph eagerly keeps every order exact")
     compiler = f"AOTAutograd + {opts.compiler}"
     if transform is not None:
+        if differentiable and opts.double_backward:
+            return "eager", (f"the graph differentiates itself ({transform.name}) and "
+                             f"{len(requiring_grad)} input(s) require grad: it may also be "
+                             f"differentiated from outside")
         return "aot", f"{compiler}: the graph differentiates itself ({transform.name})"
+    if differentiable and opts.double_backward:
+        return "training", (f"{compiler}, every order compiled: grad mode is on and "
+                            f"{len(requiring_grad)} input(s) require grad, so the outputs "
+                            f"may be differentiated twice")
     if differentiable:
         return "aot", f"{compiler}: training graph, and options['double_backward'] is False"
     return "inference", f"{compiler}: no input requires grad under grad mode"
 
 
-def _compile(route, gm, example_inputs, opts):
+def _compile(report, gm, example_inputs, opts):
+    route = report.route
+    if route == "training":
+        name = f"graph {report.compile_id}"
+        try:
+            pair = training_runtime.compile_pair(copy.deepcopy(gm), example_inputs, opts.compiler,
+                                                 opts.inductor_config, name, nested=False)
+            report.compiled_pairs.append(("first_order", pair))
+            count("compiled_first_order")
+            return training_runtime.TrainingGraph(pair, opts.compiler, opts.inductor_config,
+                                                  name, on_compile=_compiled_later(report))
+        except training_runtime.NotSupported as e:
+            report.route, report.route_reason = "eager", (
+                f"{e}; running the rewritten graph eagerly keeps every order exact")
+            return gm.forward
     if route == "eager":
         return gm.forward
     if opts.compiler == "aot_eager":
         return _compat.compile_with_aot_eager(gm, example_inputs)
     return _compat.compile_with_inductor(gm, example_inputs, dict(opts.inductor_config))
+
+
+def _compiled_later(report):
+    """What TrainingGraph calls when it compiles a second-order piece: count, log, dump."""
+    def on_compile(what, pair):
+        count(f"compiled_{what}")
+        report.compiled_pairs.append((what, pair))
+        try:
+            dump.emit_compiled(report, what, pair)
+        except OSError as e:
+            warnings.warn(f"flashbob could not write its dump to {report.dump_folder!r}: {e}",
+                          stacklevel=2)
+    return on_compile
 
 
 def _with_guards(compiled, untouched, guards):

@@ -5,13 +5,21 @@ Per compiled graph, with options={"dump_dir": PATH} or BOB_COMPILE_DUMP_DIR=PATH
     PATH/<compile id>/graph_before.py   the Dynamo graph as captured (print_readable)
     PATH/<compile id>/graph_after.py    after the rewrite
     PATH/<compile id>/graph.diff        unified diff of the two
-    PATH/<compile id>/report.txt        one line per attention site, and the route
+    PATH/<compile id>/report.txt        one line per attention site, the route and what
+                                        was compiled
+    PATH/<compile id>/<order>.forward.py, <order>.backward.py
+                                        on the "training" route, the AOTAutograd graphs
+                                        (aten level, our ops in them) of each compiled
+                                        order: first_order at compile time, double_backward
+                                        and residual_vjp when a second-order step first
+                                        needs them
 
 <compile id> is Dynamo's ("0_0" for frame 0, first compile; "1_2" for frame 1, third).
 The same texts go to the "bob_compile" logger (report at INFO, graphs and diff at DEBUG:
 TORCH_LOGS="+bob_compile" shows everything) and to torch._logging.trace_structured
 artifacts flashbob_report, flashbob_graph_before, flashbob_graph_after and
-flashbob_graph_diff (TORCH_TRACE=DIR, then tlparse).
+flashbob_graph_diff, and flashbob_<order>_forward / _backward (TORCH_TRACE=DIR, then
+tlparse).
 """
 import difflib
 import itertools
@@ -53,6 +61,19 @@ def emit(report, before, after, dump_dir=None):
         log.info("flashbob graph %s dumped to %s", report.compile_id, folder)
         return folder
     return None
+
+
+def emit_compiled(report, what, pair):
+    """Log, trace and (where report has a dump folder) write the two graphs of one
+    compiled AOTAutograd pair of a training graph."""
+    from .passes.report import compiled_text
+    log.info("flashbob graph %s compiled %s", report.compile_id, compiled_text(what, pair))
+    for half, graph in (("forward", pair.forward_graph), ("backward", pair.backward_graph)):
+        text = graph.print_readable(print_output=False)
+        _compat.trace_artifact(f"flashbob_{what}_{half}", text)
+        if report.dump_folder:
+            with open(os.path.join(report.dump_folder, f"{what}.{half}.py"), "w") as f:
+                f.write(text)
 
 
 def _folder(dump_dir, compile_id):

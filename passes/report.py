@@ -8,7 +8,8 @@ bodies of higher-order ops (activation checkpointing, cond, ...) count too.
 
 `counters` (also mirrored into torch._dynamo.utils.counters["flashbob"]) counts, over the
 process: sdpa_replaced, sdpa_skipped, handwritten_replaced, handwritten_skipped,
-flex_attention_skipped, graphs, route_<name> and fallback. Clear it with `counters.clear()`.
+multihead_replaced, multihead_skipped, flex_attention_skipped, graphs, route_<name> and
+fallback. Clear it with `counters.clear()`.
 """
 import collections
 import dataclasses
@@ -26,8 +27,8 @@ def count(key, n=1):
 
 @dataclasses.dataclass
 class Site:
-    kind: str                    # "sdpa", "handwritten" or "flex_attention"
-    node: str                    # the SDPA node, or the softmax of hand-written attention
+    kind: str                    # "sdpa", "handwritten", "multihead" or "flex_attention"
+    node: str                    # the SDPA or multi-head call, or hand-written attention's softmax
     code: str = ""               # the user's line, "file.py:LINE: code"
     replaced: bool = False
     reason: str = ""             # why it stays untouched
@@ -54,6 +55,10 @@ class GraphReport:
     route: str = ""
     route_reason: str = ""
     error: str = ""              # set when the backend fell back to the untouched graph
+    # (what, CompiledPair) of each compiled AOTAutograd pair of the "training" route:
+    # "first_order" at compile time, "double_backward" and "residual_vjp" on first use
+    compiled_pairs: list = dataclasses.field(default_factory=list)
+    dump_folder: Optional[str] = None
 
     @property
     def replaced(self):
@@ -75,4 +80,17 @@ class GraphReport:
         if self.error:
             lines.append(f"  error: {self.error}")
         lines.append(f"  route: {self.route}" + (f" ({self.route_reason})" if self.route_reason else ""))
+        lines += [f"  compiled: {compiled_text(what, pair)}" for what, pair in self.compiled_pairs]
         return "\n".join(lines) + "\n"
+
+
+_ORDERS = {"first_order": "forward and backward",
+           "double_backward": "the backward as a differentiable function (double backward)",
+           "residual_vjp": "the forward's VJP for residual cotangents (second order)"}
+
+
+def compiled_text(what, pair):
+    def ops(graph):
+        return sum(1 for n in graph.graph.nodes if n.op == "call_function")
+    return (f"{_ORDERS.get(what, what)}: forward half {ops(pair.forward_graph)} ops, "
+            f"backward half {ops(pair.backward_graph)} ops")

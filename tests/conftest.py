@@ -3,7 +3,7 @@ sequences cross tile borders (odd lengths, partial and diagonal tiles)."""
 import pytest
 import torch
 
-from bob_compile.backend import recent_reports
+from bob_compile.backend import counters, recent_reports
 from bob_compile.kernels import blockwise
 
 
@@ -20,9 +20,10 @@ def seeded():
 
 @pytest.fixture
 def fresh_dynamo():
-    """No compiled graph, recompile count or backend report leaks between tests."""
+    """No compiled graph, recompile count, backend report or counter leaks between tests."""
     torch._dynamo.reset()
     recent_reports.clear()
+    counters.clear()
     yield
     torch._dynamo.reset()
 

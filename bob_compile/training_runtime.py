@@ -1,0 +1,622 @@
+"""Compiled training graphs that stay differentiable at every order.
+
+Stock torch.compile runs a training graph as one autograd node, AOTAutograd's
+CompiledFunction: a compiled forward saves residuals, a compiled backward consumes them.
+Its backward is opaque, so a `create_graph=True` backward (a Hessian-vector product, MAML)
+either raises or, when no saved tensor requires grad, silently drops the second-order
+terms. This module keeps AOTAutograd's partition and inductor's code for the first order
+and makes the backward itself a compiled, differentiable function:
+
+    forward    ForwardFn: the compiled forward graph. It returns the graph's outputs *and*
+               its residuals (the tensors the backward reads), and saves the residuals as
+               its own outputs: unpacked in a create_graph backward they carry autograd
+               history back to the inputs.
+    backward   ForwardFn.backward -> BackwardFn: the compiled backward graph. Without
+               create_graph that is all that runs: first order costs what stock compile
+               costs. With create_graph, BackwardFn runs the forward half of the
+               backward's own AOTAutograd partition (compiled on first use), which also
+               saves that partition's residuals;
+    2nd order  BackwardFn.backward: the backward half of that partition (compiled). It
+               returns cotangents of the residuals, which autograd sends back into
+               ForwardFn.backward: that is the vector-Jacobian product of the forward
+               graph with respect to its inputs, run by a compiled pair of the forward
+               graph itself (it recomputes the forward; only second-order steps pay it);
+    3rd order  any of these backwards run under create_graph: the same graph is run
+               eagerly and differentiated by autograd (exact at every order; unfused).
+
+The attention ops appear in the aten-level graphs as `torch.ops.bob_compile.*`; to
+differentiate a graph again, those nodes are swapped for the autograd.Functions of
+bob_compile/autograd.py (`differentiable_copy`), whose derivatives are the fused ops.
+
+Only graphs that AOTAutograd runs without its wrappers for input mutations, outputs that
+alias inputs or each other, tensor subclasses, duplicated inputs or RNG state qualify
+(`NotSupported` says why otherwise; the backend then runs the rewritten graph eagerly).
+"""
+import copy
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+from . import autograd as bob_autograd
+
+log = logging.getLogger("bob_compile.training")
+
+_OPS = torch.ops.bob_compile
+
+
+def _not_traced(fn):
+    """Run `fn` as Python, never traced by Dynamo: the runtime itself, which the autograd
+    engine may call from inside a compiled frame (autograd.grad in a compiled meta-loss)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+class NotSupported(Exception):
+    """This graph needs a part of AOTAutograd's runtime that we do not replicate."""
+
+
+# ----------------------------------------------------------------------------- compiling
+@dataclasses.dataclass
+class CompiledPair:
+    """A graph traced by AOTAutograd into a forward and a backward, both compiled.
+
+    forward(list of primals) -> [*outputs, *saved values]; backward(list) -> one gradient
+    (or None) per primal, taking [*saved values in `saved_order`, *tangents]."""
+    forward: Callable
+    backward: Callable
+    forward_graph: fx.GraphModule           # aten level, before code generation
+    backward_graph: fx.GraphModule
+    num_primals: int
+    num_outputs: int
+    saved_order: list                       # forward output index of each saved backward input
+    saved_primals: dict                     # forward output index -> primal index (saved as-is)
+    tangent_outputs: list                   # output index of each tangent, in backward order
+    tangent_layouts: list                   # per tangent: the strides (or memory format) traced
+    differentiable_outputs: list            # per output: whether AOTAutograd gives it a gradient
+    num_random: int = 0                     # forward's last outputs: its random draws
+
+
+def compile_pair(gm, example_inputs, compiler, config_patches=(), what="graph", nested=True):
+    """Trace `gm` with AOTAutograd (the partition inductor uses) and compile both halves
+    with `compiler` ("inductor" or "aot_eager"). `nested`: a graph derived from the one
+    Dynamo handed the backend (see _tracing_context). Raises NotSupported."""
+    _clone_outputs(gm, _outputs_aliasing_inputs(gm))
+    try:
+        return _compile_pair(gm, example_inputs, compiler, config_patches, what, nested)
+    except _AliasedOutputs as aliased:
+        # Outputs that are inputs or views AOTAutograd would rebuild at run time through its
+        # view-replay wrappers, which we do not replicate: return copies instead (one copy
+        # of that output; inductor usually writes it from the kernel that produces it).
+        _clone_outputs(gm, aliased.indices)
+        return _compile_pair(gm, example_inputs, compiler, config_patches, what, nested)
+
+
+class _AliasedOutputs(Exception):
+    def __init__(self, indices):
+        super().__init__(f"outputs {indices} alias inputs or other outputs")
+        self.indices = indices
+
+
+def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested):
+    captured = {}
+
+    def capture(kind, inner):
+        def compile_half(graph, inputs, **kwargs):
+            is_backward = kwargs.get("is_backward", kind == "backward")
+            if kwargs.get("is_inference"):
+                raise NotSupported(f"AOTAutograd traced {what} for inference: no input "
+                                   f"requires grad")
+            key = "backward" if is_backward else "forward"
+            if key == "forward":
+                context = torch._guards.TracingContext.try_get()
+                captured["metadata"] = meta = getattr(context, "fw_metadata", None)
+                _check_simple(meta, what)
+                captured["num_random"] = _return_random_values(graph)
+            captured[key] = copy.deepcopy(graph)
+            compiled = inner(graph, inputs, **kwargs)
+            captured[key + "_compiled"] = compiled
+            return compiled
+        return compile_half
+
+    # The backward must compile now (we call it ourselves), and must not reuse the memory
+    # of saved tensors: a second-order step reads them again after it.
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
+                                       donated_buffer=False), torch.enable_grad(), \
+            _tracing_context(example_inputs, nested):
+        if compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+            compile_fx(copy.deepcopy(gm), example_inputs,
+                       inner_compile=capture(None, compile_fx_inner),
+                       config_patches=dict(config_patches) or None)
+        else:
+            from functorch.compile import min_cut_rematerialization_partition
+            from torch._functorch.aot_autograd import aot_module_simplified
+            from torch._inductor.decomposition import select_decomp_table
+
+            def nop(graph, inputs, **kwargs):
+                return graph
+            # inductor's decompositions here too: the same graphs, and only primitive ops,
+            # whose derivatives all exist (native_layer_norm_backward has none for `mean`)
+            aot_module_simplified(copy.deepcopy(gm), example_inputs,
+                                  fw_compiler=capture("forward", nop),
+                                  bw_compiler=capture("backward", nop),
+                                  partition_fn=min_cut_rematerialization_partition,
+                                  decompositions=select_decomp_table())
+    if "backward" not in captured:
+        raise NotSupported(f"AOTAutograd produced no backward for {what}")
+    return _pair(captured, len(example_inputs), what)
+
+
+def _is_random(node):
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def _return_random_values(graph):
+    """Make the forward graph also return what its random ops drew (dropout's uniform
+    draws, say), as its last outputs: a second-order step re-runs the forward and must
+    see the same numbers. Costs the memory of those draws, only in graphs that have them.
+    Returns how many there are."""
+    drawn = [n for n in graph.graph.nodes if _is_random(n)]
+    if drawn:
+        output = graph.graph.output_node()
+        output.args = (tuple(output.args[0]) + tuple(drawn),)
+        graph.recompile()
+    return len(drawn)
+
+
+def replay_copy(forward_graph, num_random):
+    """differentiable_copy of a forward graph whose random draws are inputs instead (the
+    values the compiled forward returned), and whose outputs no longer include them."""
+    gm = differentiable_copy(forward_graph)
+    if num_random:
+        output = gm.graph.output_node()
+        outputs = list(output.args[0])
+        drawn = outputs[-num_random:]
+        output.args = (tuple(outputs[:-num_random]),)
+        last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        for i, node in enumerate(drawn):
+            with gm.graph.inserting_after(last_input):
+                last_input = gm.graph.placeholder(f"random_{i}")
+            last_input.meta = dict(node.meta)
+            node.replace_all_uses_with(last_input)
+            gm.graph.erase_node(node)
+        gm.recompile()
+    return gm
+
+
+def _is_view(node):
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
+                                      for r in schema.returns)
+
+
+def _outputs_aliasing_inputs(gm):
+    """Indices of the outputs of an aten-level graph that are an input, a view of one (a
+    forward graph returns the weights and their transposes it saves), or repeated: what
+    AOTAutograd would report as aliased, found before tracing rather than after."""
+    output = gm.graph.output_node().args[0]
+    indices, seen = [], set()
+    for i, value in enumerate(output):
+        base = value
+        while isinstance(base, fx.Node) and _is_view(base):
+            base = base.args[0]
+        is_tensor = isinstance(value, fx.Node) and isinstance(
+            value.meta.get("val", value.meta.get("example_value")), torch.Tensor)
+        if is_tensor and (value in seen or (isinstance(base, fx.Node) and base.op == "placeholder")):
+            indices.append(i)
+        seen.add(value)
+    return indices
+
+
+def _clone_outputs(gm, indices):
+    if not indices:
+        return
+    output = gm.graph.output_node()
+    values = list(output.args[0])
+    aten = any(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
+    for i in indices:
+        with gm.graph.inserting_before(output):
+            clone = gm.graph.call_function(torch.ops.aten.clone.default if aten else torch.clone,
+                                           (values[i],))
+        clone.meta = {k: v for k, v in values[i].meta.items() if k in ("val", "example_value")}
+        values[i] = clone
+    output.args = (type(output.args[0])(values),)
+    gm.recompile()
+
+
+def _tracing_context(example_inputs, nested):
+    """Dynamo's tracing context for the graph Dynamo handed us; a fresh one (on the same
+    fake mode and shape environment) for graphs we derive from it, so that our compiles
+    never overwrite what AOTAutograd published for Dynamo's graph."""
+    import contextlib
+
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    current = TracingContext.try_get()
+    if current is not None and not nested:
+        return contextlib.nullcontext()
+    fake_mode = detect_fake_mode(example_inputs) or (current.fake_mode if current else None)
+    return tracing(TracingContext(fake_mode or FakeTensorMode()))
+
+
+def _pair(captured, num_inputs, what):
+    meta = captured["metadata"]
+    forward_graph, backward_graph = captured["forward"], captured["backward"]
+    primals = [n for n in forward_graph.graph.nodes if n.op == "placeholder"]
+    if len(primals) != num_inputs:
+        raise NotSupported(f"AOTAutograd deduplicated or added inputs of {what}")
+    outputs = forward_graph.graph.output_node().args[0]
+    num_outputs = meta.num_outputs
+    index_of = {n.name: i for i, n in enumerate(outputs) if isinstance(n, fx.Node)}
+    saved_order, tangent_names, tangent_layouts = [], [], []
+    for p in backward_graph.graph.nodes:
+        if p.op != "placeholder":
+            continue
+        if p.name.startswith("tangents"):
+            tangent_names.append(p.name)
+            tangent_layouts.append(_layout(p.meta.get("val")))
+        elif p.name in index_of and index_of[p.name] >= num_outputs:
+            saved_order.append(index_of[p.name])
+        else:
+            raise NotSupported(f"backward input {p.name} of {what} is not a saved forward value")
+    tangent_outputs = [i for i, info in enumerate(meta.output_info)
+                       if info.requires_grad_for_backward]
+    if len(tangent_outputs) != len(tangent_names):
+        raise NotSupported(f"{what}: {len(tangent_names)} tangents for "
+                           f"{len(tangent_outputs)} differentiable outputs")
+    placeholder_index = {n: i for i, n in enumerate(primals)}
+    saved_primals = {i: placeholder_index[n] for i, n in enumerate(outputs)
+                     if i >= num_outputs and n in placeholder_index}
+    return CompiledPair(
+        forward=_boxed(captured["forward_compiled"]),
+        backward=_boxed(captured["backward_compiled"]),
+        forward_graph=forward_graph, backward_graph=backward_graph,
+        num_primals=num_inputs, num_outputs=num_outputs, saved_order=saved_order,
+        saved_primals=saved_primals, tangent_outputs=tangent_outputs,
+        tangent_layouts=tangent_layouts,
+        differentiable_outputs=[info.requires_grad for info in meta.output_info],
+        num_random=captured.get("num_random", 0))
+
+
+def _layout(fake):
+    """What a runtime tangent must look like: the strides AOTAutograd traced it with (they
+    follow the output's), or under dynamic shapes its memory format."""
+    if not isinstance(fake, torch.Tensor):
+        return None
+    if fake._has_symbolic_sizes_strides:
+        return torch._prims_common.suggest_memory_format(fake)
+    return tuple(fake.stride())
+
+
+def as_traced(tangent, layout):
+    """`tangent` with the layout the backward graph was traced for (a copy if needed)."""
+    if isinstance(layout, torch.memory_format):
+        return tangent.contiguous(memory_format=layout)
+    if layout is None or tangent.stride() == layout:
+        return tangent
+    return torch.empty_strided(tangent.shape, layout, dtype=tangent.dtype,
+                               device=tangent.device).copy_(tangent)
+
+
+def _check_simple(meta, what):
+    from torch._functorch._aot_autograd.schemas import OutputType, SubclassCreationMeta
+    if meta is None:
+        raise NotSupported(f"no AOTAutograd metadata for {what}")
+    problems = []
+    if meta.num_mutated_inp_runtime_indices:
+        problems.append("it mutates inputs")
+    # an unsafe_view_alias output views an intermediate that nothing else returns: AOTAutograd
+    # itself hands it out as a fresh tensor
+    fresh = (OutputType.non_alias, OutputType.unsafe_view_alias)
+    aliased = [i for i, o in enumerate(meta.output_info) if o.output_type not in fresh]
+    if aliased:
+        raise _AliasedOutputs(aliased)
+    if any(isinstance(m, SubclassCreationMeta) for m in meta.subclass_inp_meta):
+        problems.append("it has tensor subclass inputs")
+    if meta.is_rng_op_functionalized or meta.num_graphsafe_rng_states or meta.tokens \
+            or meta.num_opaque_objects_saved_for_bw:
+        problems.append("it carries RNG state, effect tokens or opaque objects")
+    if problems:
+        raise NotSupported(f"{what}: " + ", ".join(problems))
+
+
+def _boxed(compiled):
+    """A list -> outputs callable, whatever calling convention the compiler returned."""
+    if getattr(compiled, "_boxed_call", False):
+        return lambda args: compiled(list(args))
+    return lambda args: compiled(*args)
+
+
+# ----------------------------------------------------------------------------- graphs
+# Module-level functions (not Function.apply, which FX code generation cannot name).
+def differentiable_attn_fwd(*args):
+    return bob_autograd.AttnFn.apply(*args)
+
+
+def differentiable_attn_bwd(*args):
+    return bob_autograd.AttnBwdFn.apply(*args)
+
+
+def differentiable_attn_bob(*args):
+    return bob_autograd.AttnBobFn.apply(*args)
+
+
+def differentiable_attn_fwd_jvp(*args):
+    return bob_autograd.AttnFwdJvpFn.apply(*args)
+
+
+def differentiable_attn_bwd_jvp(*args):
+    return bob_autograd.AttnBwdJvpFn.apply(*args)
+
+
+_DIFFERENTIABLE = {
+    _OPS.attn_fwd.default: differentiable_attn_fwd,
+    _OPS.attn_bwd.default: differentiable_attn_bwd,
+    _OPS.attn_bob.default: differentiable_attn_bob,
+    _OPS.attn_fwd_jvp.default: differentiable_attn_fwd_jvp,
+    _OPS.attn_bwd_jvp.default: differentiable_attn_bwd_jvp,
+}
+
+
+def differentiable_copy(graph_module):
+    """A copy of an aten-level graph in which every attention op is called through its
+    autograd.Function, so that autograd and AOTAutograd can differentiate it again."""
+    gm = copy.deepcopy(graph_module)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _DIFFERENTIABLE:
+            node.target = _DIFFERENTIABLE[node.target]
+    gm.recompile()
+    return gm
+
+
+# ----------------------------------------------------------------------------- runtime
+class TrainingGraph:
+    """The compiled runtime of one Dynamo training graph: call it like the graph.
+
+    The second-order pieces compile on first use, for the requires-grad pattern and the
+    shapes met then. A graph Dynamo traced with dynamic shapes compiles them at once
+    instead, symbolically and for every floating input requiring grad (a superset), so
+    that a new shape never compiles again: guards they add must reach Dynamo now."""
+
+    def __init__(self, pair, compiler, config_patches, name, on_compile=None):
+        self.pair, self.compiler, self.config_patches, self.name = pair, compiler, config_patches, name
+        self.on_compile = on_compile or (lambda what, pair: None)
+        self._second_order = {}      # (requires-grad mask, shapes) of the backward's inputs -> pair
+        self._forward_vjp = {}       # (requires-grad mask, shapes) of the primals -> pair
+        self._eager_backward = None
+        self._eager_forward = None
+        self.dynamic = any(_is_symbolic(p.meta.get("val"))
+                           for p in pair.forward_graph.graph.nodes if p.op == "placeholder")
+        if self.dynamic:
+            self._second_order[None] = self._compile("double_backward", self.eager_backward(),
+                                                     _symbolic_examples(self.eager_backward()))
+            self._forward_vjp[None] = self._compile("residual_vjp", self.eager_forward(),
+                                                    _symbolic_examples(self.eager_forward()))
+
+    @_not_traced
+    def __call__(self, *args):
+        outputs = ForwardFn.apply(self, *args)
+        return list(outputs[:self.pair.num_outputs])
+
+    def second_order(self, inputs, mask):
+        """The compiled pair of the backward graph (its forward half re-runs the
+        backward and saves what the double backward reads)."""
+        return self._cached(self._second_order, "double_backward", self.eager_backward(),
+                            inputs, mask)
+
+    def forward_vjp(self, inputs, mask):
+        """The compiled pair of the forward graph with all its outputs, residuals
+        included (and its random draws as inputs): the VJP that residual cotangents need."""
+        return self._cached(self._forward_vjp, "residual_vjp", self.eager_forward(),
+                            inputs, mask)
+
+    def _cached(self, cache, what, graph, values, mask):
+        if self.dynamic:
+            return cache[None]
+        key = (mask, _signature(values))
+        if key not in cache:
+            cache[key] = self._compile(what, graph, _example(values, mask))
+        return cache[key]
+
+    def _compile(self, what, graph, example_inputs):
+        name = f"the {what.replace('_', ' ')} of {self.name}"
+        log.info("flashbob: compiling %s", name)
+        pair = compile_pair(copy.deepcopy(graph), example_inputs, self.compiler,
+                            self.config_patches, name)
+        self.on_compile(what, pair)
+        return pair
+
+    def eager_backward(self):
+        """The backward graph, differentiable (inputs: saved values, then tangents)."""
+        if self._eager_backward is None:
+            self._eager_backward = differentiable_copy(self.pair.backward_graph)
+        return self._eager_backward
+
+    def eager_forward(self):
+        """The forward graph, differentiable (inputs: primals, then random draws)."""
+        if self._eager_forward is None:
+            self._eager_forward = replay_copy(self.pair.forward_graph, self.pair.num_random)
+        return self._eager_forward
+
+
+def _is_symbolic(value):
+    return isinstance(value, (torch.SymInt, torch.SymFloat)) or (
+        isinstance(value, torch.Tensor) and value._has_symbolic_sizes_strides)
+
+
+def _symbolic_examples(graph):
+    """The graph's own fake inputs, every floating one requiring grad."""
+    nodes = [p for p in graph.graph.nodes if p.op == "placeholder"]
+    return [v.detach().requires_grad_(v.is_floating_point() and not p.name.startswith("random_"))
+            if isinstance(v, torch.Tensor) else v for p, v in ((p, p.meta.get("val")) for p in nodes)]
+
+
+def _signature(values):
+    return tuple((v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
+                 for v in values)
+
+
+def _example(values, mask):
+    """Detached copies of the runtime values with the given requires_grad pattern: the
+    example inputs of a compile that happens at run time (shapes become static)."""
+    return [v.detach().requires_grad_(m) if isinstance(v, torch.Tensor) else v
+            for v, m in zip(values, mask)]
+
+
+def _grad_mask(values):
+    return tuple(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+
+
+def _zeros_for(grads, like_meta):
+    return [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+            for g, (shape, dtype, device) in zip(grads, like_meta)]
+
+
+def _as_traced(tangents, pair):
+    return [as_traced(t, layout) for t, layout in zip(tangents, pair.tangent_layouts)]
+
+
+def _meta(t):
+    return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+
+
+def _vjp_eagerly(graph, inputs, cotangents):
+    """Exact VJP of an aten graph run eagerly, differentiable again (third order).
+
+    The inputs get fresh views first: autograd.grad with respect to the inputs themselves
+    would also follow the paths by which one input depends on another (a residual on the
+    primals it was computed from), where the VJP wants each input's own partial."""
+    inputs = [x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x
+              for x in inputs]
+    wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    outs = graph(*inputs)
+    pairs = [(o, c) for o, c in zip(outs, cotangents)
+             if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                [c for _, c in pairs], create_graph=True, allow_unused=True)
+    result = [None] * len(inputs)
+    for i, g in zip(wanted, grads):
+        result[i] = g
+    return result
+
+
+class ForwardFn(torch.autograd.Function):
+    """Level 1: compiled forward; returns (*outputs, *non-primal residuals)."""
+
+    @staticmethod
+    @_not_traced
+    def forward(ctx, graph, *primals):
+        pair = graph.pair
+        values = pair.forward(primals)
+        values, ctx.random_values = values[:len(values) - pair.num_random], \
+            values[len(values) - pair.num_random:]
+        outputs = values[:pair.num_outputs]
+        residual_index = [i for i in range(pair.num_outputs, len(values))
+                          if i not in pair.saved_primals]
+        residuals = [values[i] for i in residual_index]
+        ctx.graph = graph
+        ctx.non_tensor_primals = [None if isinstance(p, torch.Tensor) else p for p in primals]
+        ctx.values_meta = [_meta(v) for v in values]
+        ctx.residual_index = residual_index
+        ctx.non_tensor_values = {i: values[i] for i in residual_index
+                                 if not isinstance(values[i], torch.Tensor)}
+        returned = (*outputs, *residuals)
+        tensors = [t for t in returned if isinstance(t, torch.Tensor)]
+        ctx.mark_non_differentiable(*[
+            t for i, t in enumerate(returned) if isinstance(t, torch.Tensor) and (
+                not t.is_floating_point() or (i < pair.num_outputs and not pair.differentiable_outputs[i]))])
+        ctx.save_for_backward(*tensors, *[p if isinstance(p, torch.Tensor) else None for p in primals])
+        ctx.num_returned_tensors = len(tensors)
+        ctx.set_materialize_grads(False)
+        return returned
+
+    @staticmethod
+    @_not_traced
+    def backward(ctx, *grads):
+        graph, pair = ctx.graph, ctx.graph.pair
+        saved = ctx.saved_tensors
+        returned_tensors, primal_tensors = saved[:ctx.num_returned_tensors], saved[ctx.num_returned_tensors:]
+        primals = [p if t is None else t for p, t in zip(ctx.non_tensor_primals, primal_tensors)]
+        values = _values(ctx, pair, returned_tensors, primals)
+        output_grads, residual_grads = grads[:pair.num_outputs], grads[pair.num_outputs:]
+        if all(g is None for g in residual_grads):
+            tangents = _zeros_for([output_grads[i] for i in pair.tangent_outputs],
+                                  [ctx.values_meta[i] for i in pair.tangent_outputs])
+            inputs = [values[i] for i in pair.saved_order] + _as_traced(tangents, pair)
+            if torch.is_grad_enabled():      # create_graph: the backward is differentiated later
+                primal_grads = BackwardFn.apply(graph, *inputs)
+            else:                            # plain first order: what stock compile runs
+                primal_grads = pair.backward(inputs)
+        else:
+            primal_grads = _residual_vjp(ctx, graph, primals, values, output_grads, residual_grads)
+        return (None, *primal_grads)
+
+
+def _values(ctx, pair, returned_tensors, primals):
+    """The forward graph's output list, rebuilt from what the forward returned/saved."""
+    returned = iter(returned_tensors)
+    num = len(ctx.values_meta)
+    values = [None] * num
+    for i in range(pair.num_outputs):
+        values[i] = next(returned) if ctx.values_meta[i] is not None else None
+    for i in ctx.residual_index:
+        values[i] = ctx.non_tensor_values[i] if i in ctx.non_tensor_values else next(returned)
+    for i, p in pair.saved_primals.items():
+        values[i] = primals[p]
+    return values
+
+
+def _residual_vjp(ctx, graph, primals, values, output_grads, residual_grads):
+    """Gradients of the primals for cotangents on the forward graph's outputs and
+    residuals (the second-order path: residuals reached by a double backward)."""
+    pair = graph.pair
+    cotangents = [None] * len(values)
+    for i, g in enumerate(output_grads):
+        cotangents[i] = g
+    for i, g in zip(ctx.residual_index, residual_grads):
+        cotangents[i] = g
+    inputs = [*primals, *ctx.random_values]
+    if torch.is_grad_enabled():      # third order: exact, eager, differentiable again
+        return _vjp_eagerly(graph.eager_forward(), inputs, cotangents)[:len(primals)]
+    mask = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+    vjp = graph.forward_vjp(inputs, mask)
+    with torch.no_grad():
+        values2 = vjp.forward([x.detach() if isinstance(x, torch.Tensor) else x for x in inputs])
+    tangents = _zeros_for([cotangents[i] for i in vjp.tangent_outputs],
+                          [_meta(values2[i]) for i in vjp.tangent_outputs])
+    grads = vjp.backward([values2[i] for i in vjp.saved_order] + _as_traced(tangents, vjp))
+    return grads[:len(primals)]
+
+
+class BackwardFn(torch.autograd.Function):
+    """Level 2: the compiled backward, differentiable when run under create_graph."""
+
+    @staticmethod
+    @_not_traced
+    def forward(ctx, graph, *inputs):
+        mask = tuple(ctx.needs_input_grad[1:])
+        ctx.graph = graph
+        pair = graph.second_order(inputs, mask)
+        values = pair.forward(inputs)
+        ctx.pair, ctx.mask = pair, mask
+        ctx.second_order_values = values
+        ctx.non_tensor_inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+        ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])
+        ctx.set_materialize_grads(False)
+        grads = values[:pair.num_outputs]
+        return tuple(grads)
+
+    @staticmethod
+    @_not_traced
+    def backward(ctx, *vectors):
+        inputs = [x if t is None else t for x, t in zip(ctx.non_tensor_inputs, ctx.saved_tensors)]
+        if torch.is_grad_enabled():      # third order: exact, eager, differentiable again
+            return (None, *_vjp_eagerly(ctx.graph.eager_backward(), inputs, vectors))
+        pair, values = ctx.pair, ctx.second_order_values
+        tangents = _zeros_for([vectors[i] for i in pair.tangent_outputs],
+                              [_meta(values[i]) for i in pair.tangent_outputs])
+        grads = pair.backward([values[i] for i in pair.saved_order] + _as_traced(tangents, pair))
+        return (None, *grads)

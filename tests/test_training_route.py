@@ -1,0 +1,305 @@
+"""The "training" route: compiled forward, backward and double backward, exact at every order.
+
+Float64 against eager PyTorch (SDPA under SDPBackend.MATH). The model x scenario matrix of
+test_backend_scenarios.py runs this route with aot_eager; here: inductor in every order
+(and proof that its code ran), MAML written three ways with one and two inner steps,
+gradient penalties, third order, dropout, graphs the route refuses, dynamic shapes, dumps.
+"""
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import bob_compile.training_runtime as training_runtime
+from bob_compile.backend import counters, flashbob, recent_reports
+from models import CASES, SDPABlock, exact_twin, loss_of
+
+AOT_EAGER = {"compiler": "aot_eager", "fallback": False}
+INDUCTOR = {"compiler": "inductor", "fallback": False}
+TOLERANCE = 1e-9
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def max_error(actual, expected):
+    return max((a - e).abs().max().item() for a, e in zip(actual, expected, strict=True))
+
+
+def math_sdpa():
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+# ---------------------------------------------------------------------------- scenarios
+def first_order(model, x):
+    return torch.autograd.grad(loss_of(model(x)), list(model.parameters()))
+
+
+def hessian_vector_product(model, x):
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss_of(model(x)), params, create_graph=True)
+    vectors = [torch.full_like(p, 0.5) for p in params]
+    return torch.autograd.grad(grads, params, grad_outputs=vectors)
+
+
+def gradient_penalty(model, x):
+    """WGAN-GP / R1 style: the loss plus the squared norm of its input gradient."""
+    x = x.detach().requires_grad_()
+    loss = loss_of(model(x))
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    return torch.autograd.grad(loss + gx.square().sum(), list(model.parameters()))
+
+
+def maml(model, x, steps=1, inner_lr=0.1):
+    params = dict(model.named_parameters())
+    fast = dict(params)
+    for _ in range(steps):
+        inner = loss_of(functional_call(model, fast, (x[:1],)))
+        grads = torch.autograd.grad(inner, list(fast.values()), create_graph=True)
+        fast = {name: p - inner_lr * g for (name, p), g in zip(fast.items(), grads)}
+    return torch.autograd.grad(loss_of(functional_call(model, fast, (x[1:],))), list(params.values()))
+
+
+# ---------------------------------------------------------------------------- inductor in every order
+class CompiledRuns:
+    """Counts the runs of every graph inductor compiles, by the order it belongs to."""
+
+    def __init__(self):
+        from torch._inductor.compile_fx import compile_fx_inner
+        self.runs, self._inner, self._order = {}, compile_fx_inner, "first_order"
+
+    def compile(self, graph, example_inputs, **kwargs):
+        compiled = self._inner(graph, example_inputs, **kwargs)
+        name = f"{self._order}.{'backward' if kwargs.get('is_backward') else 'forward'}"
+        self.runs.setdefault(name, 0)
+
+        def run(args):
+            self.runs[name] += 1
+            return compiled(args)
+        run._boxed_call = True
+        return run
+
+    def ordered(self, original):
+        def compile_in_order(graph_runtime, what, *args):
+            self._order = what
+            try:
+                return original(graph_runtime, what, *args)
+            finally:
+                self._order = "first_order"   # Dynamo's next graph
+        return compile_in_order
+
+
+@pytest.fixture
+def inductor_runs(monkeypatch):
+    runs = CompiledRuns()
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", runs.compile)
+    monkeypatch.setattr(training_runtime.TrainingGraph, "_compile",
+                        runs.ordered(training_runtime.TrainingGraph._compile))
+    return runs
+
+
+# A create_graph backward runs the forward half of the double-backward pair (the backward
+# recomputed as a differentiable function) instead of the first-order backward.
+SECOND_ORDER_RUNS = {"first_order.forward", "double_backward.forward", "double_backward.backward",
+                     "residual_vjp.forward", "residual_vjp.backward"}
+
+
+@pytest.mark.parametrize("scenario,expected_runs", [
+    (first_order, {"first_order.forward", "first_order.backward"}),
+    (hessian_vector_product, SECOND_ORDER_RUNS),
+    (gradient_penalty, SECOND_ORDER_RUNS),
+    (maml, SECOND_ORDER_RUNS | {"first_order.backward"}),   # the outer gradient
+], ids=lambda x: getattr(x, "__name__", ""))
+def test_inductor_code_runs_in_every_order(scenario, expected_runs, inductor_runs):
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    with math_sdpa():
+        expected = scenario(exact_twin(model), x)
+    actual = scenario(torch.compile(model, backend=flashbob, options=INDUCTOR), x)
+    assert max_error(actual, expected) <= TOLERANCE
+    assert {r.route for r in recent_reports} == {"training"}
+    assert {name for name, n in inductor_runs.runs.items() if n > 0} == expected_runs, \
+        inductor_runs.runs
+
+
+def test_first_order_runs_no_second_order_code(inductor_runs):
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob, options=INDUCTOR)
+    for _ in range(2):
+        first_order(compiled, x)
+    assert inductor_runs.runs == {"first_order.forward": 2, "first_order.backward": 2}
+    assert counters["compiled_double_backward"] == counters["compiled_residual_vjp"] == 0
+
+
+# ---------------------------------------------------------------------------- MAML, three ways
+def maml_compiled_functional_call(model, x, steps):
+    """The functional model compiled, the meta-loss eager (torch.func MAML style)."""
+    f = torch.compile(lambda params, x: functional_call(model, params, (x,)), backend=flashbob,
+                      options=AOT_EAGER)
+    params = dict(model.named_parameters())
+    fast = dict(params)
+    for _ in range(steps):
+        grads = torch.autograd.grad(loss_of(f(fast, x[:1])), list(fast.values()), create_graph=True)
+        fast = {name: p - 0.1 * g for (name, p), g in zip(fast.items(), grads)}
+    return torch.autograd.grad(loss_of(f(fast, x[1:])), list(params.values()))
+
+
+def maml_compiled_meta_loss(model, x, steps):
+    """The whole meta-loss compiled, inner autograd.grad(create_graph=True) included."""
+    params = dict(model.named_parameters())
+
+    def meta_loss(params, x):
+        fast = dict(params)
+        for _ in range(steps):
+            inner = loss_of(functional_call(model, fast, (x[:1],)))
+            grads = torch.autograd.grad(inner, list(fast.values()), create_graph=True)
+            fast = {name: p - 0.1 * g for (name, p), g in zip(fast.items(), grads)}
+        return loss_of(functional_call(model, fast, (x[1:],)))
+    compiled = torch.compile(meta_loss, backend=flashbob, options=AOT_EAGER)
+    return torch.autograd.grad(compiled(params, x), list(params.values()))
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("how", ["compiled_module", "compiled_functional_call", "compiled_meta_loss"])
+def test_maml_stays_second_order(how, steps):
+    model = CASES["nanogpt"].model()
+    x = torch.cat([CASES["nanogpt"].batch(0)[0][:1], CASES["nanogpt"].batch(1)[0][:1]])
+    with math_sdpa():
+        expected = maml(exact_twin(model), x, steps)
+        first_order_maml = maml(exact_twin(model), x.detach(), steps=0)
+    if how == "compiled_module":
+        actual = maml(torch.compile(model, backend=flashbob, options=AOT_EAGER), x, steps)
+    elif how == "compiled_functional_call":
+        actual = maml_compiled_functional_call(model, x, steps)
+    else:
+        actual = maml_compiled_meta_loss(model, x, steps)
+    assert max_error(actual, expected) <= TOLERANCE
+    assert max_error(first_order_maml, expected) > 1e-4, "the second-order terms must matter"
+    # every forward through the model is a graph with its attention replaced (a compiled
+    # meta-loss adds small graphs around the autograd.grad calls Dynamo breaks at)
+    assert sum(len(r.replaced) for r in recent_reports) >= 1 and not any(r.skipped for r in recent_reports)
+    assert "training" in {r.route for r in recent_reports if r.replaced}
+
+
+# ---------------------------------------------------------------------------- third order
+class HandWrittenLayerNorm(nn.Module):
+    """nn.LayerNorm's math in ordinary ops: PyTorch's fused layer-norm derivative is wrong
+    at third order (its double backward is not itself differentiated exactly), so the
+    third-order reference cannot use it."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.bias, self.eps = norm.weight, norm.bias, norm.eps
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = (x - mean).square().mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def hand_written_norms(model):
+    twin = exact_twin(model)
+    for name, module in list(twin.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.LayerNorm):
+                setattr(module, child_name, HandWrittenLayerNorm(child))
+    return twin
+
+
+def third_order(model, x):
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss_of(model(x)), params, create_graph=True)
+    hvps = torch.autograd.grad(sum(g.square().sum() for g in grads), params, create_graph=True)
+    return torch.autograd.grad(sum(h.square().sum() for h in hvps), params)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "nanogpt"])
+def test_third_order_is_exact(name):
+    model = CASES[name].model()
+    x, = CASES[name].batch(0)
+    with math_sdpa():
+        expected = third_order(hand_written_norms(model), x)
+    actual = third_order(torch.compile(model, backend=flashbob, options=AOT_EAGER), x)
+    relative = max(((a - e).norm() / e.norm()).item() for a, e in zip(actual, expected))
+    assert relative <= 1e-12
+    assert {r.route for r in recent_reports} == {"training"}
+
+
+# ---------------------------------------------------------------------------- dropout
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.dropout = SDPABlock(), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return torch.tanh(self.dropout(self.block(x)))
+
+
+def test_dropout_draws_are_replayed_in_the_second_order():
+    """A second-order step re-runs the forward: with new dropout draws the Hessian would
+    mix two functions and lose its symmetry, u·Hv = v·Hu."""
+    model = DropoutBlock().double().train()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob, options=AOT_EAGER)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss_of(compiled(x)), params, create_graph=True)
+    g = torch.Generator().manual_seed(3)
+    u, v = ([torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params] for _ in range(2))
+    hv = torch.autograd.grad(grads, params, v, retain_graph=True)
+    hu = torch.autograd.grad(grads, params, u)
+    u_hv = sum((a * b).sum() for a, b in zip(u, hv))
+    v_hu = sum((a * b).sum() for a, b in zip(v, hu))
+    assert abs(u_hv - v_hu) <= 1e-12 * abs(u_hv)
+    assert recent_reports[-1].route == "training"
+
+
+# ---------------------------------------------------------------------------- what the route refuses
+def test_input_mutation_runs_eagerly_with_a_reason():
+    """BatchNorm in training updates its running statistics: the rewritten graph runs
+    eagerly, and the report says why."""
+    model = nn.Sequential(SDPABlock(), nn.BatchNorm1d(8)).double().train()
+    x, = CASES["sdpa"].batch(0)
+    with math_sdpa():
+        expected = hessian_vector_product(exact_twin(model), x)
+    actual = hessian_vector_product(torch.compile(model, backend=flashbob, options=AOT_EAGER), x)
+    assert max_error(actual, expected) <= TOLERANCE
+    (report,) = recent_reports
+    assert report.route == "eager" and "mutates inputs" in report.route_reason
+
+
+# ---------------------------------------------------------------------------- shapes
+def test_new_lengths_do_not_recompile_the_second_order():
+    model = CASES["nanogpt"].model()
+    compiled = torch.compile(model, backend=flashbob, options=AOT_EAGER)
+    for seq in (5, 6, 7, 8, 9):
+        x, = CASES["nanogpt"].batch(seq, seq)
+        with math_sdpa():
+            assert max_error(hessian_vector_product(compiled, x),
+                             hessian_vector_product(model, x)) <= TOLERANCE
+    assert len(recent_reports) == 2, "one static graph, then one dynamic graph"
+    assert counters["compiled_double_backward"] == counters["compiled_residual_vjp"] == 2
+
+
+# ---------------------------------------------------------------------------- reports and dumps
+def test_report_and_dump_name_the_compiled_graphs_of_every_order(tmp_path):
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob,
+                             options={**AOT_EAGER, "dump_dir": str(tmp_path)})
+    first_order(compiled, x)
+    folder = tmp_path / "0_0"
+    assert {"first_order.forward.py", "first_order.backward.py"} <= set(os.listdir(folder))
+    assert "compiled: forward and backward" in (folder / "report.txt").read_text()
+    hessian_vector_product(compiled, x)
+    for order in ("double_backward", "residual_vjp"):
+        for half in ("forward", "backward"):
+            text = (folder / f"{order}.{half}.py").read_text()
+            assert "bob_compile" in text or order == "residual_vjp", (order, half)
+    assert "attn_bob" in (folder / "double_backward.backward.py").read_text()
+    report_text = recent_reports[-1].text()
+    assert "double backward" in report_text and "residual cotangents" in report_text
