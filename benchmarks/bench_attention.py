@@ -56,6 +56,8 @@ def import_kernels():
 
 
 tri, reference = import_kernels()
+# the kernels read BOB_COMPILE_* once; --variants changes them in-process, then reloads
+kernel_settings = sys.modules[tri.__name__.rpartition(".")[0] + ".settings"]
 MIB = 2 ** 20
 
 
@@ -239,6 +241,7 @@ def main():
                     if "@" in prov:
                         variant = prov.split("@")[1].split(":")
                         os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = variant
+                    kernel_settings.reload()
                     if prov in slow or (prov == "torch_math" and n > args.math_max_n):
                         continue
                     reps = 10 if n <= 16384 else (4 if n <= 65536 else 2)

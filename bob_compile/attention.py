@@ -83,6 +83,9 @@ def _scale_value(scale, head_dim):
 def _broadcast_leading(query, key, value, enable_gqa):
     """Broadcast leading dims like SDPA's math path; with GQA the head dim is exempt."""
     split = -3 if enable_gqa else -2
+    lead = query.shape[:split]
+    if key.shape[:split] == lead and value.shape[:split] == lead:
+        return query, key, value   # nothing to broadcast (the usual case: no shape work)
     try:
         lead = torch.broadcast_shapes(query.shape[:split], key.shape[:split], value.shape[:split])
     except RuntimeError:

@@ -32,12 +32,89 @@ create_graph) the fused ops run, as their results are never differentiated.
 import logging
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 
-from . import ops
+from . import kernels, ops
 from .kernels import reference
 
 op = torch.ops.bob_compile
 log = logging.getLogger("bob_compile.autograd")
+
+
+# ----------------------------------------------------------------------------- host fast path
+# Host cost per call matters: at batch 1 and short sequences the GPU waits for the CPU, and
+# the double-backward graphs of the eager route call these Functions thousands of times per
+# step. Two costs are avoidable in plain eager code without changing what runs:
+#
+# 1. The dispatcher round trip of a torch.library.custom_op (an Autograd kernel in Python,
+#    a redispatch, the CompositeExplicitAutograd wrapper with its dynamo-disable and
+#    aliasing checks): ~40 us on a server CPU, more than native SDPA's whole forward.
+#    Where nothing could observe the op (no torch function or dispatch mode, so no tracing,
+#    fake tensors, functionalization or FlopCounter; no functorch transform; no jit trace;
+#    every tensor a plain dense Tensor/Parameter, not a tensor subclass, functorch wrapper
+#    or legacy-vmap BatchedTensor), the Functions call the op's implementation, ops.call_*
+#    with kernels.select, directly: the same function the op's own implementation calls.
+#    Everywhere else they call the op, so graphs, AOTAutograd, torch.func and vmap still
+#    see torch.ops.bob_compile.*. Under the profiler the direct call is recorded under the
+#    op's name.
+# 2. autograd.Function.apply binds its arguments with inspect.signature on every call
+#    (~25 us) when the Function defines setup_context. Our forwards have no defaults and are
+#    always called positionally, so `_Fused.apply` skips that; and when no output can need
+#    a graph (grad mode off or no input requiring grad, no forward-mode AD level, plain
+#    eager) it runs the forward directly, as Function.apply would, minus the node.
+_functorch_active = torch._C._are_functorch_transforms_active
+_torch_function_mode_on = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_tracing_state = torch._C._get_tracing_state
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor   # in torch since 2.0
+_profiling = torch._C._autograd._profiler_enabled
+_any_requires_grad = torch._C._any_requires_grad
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_forward_ad = torch.autograd.forward_ad
+
+
+def _plain_eager(tensors):
+    """Whether these op inputs may go to the implementation without the dispatcher
+    (see above): nothing that intercepts ops is active and every tensor is plain."""
+    if _functorch_active() or _dispatch_modes() or _torch_function_mode_on() \
+            or _tracing_state() is not None:
+        return False
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TYPES or _is_functorch_wrapped(t)
+                              or _is_legacy_batched(t)):
+            return False
+    return True
+
+
+def _run(op_overload, call, name, args):
+    """op_overload(*args), or its implementation `call(kernels.select, *args)` directly
+    where nothing could observe the op (args: the op's arguments, scale and causal last)."""
+    if not _plain_eager(args[:-2]):
+        return op_overload(*args)
+    if _profiling():
+        with torch.profiler.record_function(name):
+            return call(kernels.select, *args)
+    return call(kernels.select, *args)
+
+
+class _Fused(torch.autograd.Function):
+    """An autograd.Function whose apply skips the per-call signature binding, and the
+    autograd node where no output can need one (see the section comment above). Every
+    other call goes through torch.autograd.Function.apply unchanged."""
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        if kwargs or _functorch_active():
+            return super().apply(*args, **kwargs)   # torch.func: custom_function_call
+        if _plain_eager(args[:-2]):
+            if _forward_ad._current_level < 0 and (
+                    not torch.is_grad_enabled() or not _any_requires_grad(*args)):
+                return cls.forward(*args)
+        else:
+            args = unwrap_dead_wrappers(args)
+        # what Function.apply does from here on, without binding the signature again
+        return super(torch.autograd.Function, cls).apply(*args)
 
 
 def _zeros_if_none(t, like):
@@ -64,7 +141,6 @@ _backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
 
 
 # ----------------------------------------------------------------------------- legacy vmap
-_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor   # in torch since 2.0
 _legacy_vmap_fallback_logged = False
 
 
@@ -124,13 +200,14 @@ _FWD_JVP_LIKE = {5: 0, 6: 1, 7: 2}
 _BWD_JVP_LIKE = {6: 4, 7: 0, 8: 1, 9: 2, 10: 3, 11: 4, 12: 5, 13: 4}
 
 
-class AttnBobFn(torch.autograd.Function):
+class AttnBobFn(_Fused):
     """attn_bob, the second-order kernel; its own backward is third order (math twin)."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
-        return op.attn_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+        return _run(op.attn_bob, ops.call_bob, "bob_compile::attn_bob",
+                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal))
 
     setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
 
@@ -139,13 +216,14 @@ class AttnBobFn(torch.autograd.Function):
         return (*_third_order(_bob_twin, ctx, grads, _BOB_LIKE), None, None)
 
 
-class AttnFwdJvpFn(torch.autograd.Function):
+class AttnFwdJvpFn(_Fused):
     """attn_fwd_jvp; differentiating the tangents again is third order (math twin)."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, o, lse, tq, tk, tv, scale, causal):
-        return op.attn_fwd_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal)
+        return _run(op.attn_fwd_jvp, ops.call_forward_jvp, "bob_compile::attn_fwd_jvp",
+                    (q, k, v, o, lse, tq, tk, tv, scale, causal))
 
     setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
 
@@ -155,14 +233,14 @@ class AttnFwdJvpFn(torch.autograd.Function):
                 None, None)
 
 
-class AttnBwdJvpFn(torch.autograd.Function):
+class AttnBwdJvpFn(_Fused):
     """attn_bwd_jvp; differentiating the tangents again is third order (math twin)."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
-        return op.attn_bwd_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
-                               scale, causal)
+        return _run(op.attn_bwd_jvp, ops.call_backward_jvp, "bob_compile::attn_bwd_jvp",
+                    (q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal))
 
     setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
 
@@ -173,13 +251,14 @@ class AttnBwdJvpFn(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- second order
-class AttnBwdFn(torch.autograd.Function):
+class AttnBwdFn(_Fused):
     """attn_bwd, the first backward; its backward is the fused BoB."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, o, lse, do, dlse, scale, causal):
-        return op.attn_bwd(q, k, v, o, lse, do, dlse, scale, causal)
+        return _run(op.attn_bwd, ops.call_backward, "bob_compile::attn_bwd",
+                    (q, k, v, o, lse, do, dlse, scale, causal))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -211,14 +290,15 @@ class AttnBwdFn(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- first order
-class AttnFn(torch.autograd.Function):
+class AttnFn(_Fused):
     """attn_fwd; outputs (o, lse). lse is exposed so that its cotangent (non-zero in the
     second order of the chain form) reaches attn_bwd."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, scale, causal):
-        return op.attn_fwd(q, k, v, scale, causal)
+        return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
+                    (q, k, v, scale, causal))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

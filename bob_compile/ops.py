@@ -30,11 +30,16 @@ NAMESPACE = "bob_compile"
 
 
 # ----------------------------------------------------------------------------- layout
+# These run on every call: 4-D inputs (the common case) and outputs that already have their
+# final shape are passed through without a reshape (a dispatcher call each).
 def _flat(t: Optional[Tensor]):
     """(..., H, N, X) -> (B, H, N, X); rank-2 (N, X) -> (1, 1, N, X)."""
     if t is None:
         return None
-    if t.dim() == 2:
+    dim = t.dim()
+    if dim == 4:
+        return t
+    if dim == 2:
         return t.unsqueeze(0).unsqueeze(0)
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
@@ -43,10 +48,14 @@ def _flat_rows(r: Optional[Tensor], qf: Tensor):
     """Row vectors (..., H, L) -> (B, H, L), matching the flattened query qf."""
     if r is None:
         return None
-    return r.reshape(qf.shape[:3])
+    shape = qf.shape[:3]
+    return r if r.shape == shape else r.reshape(shape)
 
 
 def _unflat(t: Tensor, shape):
+    """t (contiguous, from an implementation) in the caller's shape, contiguous."""
+    if t.shape == shape:
+        return t.contiguous()
     return t.reshape(shape).contiguous()
 
 

@@ -20,13 +20,14 @@ Functions (names and argument order are the same in every implementation):
 
 `select(q, k, v)` picks the Triton kernels for CUDA tensors they support, and the
 memory-efficient `blockwise` PyTorch path everywhere else. BOB_COMPILE_KERNELS=blockwise
-(or =reference, for debugging at small sizes) forces a choice.
+(or =reference, for debugging at small sizes) forces a choice. Like every environment switch
+of the kernels it is read once (`settings.py`; `settings.reload()` after changing it
+in-process).
 """
 import importlib
 import logging
-import os
 
-from . import blockwise, reference
+from . import blockwise, reference, settings
 
 log = logging.getLogger("bob_compile.kernels")
 
@@ -49,8 +50,8 @@ def _triton():
 
 def select(q, k, v):
     """The implementation module for these inputs (see the module docstring)."""
-    forced = os.environ.get("BOB_COMPILE_KERNELS")
-    if forced:
+    forced = settings.current().kernels
+    if forced is not None:
         if forced == "triton":
             return _triton()
         if forced not in _IMPLEMENTATIONS:

@@ -11,19 +11,19 @@ half-precision inputs without GQA, dlse = None), forward and backward call them,
 first-order step through the op costs what native SDPA costs. Every other case, and the
 whole second order, runs the kernels in triton_forward / triton_backward / triton_bob.
 
-Environment switches (for benchmarks and debugging):
+Environment switches (for benchmarks and debugging; read once, see settings.py):
 - BOB_COMPILE_NATIVE_SDPA=0: never call PyTorch's fused kernels;
+- BOB_COMPILE_NATIVE_BACKEND=cudnn|flash|none: which of them;
 - BOB_COMPILE_BOB_SCHEDULE=atomic|two_pass: BoB row outputs by fp32 atomics in one pass,
   or by a separate deterministic row pass (the default, see benchmarks/README.md);
 - BOB_COMPILE_BWD_DQ=atomic|two_pass: the same choice for dq in the backward;
 - BOB_COMPILE_TUNE=0: use the first candidate launch config, no timing.
 """
 import logging
-import os
 
 import torch
 
-from . import blockwise
+from . import blockwise, settings
 from .triton_backward import attention_backward
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
@@ -43,14 +43,16 @@ def supports(q, k, v):
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    dtype = q.dtype
+    if dtype not in SUPPORTED_DTYPES or k.dtype != dtype or v.dtype != dtype:
         return False
-    widest = MAX_HEAD_DIM[q.dtype]
-    if not (0 < q.shape[-1] <= widest and 0 < v.shape[-1] <= widest):
+    qs, ks, vs = q.shape, k.shape, v.shape
+    widest = MAX_HEAD_DIM[dtype]
+    if not (0 < qs[3] <= widest and 0 < vs[3] <= widest):
         return False
-    if k.shape[-1] != q.shape[-1] or k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0]:
+    if ks[3] != qs[3] or ks[:3] != vs[:3] or ks[0] != qs[0]:
         return False
-    return k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+    return ks[1] > 0 and qs[1] % ks[1] == 0
 
 
 # --------------------------------------------------------------------------------------
@@ -61,20 +63,24 @@ _native_failed = set()
 
 def _native_backend(q, k, v, causal):
     """'cudnn' or 'flash' when PyTorch's fused kernel computes exactly this op, else None."""
-    if os.environ.get("BOB_COMPILE_NATIVE_SDPA", "1") == "0" or not q.is_cuda:
+    s = settings.current()
+    if not s.native_sdpa or not q.is_cuda:
         return None
     if q.dtype not in (torch.float16, torch.bfloat16):
         return None
-    E, Ev = q.shape[-1], v.shape[-1]
-    if E != Ev or E % 8 or E > 256 or q.shape[1] != k.shape[1]:
+    qs = q.shape
+    E, Ev = qs[3], v.shape[3]
+    if E != Ev or E % 8 or E > 256 or qs[1] != k.shape[1]:
         return None
-    if causal and q.shape[2] != k.shape[2]:
+    if causal and qs[2] != k.shape[2]:
         return None  # fused kernels align a rectangular causal mask bottom-right
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None
     # cuDNN is what ran (and matched native SDPA's speed) on the H200 for head dims <= 128;
     # above that the Triton kernels run unless BOB_COMPILE_NATIVE_BACKEND=flash asks for FA2.
-    backend = os.environ.get("BOB_COMPILE_NATIVE_BACKEND", "cudnn" if E <= 128 else "none")
+    backend = s.native_backend
+    if backend is None:
+        backend = "cudnn" if E <= 128 else "none"
     return None if backend in _native_failed or backend == "none" else backend
 
 
@@ -90,10 +96,22 @@ def _native_forward(backend, q, k, v, scale, causal):
     return o.contiguous(), lse.reshape(B, H, L).float().contiguous()
 
 
+_empty_seeds = {}
+
+
+def _empty_seed(device):
+    """An empty int64 tensor on device, made once (a fresh one per call cost an allocation
+    call on every backward): with dropout 0 the RNG seed and offset are never read."""
+    seed = _empty_seeds.get(device)
+    if seed is None:
+        seed = _empty_seeds[device] = torch.empty(0, device=device, dtype=torch.long)
+    return seed
+
+
 def _native_backward(backend, q, k, v, o, lse, do, scale, causal):
     L, S = q.shape[2], k.shape[2]
     # no dropout: the RNG state is never read; cumulative lengths = None means "not varlen"
-    seed = torch.empty(0, device=q.device, dtype=torch.long)
+    seed = _empty_seed(q.device)
     do = do.contiguous() if do.stride() != o.stride() else do
     if backend == "cudnn":
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -144,8 +162,8 @@ def backward(q, k, v, o, lse, do, dlse, scale, causal):
             out = _try_native(backend, _native_backward, q, k, v, o, lse, do, scale, causal)
             if out is not None:
                 return out
-    dq_atomic = os.environ.get("BOB_COMPILE_BWD_DQ", "two_pass") == "atomic"
-    return attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=dq_atomic)
+    return attention_backward(q, k, v, o, lse, do, dlse, scale, causal,
+                              dq_atomics=settings.current().bwd_dq_atomics)
 
 
 def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
@@ -154,9 +172,8 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
         # every output is a sum over visible (query, key) pairs times a cotangent: all zero
         like = (q, k, v, o, lse, do, lse)
         return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
-    schedule = os.environ.get("BOB_COMPILE_BOB_SCHEDULE", "two_pass")
     return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal,
-                         row_atomics=schedule == "atomic")
+                         row_atomics=settings.current().bob_row_atomics)
 
 
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
-                            key_blocks_of_row_block, load_lse2, load_row_vector, load_tile,
-                            padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
-                            store_tile, strides4, tuning_key, visibility_mask, wide_candidates)
+from .triton_common import (LOG2E, dot_precision, fixed_plan, interpreting,
+                            key_blocks_of_row_block, launch_plan, load_lse2, load_row_vector,
+                            load_tile, padded_dim, row_block_program, row_blocks_of_key_block,
+                            row_bytes, store_tile, strides4, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -61,10 +61,11 @@ def row_dot(do, o, dlse):
     d = torch.empty((B, H, L), device=do.device, dtype=torch.float32)
     block_m = 16 if interpreting() else 64
     dlse_arg = dlse.contiguous() if dlse is not None else d
-    _row_dot_kernel[(triton.cdiv(L, block_m), B * H)](
-        do, o, dlse_arg, d, *strides4(do), *strides4(o), H, L,
-        HEAD_DIM_V=Ev, BLOCK_EV=padded_dim(Ev), BLOCK_M=block_m, HAS_DLSE=dlse is not None,
-        num_warps=4)
+    has_dlse = dlse is not None
+    plan = fixed_plan(("row_dot", Ev, block_m, has_dlse), lambda: dict(
+        HEAD_DIM_V=Ev, BLOCK_EV=padded_dim(Ev), BLOCK_M=block_m, HAS_DLSE=has_dlse, num_warps=4))
+    plan(_row_dot_kernel, (triton.cdiv(L, block_m), B * H),
+         do, o, dlse_arg, d, *strides4(do), *strides4(o), H, L)
     return d
 
 
@@ -245,37 +246,35 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
     dv = torch.empty((B, Hkv, S, Ev), device=q.device, dtype=v.dtype)
     dq_acc = (torch.zeros((B, Hq, L, E), device=q.device, dtype=torch.float32)
               if dq_atomics else dk)
-    common = dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                  CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype))
 
-    def run_columns(cfg):
+    def common():
+        return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
+                    CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype))
+
+    def launch_columns(plan):
         if dq_atomics:
             dq_acc.zero_()
-        _column_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](
-            q, k, v, do, lse, d, dk, dv, dq_acc,
-            *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dk),
-            *strides4(dv), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DQ_ATOMICS=dq_atomics,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+        plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
+             q, k, v, do, lse, d, dk, dv, dq_acc,
+             *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dk),
+             *strides4(dv), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale)
 
-    cfg = choose_config(tuning_key("bwd_columns", q, k, v, causal, dq_atomics),
-                        column_candidates(q.dtype, E, Ev, dq_atomics), run_columns,
-                        pairs=L * S)
-    run_columns(cfg)
+    launch_columns(launch_plan(
+        "bwd_columns", q, k, v, causal, (dq_atomics,),
+        lambda: column_candidates(q.dtype, E, Ev, dq_atomics),
+        lambda: dict(common(), DQ_ATOMICS=dq_atomics), launch_columns, pairs=L * S))
     if dq_atomics:
         return dq_acc.to(q.dtype), dk, dv
 
     dq = torch.empty((B, Hq, L, E), device=q.device, dtype=q.dtype)
 
-    def run_rows(cfg):
-        _dq_kernel[(triton.cdiv(L, cfg["BLOCK_M"]), B * Hq)](
-            q, k, v, do, lse, d, dq,
-            *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dq),
-            Hq, Hq // Hkv, L, S, scale * LOG2E, scale,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+    def launch_rows(plan):
+        plan(_dq_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
+             q, k, v, do, lse, d, dq,
+             *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dq),
+             Hq, Hq // Hkv, L, S, scale * LOG2E, scale)
 
-    cfg = choose_config(tuning_key("bwd_dq", q, k, v, causal), dq_candidates(q.dtype, E, Ev),
-                        run_rows, pairs=L * S)
-    run_rows(cfg)
+    launch_rows(launch_plan(
+        "bwd_dq", q, k, v, causal, (), lambda: dq_candidates(q.dtype, E, Ev), common,
+        launch_rows, pairs=L * S))
     return dq, dk, dv

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
-                            key_blocks_of_row_block, load_row_vector, load_tile,
+from .triton_common import (LOG2E, dot_precision, fixed_plan, interpreting,
+                            key_blocks_of_row_block, launch_plan, load_row_vector, load_tile,
                             padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
-                            store_tile, strides4, tuning_key, visibility_mask, wide_candidates)
+                            store_tile, strides4, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -373,14 +373,18 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
     gdo = torch.empty((B, Hq, L, Ev), device=dev, dtype=do.dtype)
     glse = torch.empty((B, Hq, L), device=dev, dtype=lse.dtype)
     gdlse = torch.empty((B, Hq, L), device=dev, dtype=lse.dtype)
-    flags = dict(HAS_GDQ=gdq is not None, HAS_GDK=gdk is not None, HAS_GDV=gdv is not None)
+    has_gdq, has_gdk, has_gdv = gdq is not None, gdk is not None, gdv is not None
     # a missing cotangent is never read (constexpr flag); any tensor stands in for the pointer
-    gdq_arg = gdq if gdq is not None else q
-    gdk_arg = gdk if gdk is not None else k
-    gdv_arg = gdv if gdv is not None else v
-    common = dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                  CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype), **flags)
-    flag_key = tuple(int(x) for x in flags.values())
+    gdq_arg = gdq if has_gdq else q
+    gdk_arg = gdk if has_gdk else k
+    gdv_arg = gdv if has_gdv else v
+    flag_key = (int(has_gdq), int(has_gdk), int(has_gdv))
+
+    def common():
+        return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
+                    CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype), HAS_GDQ=has_gdq,
+                    HAS_GDK=has_gdk, HAS_GDV=has_gdv)
+
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)
         gdo_acc = torch.empty((B, Hq, L, Ev), device=dev, dtype=torch.float32)
@@ -389,41 +393,39 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
     else:
         gq_acc = gdo_acc = dg_acc = sbar_acc = gq  # never touched without ROW_ATOMICS
 
-    def run_columns(cfg):
+    def launch_columns(plan):
         if row_atomics:
             for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
                 t.zero_()
-        _column_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](
-            q, k, v, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gk, gv,
-            gq_acc, gdo_acc, dg_acc, sbar_acc,
-            *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(gdq_arg),
-            *strides4(gdk_arg), *strides4(gdv_arg), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ROW_ATOMICS=row_atomics,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+        plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
+             q, k, v, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gk, gv,
+             gq_acc, gdo_acc, dg_acc, sbar_acc,
+             *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(gdq_arg),
+             *strides4(gdk_arg), *strides4(gdv_arg), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale)
 
-    cfg = choose_config(tuning_key("bob_columns", q, k, v, causal, row_atomics, *flag_key),
-                        column_candidates(q.dtype, E, Ev, row_atomics), run_columns,
-                        pairs=L * S)
-    run_columns(cfg)
+    launch_columns(launch_plan(
+        "bob_columns", q, k, v, causal, (row_atomics, *flag_key),
+        lambda: column_candidates(q.dtype, E, Ev, row_atomics),
+        lambda: dict(common(), ROW_ATOMICS=row_atomics), launch_columns, pairs=L * S))
 
     if row_atomics:
         block_m = 16 if interpreting() else 64
-        _finish_rows_kernel[(triton.cdiv(L, block_m), B * Hq)](
-            gq_acc, gdo_acc, dg_acc, sbar_acc, o, do, gq, go, gdo, glse, gdlse,
-            *strides4(o), *strides4(do), Hq, L, HEAD_DIM=E, HEAD_DIM_V=Ev,
-            BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev), BLOCK_M=block_m, num_warps=4)
+        plan = fixed_plan(("bob_finish_rows", E, Ev, block_m), lambda: dict(
+            HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
+            BLOCK_M=block_m, num_warps=4))
+        plan(_finish_rows_kernel, (triton.cdiv(L, block_m), B * Hq),
+             gq_acc, gdo_acc, dg_acc, sbar_acc, o, do, gq, go, gdo, glse, gdlse,
+             *strides4(o), *strides4(do), Hq, L)
         return gq, gk, gv, go, glse, gdo, gdlse
 
-    def run_rows(cfg):
-        _row_kernel[(triton.cdiv(L, cfg["BLOCK_M"]), B * Hq)](
-            q, k, v, o, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gq, go, gdo, glse, gdlse,
-            *strides4(q), *strides4(k), *strides4(v), *strides4(o), *strides4(do),
-            *strides4(gdq_arg), *strides4(gdk_arg), *strides4(gdv_arg),
-            Hq, Hq // Hkv, L, S, scale * LOG2E, scale,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+    def launch_rows(plan):
+        plan(_row_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
+             q, k, v, o, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gq, go, gdo, glse, gdlse,
+             *strides4(q), *strides4(k), *strides4(v), *strides4(o), *strides4(do),
+             *strides4(gdq_arg), *strides4(gdk_arg), *strides4(gdv_arg),
+             Hq, Hq // Hkv, L, S, scale * LOG2E, scale)
 
-    cfg = choose_config(tuning_key("bob_rows", q, k, v, causal, *flag_key),
-                        row_candidates(q.dtype, E, Ev), run_rows, pairs=L * S)
-    run_rows(cfg)
+    launch_rows(launch_plan(
+        "bob_rows", q, k, v, causal, flag_key, lambda: row_candidates(q.dtype, E, Ev), common,
+        launch_rows, pairs=L * S))
     return gq, gk, gv, go, glse, gdo, gdlse

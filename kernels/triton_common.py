@@ -8,6 +8,11 @@ Conventions used by every kernel in `triton_forward`, `triton_backward` and `tri
 - query rows past L load lse2 = +inf, which makes their P exactly 0 without a mask;
 - key columns past S and causal (j > i) pairs are masked only in the few "edge" blocks;
   the loops over the interior blocks carry no mask at all (constexpr MASKED=False).
+
+Host side: every launch's keyword arguments (constexprs, block sizes, warps, stages) are
+chosen once per tuning bucket and remembered, and repeated launches go straight to the
+compiled kernel (`LaunchPlan`), so a call costs the allocation of its outputs, its launches
+and little else (benchmarks/bench_host_overhead.py measures it).
 """
 import json
 import math
@@ -17,6 +22,8 @@ import threading
 import torch
 import triton
 import triton.language as tl
+
+from . import settings
 
 # exp(x) = exp2(x * log2(e)); the kernels work in base 2 because EX2 is one instruction.
 LOG2E = 1.4426950408889634
@@ -39,8 +46,11 @@ def padded_dim(d):
 
 
 def strides4(t):
-    """The four strides of a (B, H, N, E) tensor, as kernel arguments."""
-    return (t.stride(0), t.stride(1), t.stride(2), t.stride(3))
+    """The four strides of a (B, H, N, E) tensor, as kernel arguments (one call, not four)."""
+    strides = t.stride()
+    if len(strides) != 4:
+        raise ValueError(f"expected a 4-D tensor, got strides {strides}")
+    return strides
 
 
 # --------------------------------------------------------------------------------------
@@ -160,7 +170,7 @@ def visibility_mask(offs_m, offs_n, S, CAUSAL: tl.constexpr, TRANSPOSED: tl.cons
 # remembered in a JSON file so that later processes skip the timing.
 # --------------------------------------------------------------------------------------
 def interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return settings.current().interpret
 
 
 def _patch_interpreter_scalar_index():
@@ -190,7 +200,7 @@ if interpreting():
 def row_bytes(dtype, head_dim, head_dim_v):
     """Bytes of one row of the widest operand tile: what bounds the block sizes that fit
     in shared memory (228 KiB per program on Hopper)."""
-    return torch.tensor([], dtype=dtype).element_size() * padded_dim(max(head_dim, head_dim_v))
+    return dtype.itemsize * padded_dim(max(head_dim, head_dim_v))
 
 
 def wide_candidates(nbytes, column):
@@ -217,18 +227,21 @@ TUNE_MAX_PAIRS = 16384 * 16384
 
 def length_bucket(n):
     """Lengths that share tuning decisions: powers of two from 1K up to 16K."""
-    return min(max(triton.next_power_of_2(max(n, 1)), 1024), 16384)
+    return min(max(1 << (max(n, 1) - 1).bit_length(), 1024), 16384)   # next power of 2
 
 
 class TuningCache:
-    """Remembers the fastest launch config per key, in memory and in a small JSON file."""
+    """Remembers the fastest launch config per key, in memory and in a small JSON file.
+
+    `chosen` holds the final LaunchPlan per launch site and bucket (`launch_plan`): the
+    per-call lookup, without building the string key or locking."""
 
     def __init__(self):
-        root = os.environ.get("BOB_COMPILE_CACHE_DIR",
-                              os.path.join(os.path.expanduser("~"), ".cache", "bob_compile"))
+        root = settings.current().cache_dir
         self.path = os.path.join(root, "triton_attention_configs.json")
         self.lock = threading.Lock()
         self.entries = None
+        self.chosen = {}
 
     def _load(self):
         if self.entries is None:
@@ -260,8 +273,13 @@ class TuningCache:
 TUNING_CACHE = TuningCache()
 
 
+@settings.on_reload
+def _forget_choices(_settings):
+    TUNING_CACHE.chosen.clear()   # BOB_COMPILE_TUNE may have changed
+
+
 def tuning_enabled():
-    return os.environ.get("BOB_COMPILE_TUNE", "1") != "0" and not interpreting()
+    return settings.current().tune
 
 
 def choose_config(key, candidates, run, pairs=0):
@@ -271,13 +289,19 @@ def choose_config(key, candidates, run, pairs=0):
     than TUNE_MAX_PAIRS (query, key) pairs per head with no decision cached yet) the first
     candidate is the choice, so the candidate lists put the measured best default first.
     """
+    return _choose_config(key, candidates, run, pairs)[0]
+
+
+def _choose_config(key, candidates, run, pairs):
+    """(config, final): final is False for the provisional first candidate of a problem too
+    large to tune, which a later tuned decision for the same key replaces."""
     if len(candidates) == 1 or not tuning_enabled():
-        return candidates[0]
+        return candidates[0], True
     known = TUNING_CACHE.get(key)
     if known is not None and known in candidates:
-        return known
+        return known, True
     if pairs > TUNE_MAX_PAIRS:
-        return candidates[0]
+        return candidates[0], False
     best, best_ms = candidates[0], math.inf
     for config in candidates:
         try:
@@ -288,11 +312,166 @@ def choose_config(key, candidates, run, pairs=0):
         if ms < best_ms:
             best, best_ms = config, ms
     TUNING_CACHE.put(key, best)
-    return best
+    return best, True
+
+
+_device_names = {}
+
+
+def device_name(device):
+    """torch.cuda.get_device_name, asked once per device ("cpu" for other devices)."""
+    if device.type != "cuda":
+        return "cpu"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _device_names.get(index)
+    if name is None:
+        name = _device_names[index] = torch.cuda.get_device_name(index)
+    return name
 
 
 def tuning_key(kernel, q, k, v, causal, *flags):
     return "|".join(str(x) for x in (
-        kernel, torch.cuda.get_device_name(q.device) if q.is_cuda else "cpu", q.dtype,
+        kernel, device_name(q.device), q.dtype,
         q.shape[-1], v.shape[-1], causal, length_bucket(q.shape[-2]), length_bucket(k.shape[-2]),
         *flags))
+
+
+# --------------------------------------------------------------------------------------
+# Launching: what is fixed per launch site and bucket is worked out once
+# --------------------------------------------------------------------------------------
+# A launch through JITFunction.run binds and specializes every argument (up to 64 here),
+# hashes the result to find the compiled kernel, then launches; ~30 us of Python per launch
+# for the BoB kernels. The specialization depends only on: each tensor's dtype and whether
+# its address is 16-byte aligned, each int's value (== 1 becomes a constant, multiples of
+# 16 are marked, the width is 32 or 64 bit), the constexprs and options, and the current
+# device. LaunchPlan keys the compiled kernel on exactly those properties (ints by value),
+# so a later launch that specializes the same way goes straight to the compiled kernel,
+# as torch inductor launches its Triton kernels; any other launch takes Triton's own path.
+_MAX_SPECIALIZATIONS = 64   # per plan; varying lengths would otherwise grow it forever
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def _layout(args):
+    """(number of tensors, number of ints) when args are tensors, then Python ints, then
+    Python floats, as at every launch site here; None otherwise (no fast path)."""
+    n = len(args)
+    nt = 0
+    while nt < n and isinstance(args[nt], torch.Tensor):
+        nt += 1
+    ni = nt
+    while ni < n and type(args[ni]) is int:
+        ni += 1
+    if any(type(a) is not float for a in args[ni:]):
+        return None
+    return nt, ni - nt
+
+
+class LaunchPlan:
+    """One launch site at one tuning bucket: `kwargs` (constexprs, BLOCK_M/BLOCK_N,
+    num_warps, num_stages) and the compiled kernels seen so far, by specialization.
+
+    plan(kernel, grid, *args) is kernel[grid](*args, **plan.kwargs), where args are the
+    kernel's runtime (non-constexpr) arguments in order: tensors, ints, floats. The key of
+    a compiled kernel is what Triton specializes on (see above): the current device, the
+    ints by value, each tensor's dtype and 16-byte alignment; floats are passed as fp32 and
+    never specialized."""
+    __slots__ = ("kwargs", "_compiled", "_constexprs", "_layout")
+
+    def __init__(self, kwargs):
+        self.kwargs = kwargs
+        self._compiled = {}
+        self._constexprs = None   # their values in the kernel's parameter order; False: none
+        self._layout = None       # (tensors, ints) among the runtime arguments; False: none
+
+    def __call__(self, kernel, grid, *args):
+        if not settings.current().fast_launch:   # off in the interpreter
+            kernel[grid](*args, **self.kwargs)
+            return
+        layout = self._layout
+        if layout:
+            key = self._key(args, layout)
+            compiled = self._compiled.get(key)
+            if compiled is not None and all(type(a) is float for a in args[sum(layout):]):
+                # CompiledKernel[grid] takes every parameter positionally, constexprs
+                # included (their values are not passed to the GPU), and a 3-D grid
+                compiled[(*grid, 1, 1)[:3]](*args, *self._constexprs)
+                return
+        compiled = kernel[grid](*args, **self.kwargs)   # Triton's path (compiles if new)
+        if layout is None:   # first launch: may this site take the fast path at all?
+            fits = self._constexpr_values(kernel, len(args))
+            self._layout = layout = (_layout(args) or False) if fits else False
+            if layout:
+                key = self._key(args, layout)
+        if layout and isinstance(compiled, _CompiledKernel):
+            if len(self._compiled) >= _MAX_SPECIALIZATIONS:
+                self._compiled.clear()
+            self._compiled[key] = compiled
+
+    @staticmethod
+    def _key(args, layout):
+        nt, ni = layout
+        tensors = args[:nt]
+        aligned = 0
+        for t in tensors:
+            aligned = aligned + aligned + (t.data_ptr() % 16 == 0)
+        return (torch.cuda.current_device(), args[nt:nt + ni],
+                tuple([t.dtype for t in tensors]), aligned)
+
+    def _constexpr_values(self, kernel, num_args):
+        """Whether args + kwargs fill the kernel's parameters as runtime arguments followed
+        by constexprs (true for every kernel here); remembers the constexprs' values."""
+        if self._constexprs is None:
+            params = kernel.params
+            tail = params[num_args:]
+            names = {p.name for p in tail}
+            fits = (all(not p.is_constexpr for p in params[:num_args])
+                    and all(p.is_constexpr and p.name in self.kwargs for p in tail)
+                    and all(k in names or k in _OPTIONS for k in self.kwargs))
+            self._constexprs = tuple(self.kwargs[p.name] for p in tail) if fits else False
+        return self._constexprs is not False
+
+
+try:
+    from triton.compiler import CompiledKernel as _CompiledKernel
+except ImportError:  # a Triton without it: every launch takes Triton's path
+    class _CompiledKernel:
+        pass
+
+
+def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, pairs):
+    """The LaunchPlan of one launch site: `constexprs()` plus the chosen config's BLOCK_M,
+    BLOCK_N, num_warps and num_stages. Chosen (tuned, or read from the tuning cache) on the
+    first call per (kernel, device, dtype, head dims, causal, flags, length buckets) and
+    then remembered, so that later calls skip the candidate lists, the string key and the
+    lock: one dict lookup. `candidates()` returns the candidate configs, `launch(plan)`
+    launches once (timed while tuning); flags are the extra parts of `tuning_key`, whose
+    persistent keys stay as they were."""
+    chosen = TUNING_CACHE.chosen
+    memo = (kernel, q.device, q.dtype, q.shape[-1], v.shape[-1], causal, flags,
+            length_bucket(q.shape[-2]), length_bucket(k.shape[-2]))
+    plan = chosen.get(memo)
+    if plan is not None:
+        return plan
+    fixed = constexprs()
+
+    def as_plan(cfg):
+        return LaunchPlan(dict(fixed, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+
+    cfg, final = _choose_config(tuning_key(kernel, q, k, v, causal, *flags), candidates(),
+                                lambda c: launch(as_plan(c)), pairs)
+    plan = as_plan(cfg)
+    if final:
+        chosen[memo] = plan
+    return plan
+
+
+_fixed_plans = {}
+
+
+def fixed_plan(key, kwargs):
+    """The LaunchPlan of a launch site without tuning (kwargs() is called once per key)."""
+    plan = _fixed_plans.get(key)
+    if plan is None:
+        plan = _fixed_plans[key] = LaunchPlan(kwargs())
+    return plan

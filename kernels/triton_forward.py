@@ -9,10 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (LOG2E, choose_config, dot_precision, interpreting,
-                            key_blocks_of_row_block, load_tile, padded_dim, row_block_program,
-                            row_bytes, store_tile, strides4, tuning_key, visibility_mask,
-                            wide_candidates)
+from .triton_common import (LOG2E, dot_precision, interpreting, key_blocks_of_row_block,
+                            launch_plan, load_tile, padded_dim, row_block_program, row_bytes,
+                            store_tile, strides4, visibility_mask, wide_candidates)
 
 
 @triton.jit
@@ -111,17 +110,14 @@ def attention_forward(q, k, v, scale, causal):
     o = torch.empty((B, Hq, L, Ev), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
 
-    def run(cfg):
-        grid = (triton.cdiv(L, cfg["BLOCK_M"]), B * Hq)
-        _forward_kernel[grid](
-            q, k, v, o, lse, *strides4(q), *strides4(k), *strides4(v), *strides4(o),
-            Hq, Hq // Hkv, L, S, scale * LOG2E,
-            HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
-            DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    def launch(plan):
+        plan(_forward_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
+             q, k, v, o, lse, *strides4(q), *strides4(k), *strides4(v), *strides4(o),
+             Hq, Hq // Hkv, L, S, scale * LOG2E)
 
-    cfg = choose_config(tuning_key("forward", q, k, v, causal), forward_candidates(q.dtype, E, Ev),
-                        run, pairs=L * S)
-    run(cfg)
+    launch(launch_plan(
+        "forward", q, k, v, causal, (), lambda: forward_candidates(q.dtype, E, Ev),
+        lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
+                     CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype)),
+        launch, pairs=L * S))
     return o, lse

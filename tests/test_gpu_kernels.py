@@ -19,7 +19,19 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from bob_compile.kernels import reference, triton_attention  # noqa: E402
+from bob_compile.kernels import reference, settings, triton_attention  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def reread_settings():
+    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests here change them with
+    monkeypatch.setenv and then settings.reload(). Read them again after each test, once
+    monkeypatch has restored the environment (this fixture is set up before the test's
+    monkeypatch, so torn down after it), so that no choice leaks into later tests."""
+    settings.reload()
+    yield
+    settings.reload()
+
 
 FLOOR = 1e-5  # fp32-level noise that no dtype rule should fail on
 FACTOR = 3.0
@@ -124,6 +136,7 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
                                       causal):
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
     monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    settings.reload()
     dev = "cuda"
     scale = 1.0 / math.sqrt(E)
     q = torch.randn(B, Hq, L, E, device=dev, dtype=dtype)
@@ -179,6 +192,7 @@ def test_deterministic_two_pass(monkeypatch):
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", "two_pass")
     monkeypatch.setenv("BOB_COMPILE_BWD_DQ", "two_pass")
     monkeypatch.setenv("BOB_COMPILE_NATIVE_SDPA", "0")
+    settings.reload()
     q = torch.randn(1, 4, 1100, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 1100, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 1100, 64, device="cuda", dtype=torch.bfloat16)
@@ -216,9 +230,11 @@ def test_first_call_tuning_is_cached(tmp_path, monkeypatch):
     from bob_compile.kernels import triton_common
 
     monkeypatch.setenv("BOB_COMPILE_TUNE", "1")
+    settings.reload()
     monkeypatch.setattr(triton_common, "TUNING_CACHE", triton_common.TuningCache())
     triton_common.TUNING_CACHE.path = str(tmp_path / "configs.json")
     monkeypatch.setenv("BOB_COMPILE_NATIVE_SDPA", "0")
+    settings.reload()
     for n in (3000, 3500):  # one bucket
         q = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
         triton_attention.forward(q, q, q, 0.125, True)

@@ -5,10 +5,21 @@ import torch
 
 from bob_compile import attention
 from bob_compile import kernels
-from bob_compile.kernels import blockwise, reference
+from bob_compile.kernels import blockwise, reference, settings
 
 
 _reference_forward = reference.forward
+
+
+@pytest.fixture(autouse=True)
+def reread_settings():
+    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests here change them with
+    monkeypatch.setenv and then settings.reload(). Read them again after each test, once
+    monkeypatch has restored the environment (this fixture is set up before the test's
+    monkeypatch, so torn down after it), so that no choice leaks into later tests."""
+    settings.reload()
+    yield
+    settings.reload()
 
 
 def qkv():
@@ -17,12 +28,14 @@ def qkv():
 
 def test_cpu_tensors_take_the_blockwise_path(monkeypatch):
     monkeypatch.delenv("BOB_COMPILE_KERNELS", raising=False)
+    settings.reload()
     assert kernels.select(*qkv()) is blockwise
 
 
 def test_forced_reference_is_used_by_the_op(monkeypatch):
     calls = []
     monkeypatch.setenv("BOB_COMPILE_KERNELS", "reference")
+    settings.reload()
     monkeypatch.setattr(reference, "forward", lambda *a: calls.append(1) or _reference_forward(*a))
     q, k, v = qkv()
     attention(q, k, v, is_causal=True)
@@ -31,5 +44,6 @@ def test_forced_reference_is_used_by_the_op(monkeypatch):
 
 def test_unknown_forced_choice_lists_the_valid_ones(monkeypatch):
     monkeypatch.setenv("BOB_COMPILE_KERNELS", "fast")
+    settings.reload()
     with pytest.raises(ValueError, match=r"blockwise.*reference.*triton"):
         kernels.select(*qkv())

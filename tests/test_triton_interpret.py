@@ -36,7 +36,19 @@ def test_kernels_under_the_interpreter():
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
 
 
-from bob_compile.kernels import reference  # noqa: E402
+from bob_compile.kernels import reference, settings  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def reread_settings():
+    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests here change them with
+    monkeypatch.setenv and then settings.reload(). Read them again after each test, once
+    monkeypatch has restored the environment (this fixture is set up before the test's
+    monkeypatch, so torn down after it), so that no choice leaks into later tests."""
+    settings.reload()
+    yield
+    settings.reload()
+
 
 if INTERPRETED:
     from bob_compile.kernels import triton_attention, triton_forward  # noqa: E402
@@ -136,6 +148,7 @@ CASES = [
 def test_every_output_fp32(monkeypatch, schedule, B, Hq, Hkv, L, S, E, Ev, causal):
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
     monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    settings.reload()
     q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
     run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32)
 
@@ -156,6 +169,7 @@ def test_every_output_fp16_strided(causal):
                          ids=["gdq", "gdk", "gdv", "gdq+gdk", "gdk+gdv"])
 def test_none_cotangents(monkeypatch, schedule, present):
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    settings.reload()
     q, k, v = make_inputs(1, 2, 1, 21, 34, 16, 16, torch.float32)
     run_all_orders(q, k, v, True, present, False, torch.float32)
 

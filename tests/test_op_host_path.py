@@ -1,0 +1,144 @@
+"""The two ways the autograd Functions reach the kernels (bob_compile/autograd.py).
+
+In plain eager code they call the op's implementation directly (the custom-op dispatcher
+round trip costs more than native SDPA's whole forward); wherever something could observe
+the op (a dispatch or torch function mode, tracing, torch.func, legacy vmap, a tensor
+subclass) they call torch.ops.bob_compile.*. Both must give bit-identical results, and the
+op must stay visible to everything that looks for it.
+"""
+import types
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import bob_compile
+from bob_compile import autograd
+
+OPS = ("attn_fwd", "attn_bwd", "attn_bob", "attn_fwd_jvp", "attn_bwd_jvp")
+
+
+class PassThrough(TorchFunctionMode):
+    """A torch function mode that changes nothing (it sees the forward's op call; what runs
+    inside a function it intercepted, such as autograd.grad, it does not see)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class OpLog(TorchDispatchMode):
+    """A dispatch mode that changes nothing and lists the bob_compile ops it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "bob_compile":
+            self.seen.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Calls of torch.ops.bob_compile.* made by the autograd Functions."""
+    calls = []
+    real = torch.ops.bob_compile
+
+    def counted(name):
+        def call(*args):
+            calls.append(name)
+            return getattr(real, name)(*args)
+        return call
+    monkeypatch.setattr(autograd, "op", types.SimpleNamespace(**{n: counted(n) for n in OPS}))
+    return calls
+
+
+def second_order_step(causal):
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True)
+                   for _ in range(4))
+    gq, gk, gv = (torch.randn(2, 3, 7, 4, dtype=torch.float64) for _ in range(3))
+    o = bob_compile.attention(q, k, v, is_causal=causal)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    second = torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
+    return (o, dq, dk, dv, *second)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_skips_the_dispatcher_and_matches_the_op_bitwise(op_calls, causal):
+    direct = second_order_step(causal)
+    assert op_calls == []
+    with OpLog() as log:
+        through_op = second_order_step(causal)
+    assert op_calls == log.seen == ["attn_fwd", "attn_bwd", "attn_bob", "attn_bwd"]
+    for a, b in zip(direct, through_op):
+        assert torch.equal(a, b)
+
+
+def test_a_torch_function_mode_sees_the_op(op_calls):
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    with PassThrough():
+        bob_compile.attention(q, k, v)
+    assert op_calls == ["attn_fwd"]
+
+
+def test_traced_graphs_hold_the_ops():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+
+    def step(q, k, v):
+        o = bob_compile.attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+    graph = make_fx(step, tracing_mode="fake")(q, k, v).graph
+    targets = {str(n.target) for n in graph.nodes}
+    assert {"bob_compile.attn_fwd.default", "bob_compile.attn_bwd.default"} <= targets
+
+
+def test_vmap_and_subclasses_take_the_op(op_calls):
+    """(Under torch.func.grad alone the forward runs below the transform on plain tensors,
+    where nothing can see the op: either path is right there.)"""
+    q, k, v = (torch.randn(3, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    batched = torch.func.vmap(lambda a, b, c: bob_compile.attention(a, b, c))(q, k, v)
+    assert op_calls == ["attn_fwd"]
+    assert torch.equal(batched, bob_compile.attention(q, k, v))
+
+    class Sub(torch.Tensor):
+        pass
+    bob_compile.attention(q.as_subclass(Sub), k, v)
+    assert op_calls == ["attn_fwd", "attn_fwd"]
+
+
+def test_no_graph_is_recorded_where_none_is_needed():
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    assert bob_compile.attention(q, k, v).grad_fn is None
+    q.requires_grad_()
+    with torch.no_grad():
+        assert bob_compile.attention(q, k, v).grad_fn is None
+    o = bob_compile.attention(q, k, v)
+    assert o.requires_grad and type(o.grad_fn).__name__ == "AttnFnBackward"
+
+
+def test_forward_mode_ad_still_gets_its_tangents():
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    t = torch.randn_like(q)
+    with fwAD.dual_level():
+        o = bob_compile.attention(fwAD.make_dual(q, t), k, v)
+        tangent = fwAD.unpack_dual(o).tangent
+    eps = 1e-6
+    numeric = (bob_compile.attention(q + eps * t, k, v)
+               - bob_compile.attention(q - eps * t, k, v)) / (2 * eps)
+    assert tangent is not None and torch.allclose(tangent, numeric, atol=1e-7)
+
+
+def test_profiler_names_the_ops():
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    with torch.profiler.profile() as prof:
+        o = bob_compile.attention(q, k, v)
+        torch.autograd.grad(o.sum(), (q, k, v))
+    names = {e.key for e in prof.key_averages()}
+    assert {"bob_compile::attn_fwd", "bob_compile::attn_bwd"} <= names

@@ -1,0 +1,195 @@
+"""The host side of the Triton launches, on CPU (no kernel runs here).
+
+LaunchPlan sends a launch straight to the compiled kernel of an earlier launch when the
+arguments specialize the same way in Triton, bypassing JITFunction.run. These tests check,
+without a GPU, that (1) every launch site of triton_forward / triton_backward / triton_bob
+passes its runtime arguments then its constexprs in the kernel's own parameter order, so
+that the positional call of the fast path binds exactly as Triton's keyword call does, and
+(2) the fast path is taken only for arguments that specialize like the cached launch's:
+same ints, same tensor dtypes and 16-byte alignment, same device (floats do not matter).
+The kernels themselves are exercised by test_triton_interpret.py (interpreter, where the
+plan always takes Triton's path) and test_gpu_kernels.py.
+"""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from bob_compile.kernels import settings, triton_common  # noqa: E402
+from bob_compile.kernels.triton_common import LaunchPlan  # noqa: E402
+
+OPTIONS = ("num_warps", "num_stages")
+
+
+@pytest.fixture(autouse=True)
+def reread_settings():
+    settings.reload()
+    yield
+    settings.reload()
+
+
+# --------------------------------------------------------------------------------------
+# (1) argument layout of every launch site
+# --------------------------------------------------------------------------------------
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Run the host functions on CPU tensors, recording each launch instead of running it."""
+    monkeypatch.setenv("BOB_COMPILE_TUNE", "0")
+    monkeypatch.setenv("BOB_COMPILE_NATIVE_SDPA", "0")
+    settings.reload()
+    if settings.current().interpret:
+        pytest.skip("the kernels are interpreted functions in this process")
+    launches = []
+
+    def record(plan, kernel, grid, *args):
+        launches.append((plan, kernel, grid, args))
+    monkeypatch.setattr(LaunchPlan, "__call__", record)
+    return launches
+
+
+def host_calls(dtype, gqa, atomics):
+    from bob_compile.kernels.triton_backward import attention_backward
+    from bob_compile.kernels.triton_bob import attention_bob
+    from bob_compile.kernels.triton_forward import attention_forward
+    B, Hq, Hkv, L, S, E, Ev = 1, 4, 2 if gqa else 4, 37, 45, 32, 16
+    q, k, v = (torch.randn(B, h, n, e, dtype=dtype)
+               for h, n, e in ((Hq, L, E), (Hkv, S, E), (Hkv, S, Ev)))
+    o, do = torch.randn(B, Hq, L, Ev, dtype=dtype), torch.randn(B, Hq, L, Ev, dtype=dtype)
+    lse, dlse = torch.randn(B, Hq, L), torch.randn(B, Hq, L)
+    attention_forward(q, k, v, 0.3, True)
+    attention_backward(q, k, v, o, lse, do, dlse, 0.3, False, dq_atomics=atomics)
+    attention_bob(q, k, v, o, lse, do, None, torch.randn_like(q), None, torch.randn_like(v),
+                  0.3, True, row_atomics=atomics)
+
+
+@pytest.mark.parametrize("atomics", [False, True], ids=["two_pass", "atomic"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_launch_binds_the_same_positionally(recorded_launches, dtype, gqa, atomics):
+    host_calls(dtype, gqa, atomics)
+    names = [kernel.fn.__name__ for _, kernel, _, _ in recorded_launches]
+    assert names == (["_forward_kernel", "_row_dot_kernel", "_column_kernel"]
+                     + ([] if atomics else ["_dq_kernel"])
+                     + ["_row_dot_kernel", "_column_kernel"]
+                     + (["_finish_rows_kernel"] if atomics else ["_row_kernel"]))
+    for plan, kernel, grid, args in recorded_launches:
+        assert len(grid) == 2
+        constexprs = {k: v for k, v in plan.kwargs.items() if k not in OPTIONS}
+        by_keyword = kernel.signature.bind(*args, **constexprs)
+        assert plan._constexpr_values(kernel, len(args)), kernel.fn.__name__
+        positional = kernel.signature.bind(*args, *plan._constexprs)
+        assert positional.arguments.keys() == by_keyword.arguments.keys()
+        for name, value in by_keyword.arguments.items():
+            assert positional.arguments[name] is value, (kernel.fn.__name__, name)
+        assert all(p.is_constexpr for p in kernel.params[len(args):])
+
+
+# --------------------------------------------------------------------------------------
+# (2) when the fast path is taken
+# --------------------------------------------------------------------------------------
+class Param:
+    def __init__(self, name, is_constexpr):
+        self.name, self.is_constexpr = name, is_constexpr
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("fast", grid, args))
+
+
+class FakeKernel:
+    """A JITFunction stand-in: (X, n, scale, BLOCK: constexpr)."""
+    params = [Param("X", False), Param("n", False), Param("scale", False), Param("BLOCK", True)]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return FakeCompiled(self.log)
+        return run
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(triton_common, "_CompiledKernel", FakeCompiled)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert settings.current().fast_launch or settings.current().interpret
+
+
+def kinds(log):
+    return [entry[0] for entry in log]
+
+
+def test_repeated_launch_goes_to_the_compiled_kernel(fake_gpu):
+    if settings.current().interpret:
+        pytest.skip("no fast path in the interpreter")
+    kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4, num_stages=2))
+    x = torch.zeros(64)
+    plan(kernel, (3, 2), x, 128, 0.5)
+    assert kernel.log == [("jit", (3, 2), (x, 128, 0.5),
+                           dict(BLOCK=64, num_warps=4, num_stages=2))]
+    plan(kernel, (3, 2), x, 128, 0.25)            # a float never changes the kernel
+    assert kernel.log[-1] == ("fast", (3, 2, 1), (x, 128, 0.25, 64))
+    y = torch.zeros(64)
+    plan(kernel, (5, 2), y, 128, 0.5)             # another aligned tensor, another grid
+    assert kernel.log[-1] == ("fast", (5, 2, 1), (y, 128, 0.5, 64))
+
+
+@pytest.mark.parametrize("change", ["int value", "int one", "misaligned", "dtype", "device"])
+def test_a_differently_specialized_launch_takes_tritons_path(fake_gpu, monkeypatch, change):
+    if settings.current().interpret:
+        pytest.skip("no fast path in the interpreter")
+    kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4, num_stages=2))
+    x = torch.zeros(64)
+    plan(kernel, (1, 1), x, 32, 0.5)
+    args = {"int value": (x, 33, 0.5), "int one": (x, 1, 0.5),
+            "misaligned": (torch.zeros(65)[1:], 32, 0.5),
+            "dtype": (torch.zeros(64, dtype=torch.float64), 32, 0.5),
+            "device": (x, 32, 0.5)}[change]
+    if change == "device":
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    plan(kernel, (1, 1), *args)
+    assert kinds(kernel.log) == ["jit", "jit"]
+    plan(kernel, (1, 1), *args)                   # and is cached in its turn
+    assert kinds(kernel.log) == ["jit", "jit", "fast"]
+
+
+def test_switched_off_every_launch_takes_tritons_path(fake_gpu, monkeypatch):
+    monkeypatch.setenv("BOB_COMPILE_FAST_LAUNCH", "0")
+    settings.reload()
+    kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
+    x = torch.zeros(64)
+    for _ in range(3):
+        plan(kernel, (1, 1), x, 32, 0.5)
+    assert kinds(kernel.log) == ["jit", "jit", "jit"]
+
+
+def test_unknown_argument_kinds_and_layouts_are_not_cached(fake_gpu):
+    if settings.current().interpret:
+        pytest.skip("no fast path in the interpreter")
+    kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
+    x = torch.zeros(64)
+    for _ in range(2):
+        plan(kernel, (1, 1), x, torch.tensor(3).numpy(), 0.5)   # a numpy int: not handled
+    assert kinds(kernel.log) == ["jit", "jit"]
+    plan = LaunchPlan(dict(BLOCK=64, OTHER=1, num_warps=4))   # not a constexpr of kernel
+    for _ in range(2):
+        plan(kernel, (1, 1), x, 3, 0.5)
+    assert kinds(kernel.log) == ["jit"] * 4
+
+
+def test_an_int_where_a_float_was_takes_tritons_path(fake_gpu):
+    """Triton would specialize an int (a constant if 1); only floats are free to change."""
+    if settings.current().interpret:
+        pytest.skip("no fast path in the interpreter")
+    kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
+    x = torch.zeros(64)
+    plan(kernel, (1, 1), x, 32, 1.0)
+    plan(kernel, (1, 1), x, 32, 1)
+    plan(kernel, (1, 1), x, 32, 2.0)
+    assert kinds(kernel.log) == ["jit", "jit", "fast"]
