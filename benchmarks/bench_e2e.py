@@ -264,10 +264,10 @@ def maml_meta_gradient(impl, model, params, tasks, args):
     for x, y, x_query, y_query in tasks:
         if impl == "flashbob_torchopt":   # torchopt's differentiable SGD over functional_call
             import torchopt
-            named = dict(model.named_parameters())
+            names, values = zip(*model.named_parameters())
             inner = torchopt.FuncOptimizer(torchopt.sgd(lr=args.inner_lr))
-            fast = inner.step(functional_call(model, named, (x, y)), named)
-            query_loss = functional_call(model, fast, (x_query, y_query))
+            fast = inner.step(functional_call(model, dict(zip(names, values)), (x, y)), values)
+            query_loss = functional_call(model, dict(zip(names, fast)), (x_query, y_query))
         else:
             named = dict(model.named_parameters())
             grads = torch.autograd.grad(functional_call(model, named, (x, y)), list(named.values()),

@@ -7,6 +7,9 @@ Differences found so far (shared/research/compile.md §6):
   both; the dunder method spellings are accepted for them too, in case a version flips).
 - `aot_module_simplified` grew keyword arguments on 2.13 that 2.11 lacks: we only use the
   common ones, through `torch._dynamo.backends.common.aot_autograd` or registered backends.
+- AOTAutograd's OutputAliasInfo says which outputs get a tangent in `requires_grad_for_backward`
+  on 2.13; 2.11 has only `requires_grad` (the same except for views made under no_grad).
+  Optional metadata fields (RNG states, opaque objects) are read with defaults.
 """
 import torch
 
@@ -71,3 +74,13 @@ def compile_with_inductor(gm, example_inputs, config_patches):
 def compile_with_aot_eager(gm, example_inputs):
     """AOTAutograd with no code generation: the traced graphs run as they are."""
     return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def output_gets_tangent(info):
+    """Whether AOTAutograd traced a tangent for this output (OutputAliasInfo)."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+    flag = getattr(info, "requires_grad_for_backward", None)
+    if flag is not None:
+        return flag
+    return info.requires_grad and issubclass(info.raw_type, torch.Tensor) and info.output_type in (
+        OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)

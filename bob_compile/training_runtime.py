@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
+from . import _compat
 from . import autograd as bob_autograd
 
 log = logging.getLogger("bob_compile.training")
@@ -263,7 +264,7 @@ def _pair(captured, num_inputs, what):
         else:
             raise NotSupported(f"backward input {p.name} of {what} is not a saved forward value")
     tangent_outputs = [i for i, info in enumerate(meta.output_info)
-                       if info.requires_grad_for_backward]
+                       if _compat.output_gets_tangent(info)]
     if len(tangent_outputs) != len(tangent_names):
         raise NotSupported(f"{what}: {len(tangent_names)} tangents for "
                            f"{len(tangent_outputs)} differentiable outputs")
@@ -316,8 +317,9 @@ def _check_simple(meta, what):
         raise _AliasedOutputs(aliased)
     if any(isinstance(m, SubclassCreationMeta) for m in meta.subclass_inp_meta):
         problems.append("it has tensor subclass inputs")
-    if meta.is_rng_op_functionalized or meta.num_graphsafe_rng_states or meta.tokens \
-            or meta.num_opaque_objects_saved_for_bw:
+    if any(getattr(meta, name, None) for name in (
+            "is_rng_op_functionalized", "num_graphsafe_rng_states", "tokens",
+            "num_opaque_objects_saved_for_bw")):
         problems.append("it carries RNG state, effect tokens or opaque objects")
     if problems:
         raise NotSupported(f"{what}: " + ", ".join(problems))
@@ -361,13 +363,24 @@ _DIFFERENTIABLE = {
 }
 
 
+def _convert_element_type(x, dtype):
+    # prims.convert_element_type (inductor's decomposition of dtype casts, everywhere under
+    # autocast) has no derivative; aten._to_copy computes the same and has one
+    return torch.ops.aten._to_copy.default(x, dtype=dtype)
+
+
 def differentiable_copy(graph_module):
     """A copy of an aten-level graph in which every attention op is called through its
-    autograd.Function, so that autograd and AOTAutograd can differentiate it again."""
+    autograd.Function, and prims casts through aten, so that autograd and AOTAutograd can
+    differentiate it again."""
     gm = copy.deepcopy(graph_module)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _DIFFERENTIABLE:
+        if node.op != "call_function":
+            continue
+        if node.target in _DIFFERENTIABLE:
             node.target = _DIFFERENTIABLE[node.target]
+        elif node.target is torch.ops.prims.convert_element_type.default:
+            node.target = _convert_element_type
     gm.recompile()
     return gm
 
@@ -602,7 +615,10 @@ class BackwardFn(torch.autograd.Function):
         pair = graph.second_order(inputs, mask)
         values = pair.forward(inputs)
         ctx.pair, ctx.mask = pair, mask
-        ctx.second_order_values = values
+        # Only what the double backward reads, never the outputs themselves: an output kept
+        # on its own node's ctx is a reference cycle autograd never frees.
+        ctx.second_order_saved = [values[i] for i in pair.saved_order]
+        ctx.output_meta = [_meta(v) for v in values[:pair.num_outputs]]
         ctx.non_tensor_inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]
         ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])
         ctx.set_materialize_grads(False)
@@ -615,8 +631,8 @@ class BackwardFn(torch.autograd.Function):
         inputs = [x if t is None else t for x, t in zip(ctx.non_tensor_inputs, ctx.saved_tensors)]
         if torch.is_grad_enabled():      # third order: exact, eager, differentiable again
             return (None, *_vjp_eagerly(ctx.graph.eager_backward(), inputs, vectors))
-        pair, values = ctx.pair, ctx.second_order_values
+        pair = ctx.pair
         tangents = _zeros_for([vectors[i] for i in pair.tangent_outputs],
-                              [_meta(values[i]) for i in pair.tangent_outputs])
-        grads = pair.backward([values[i] for i in pair.saved_order] + _as_traced(tangents, pair))
+                              [ctx.output_meta[i] for i in pair.tangent_outputs])
+        grads = pair.backward(ctx.second_order_saved + _as_traced(tangents, pair))
         return (None, *grads)

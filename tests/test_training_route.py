@@ -258,6 +258,46 @@ def test_dropout_draws_are_replayed_in_the_second_order():
     assert recent_reports[-1].route == "training"
 
 
+# ---------------------------------------------------------------------------- memory, autocast
+def test_a_second_order_step_frees_its_graph_without_the_garbage_collector():
+    """No reference cycle between a node and its own outputs: the double-backward values
+    must go with the graph, as in eager autograd (a cycle leaked every Sophia-H step)."""
+    import gc
+    import weakref
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob, options=AOT_EAGER)
+    hessian_vector_product(compiled, x)   # compiles everything first
+    gc.collect()
+    gc.disable()
+    try:
+        params = list(model.parameters())
+        grads = torch.autograd.grad(loss_of(compiled(x)), params, create_graph=True)
+        torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params], retain_graph=True)
+        alive = weakref.ref(grads[0])
+        del grads
+        assert alive() is None, "the create_graph gradients outlived their graph"
+    finally:
+        gc.enable()
+
+
+def test_casts_under_autocast_are_differentiated_again():
+    """Under autocast inductor's decompositions cast with prims.convert_element_type, which
+    has no derivative: the double backward must still compile and run."""
+    model = SDPABlock().float()
+    x = CASES["sdpa"].batch(0)[0].float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = torch.compile(model, backend=flashbob, options=AOT_EAGER)
+        params = list(model.parameters())
+        grads = torch.autograd.grad(loss_of(compiled(x).float()), params, create_graph=True)
+        hvp = torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+        with math_sdpa():
+            expected_grads = torch.autograd.grad(loss_of(model(x).float()), params, create_graph=True)
+            expected = torch.autograd.grad(expected_grads, params, [torch.ones_like(p) for p in params])
+    assert max(((a - e).norm() / e.norm()).item() for a, e in zip(hvp, expected)) <= 5e-2
+    assert recent_reports[-1].route == "training" and counters["compiled_double_backward"] == 1
+
+
 # ---------------------------------------------------------------------------- what the route refuses
 def test_input_mutation_runs_eagerly_with_a_reason():
     """BatchNorm in training updates its running statistics: the rewritten graph runs

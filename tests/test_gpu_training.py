@@ -1,0 +1,51 @@
+"""The "training" route on CUDA: inductor's Triton code and our Triton attention kernels in
+every order, against eager math attention (float32; relative error of each gradient)."""
+import pytest
+import torch
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bob_compile.backend import flashbob, recent_reports
+from models import GPT, loss_of
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
+OPTIONS = {"compiler": "inductor", "fallback": False}
+
+
+def relative_error(actual, expected):
+    return max(((a - e).norm() / e.norm()).item() for a, e in zip(actual, expected, strict=True))
+
+
+def model_and_batch():
+    torch.manual_seed(0)
+    model = GPT(n_layer=2, dim=64, vocab=128).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(0, 128, (4, 16), device="cuda", generator=g)
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+def hvp(model, batch):
+    params = list(model.parameters())
+    grads = torch.autograd.grad(model(*batch), params, create_graph=True)
+    return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+
+
+def maml(model, batch):
+    params = dict(model.named_parameters())
+    support = tuple(t[:2] for t in batch)
+    query = tuple(t[2:] for t in batch)
+    grads = torch.autograd.grad(functional_call(model, params, support), list(params.values()),
+                                create_graph=True)
+    fast = {n: p - 0.1 * g for (n, p), g in zip(params.items(), grads)}
+    return torch.autograd.grad(functional_call(model, fast, query), list(params.values()))
+
+
+@pytest.mark.parametrize("scenario", [hvp, maml], ids=lambda f: f.__name__)
+def test_second_order_on_cuda(scenario):
+    model, batch = model_and_batch()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = scenario(model, batch)
+    actual = scenario(torch.compile(model, backend=flashbob, options=OPTIONS), batch)
+    assert relative_error(actual, expected) <= 1e-4
+    assert {r.route for r in recent_reports} == {"training"}
+    assert all(len(r.replaced) == 2 for r in recent_reports)
