@@ -31,11 +31,12 @@ bob_compile/autograd.py (`differentiable_copy`), whose derivatives are the fused
 Only graphs that AOTAutograd runs without its wrappers for input mutations, outputs that
 alias inputs or each other, tensor subclasses, duplicated inputs or RNG state qualify
 (`NotSupported` says why otherwise; the backend then runs the rewritten graph eagerly).
+docs/routing.md has the why of each piece, random draws, shapes and the known limits.
 """
 import copy
 import dataclasses
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import fx
@@ -585,7 +586,6 @@ def _values(ctx, pair, returned_tensors, primals):
 def _residual_vjp(ctx, graph, primals, values, output_grads, residual_grads):
     """Gradients of the primals for cotangents on the forward graph's outputs and
     residuals (the second-order path: residuals reached by a double backward)."""
-    pair = graph.pair
     cotangents = [None] * len(values)
     for i, g in enumerate(output_grads):
         cotangents[i] = g

@@ -4,13 +4,24 @@ import pytest
 import torch
 
 from bob_compile.backend import counters, recent_reports
-from bob_compile.kernels import blockwise
+from bob_compile.kernels import blockwise, settings
 
 
 @pytest.fixture(autouse=True)
 def small_tiles():
     with blockwise.tiles(q=4, k=3):
         yield
+
+
+@pytest.fixture(autouse=True)
+def reread_settings():
+    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests that change one use
+    monkeypatch.setenv and then settings.reload(). Read them again after each test, once
+    monkeypatch has restored the environment (this fixture is set up before the test's
+    monkeypatch, so torn down after it), so that no choice leaks into later tests."""
+    settings.reload()
+    yield
+    settings.reload()
 
 
 @pytest.fixture(autouse=True)

@@ -22,17 +22,6 @@ triton = pytest.importorskip("triton")
 from bob_compile.kernels import reference, settings, triton_attention  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def reread_settings():
-    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests here change them with
-    monkeypatch.setenv and then settings.reload(). Read them again after each test, once
-    monkeypatch has restored the environment (this fixture is set up before the test's
-    monkeypatch, so torn down after it), so that no choice leaks into later tests."""
-    settings.reload()
-    yield
-    settings.reload()
-
-
 FLOOR = 1e-5  # fp32-level noise that no dtype rule should fail on
 FACTOR = 3.0
 

@@ -11,17 +11,6 @@ from bob_compile.kernels import blockwise, reference, settings
 _reference_forward = reference.forward
 
 
-@pytest.fixture(autouse=True)
-def reread_settings():
-    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests here change them with
-    monkeypatch.setenv and then settings.reload(). Read them again after each test, once
-    monkeypatch has restored the environment (this fixture is set up before the test's
-    monkeypatch, so torn down after it), so that no choice leaks into later tests."""
-    settings.reload()
-    yield
-    settings.reload()
-
-
 def qkv():
     return (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
 

@@ -5,13 +5,11 @@ test_backend_scenarios.py runs this route with aot_eager; here: inductor in ever
 (and proof that its code ran), MAML written three ways with one and two inner steps,
 gradient penalties, third order, dropout, graphs the route refuses, dynamic shapes, dumps.
 """
-import functools
 import os
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 

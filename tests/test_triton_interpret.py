@@ -39,17 +39,6 @@ def test_kernels_under_the_interpreter():
 from bob_compile.kernels import reference, settings  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def reread_settings():
-    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests here change them with
-    monkeypatch.setenv and then settings.reload(). Read them again after each test, once
-    monkeypatch has restored the environment (this fixture is set up before the test's
-    monkeypatch, so torn down after it), so that no choice leaks into later tests."""
-    settings.reload()
-    yield
-    settings.reload()
-
-
 if INTERPRETED:
     from bob_compile.kernels import triton_attention, triton_forward  # noqa: E402
 
