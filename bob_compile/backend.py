@@ -35,7 +35,7 @@ from torch import fx
 from . import _compat, dump, training_runtime
 from . import options as options_module
 from .passes import GraphReport, rewrite_attention
-from .passes.report import count, counters  # noqa: F401  (counters: re-exported for users)
+from .passes.report import compiled_text, count, counters  # noqa: F401  (counters: re-exported for users)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     report = GraphReport(compile_id=_compat.current_compile_id())
     before = dump.graph_text(gm)
     untouched = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    if opts.dump_dir:
+        try:
+            dump.make_folder(report, opts.dump_dir)
+        except OSError as e:
+            warnings.warn(f"flashbob could not create its dump folder in {opts.dump_dir!r}: {e}",
+                          stacklevel=2)
     try:
         rewrite_attention(gm, example_inputs, report)
         after = dump.graph_text(gm)
@@ -76,9 +82,7 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     count(f"route_{report.route}" if report.route != "untouched" else "fallback")
     recent_reports.append(report)
     try:
-        report.dump_folder = dump.emit(report, before, after, opts.dump_dir)
-        for what, pair in report.compiled_pairs:
-            dump.emit_compiled(report, what, pair)
+        dump.emit(report, before, after)
     except OSError as e:
         warnings.warn(f"flashbob could not write its dump to {opts.dump_dir!r}: {e}", stacklevel=2)
     return compiled
@@ -129,10 +133,10 @@ def _compile(report, gm, example_inputs, opts):
         try:
             pair = training_runtime.compile_pair(copy.deepcopy(gm), example_inputs, opts.compiler,
                                                  opts.inductor_config, name, nested=False)
-            report.compiled_pairs.append(("first_order", pair))
-            count("compiled_first_order")
+            on_compile = _on_compile(report)
+            on_compile("first_order", pair)
             return training_runtime.TrainingGraph(pair, opts.compiler, opts.inductor_config,
-                                                  name, on_compile=_compiled_later(report))
+                                                  name, on_compile=on_compile)
         except training_runtime.NotSupported as e:
             report.route, report.route_reason = "eager", (
                 f"{e}; running the rewritten graph eagerly keeps every order exact")
@@ -144,11 +148,12 @@ def _compile(report, gm, example_inputs, opts):
     return _compat.compile_with_inductor(gm, example_inputs, dict(opts.inductor_config))
 
 
-def _compiled_later(report):
-    """What TrainingGraph calls when it compiles a second-order piece: count, log, dump."""
+def _on_compile(report):
+    """What to do when a pair of a training graph compiles (the first order now, the
+    second-order pieces on first use): count it, report it, log and dump its graphs."""
     def on_compile(what, pair):
         count(f"compiled_{what}")
-        report.compiled_pairs.append((what, pair))
+        report.compiled.append(compiled_text(what, pair))
         try:
             dump.emit_compiled(report, what, pair)
         except OSError as e:

@@ -45,29 +45,31 @@ def unified_diff(before, after):
                                         "graph_before.py", "graph_after.py"))
 
 
-def emit(report, before, after, dump_dir=None):
-    """Log, trace and (with a dump_dir) write the texts of one compiled graph."""
+def make_folder(report, dump_dir):
+    """Create the dump folder of this graph (before it compiles: the compiled graphs of
+    every order are written into it as they compile)."""
+    report.dump_folder = _folder(dump_dir, report.compile_id)
+
+
+def emit(report, before, after):
+    """Log, trace and (where report has a dump folder) write the texts of one graph."""
     text, diff = report.text(), unified_diff(before, after)
     log.info("%s", text.rstrip())
     log.debug("flashbob graph %s, diff:\n%s", report.compile_id, diff or "(unchanged)\n")
     for name, payload in (("flashbob_report", text), ("flashbob_graph_before", before),
                           ("flashbob_graph_after", after), ("flashbob_graph_diff", diff)):
         _compat.trace_artifact(name, payload)
-    if dump_dir:
-        folder = _folder(dump_dir, report.compile_id)
+    if report.dump_folder:
         for name, payload in zip(FILES, (before, after, diff, text)):
-            with open(os.path.join(folder, name), "w") as f:
+            with open(os.path.join(report.dump_folder, name), "w") as f:
                 f.write(payload)
-        log.info("flashbob graph %s dumped to %s", report.compile_id, folder)
-        return folder
-    return None
+        log.info("flashbob graph %s dumped to %s", report.compile_id, report.dump_folder)
 
 
 def emit_compiled(report, what, pair):
     """Log, trace and (where report has a dump folder) write the two graphs of one
     compiled AOTAutograd pair of a training graph."""
-    from .passes.report import compiled_text
-    log.info("flashbob graph %s compiled %s", report.compile_id, compiled_text(what, pair))
+    log.info("flashbob graph %s compiled %s", report.compile_id, report.compiled[-1])
     for half, graph in (("forward", pair.forward_graph), ("backward", pair.backward_graph)):
         text = graph.print_readable(print_output=False)
         _compat.trace_artifact(f"flashbob_{what}_{half}", text)

@@ -70,7 +70,6 @@ class CompiledPair:
     backward: Callable
     forward_graph: fx.GraphModule           # aten level, before code generation
     backward_graph: fx.GraphModule
-    num_primals: int
     num_outputs: int
     saved_order: list                       # forward output index of each saved backward input
     saved_primals: dict                     # forward output index -> primal index (saved as-is)
@@ -78,6 +77,15 @@ class CompiledPair:
     tangent_layouts: list                   # per tangent: the strides (or memory format) traced
     differentiable_outputs: list            # per output: whether AOTAutograd gives it a gradient
     num_random: int = 0                     # forward's last outputs: its random draws
+
+    def backward_inputs(self, saved, cotangents, output_meta):
+        """The backward's inputs: the saved values, then a tangent per differentiable output
+        (its cotangent, zeros where that is None) with the layout the backward was traced for.
+        cotangents and output_meta (shape, dtype, device) are indexed by output."""
+        tangents = [torch.zeros(output_meta[i][0], dtype=output_meta[i][1],
+                                device=output_meta[i][2]) if cotangents[i] is None else cotangents[i]
+                    for i in self.tangent_outputs]
+        return list(saved) + [as_traced(t, layout) for t, layout in zip(tangents, self.tangent_layouts)]
 
 
 def compile_pair(gm, example_inputs, compiler, config_patches=(), what="graph", nested=True):
@@ -276,7 +284,7 @@ def _pair(captured, num_inputs, what):
         forward=_boxed(captured["forward_compiled"]),
         backward=_boxed(captured["backward_compiled"]),
         forward_graph=forward_graph, backward_graph=backward_graph,
-        num_primals=num_inputs, num_outputs=num_outputs, saved_order=saved_order,
+        num_outputs=num_outputs, saved_order=saved_order,
         saved_primals=saved_primals, tangent_outputs=tangent_outputs,
         tangent_layouts=tangent_layouts,
         differentiable_outputs=[info.requires_grad for info in meta.output_info],
@@ -480,19 +488,6 @@ def _example(values, mask):
             for v, m in zip(values, mask)]
 
 
-def _grad_mask(values):
-    return tuple(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
-
-
-def _zeros_for(grads, like_meta):
-    return [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-            for g, (shape, dtype, device) in zip(grads, like_meta)]
-
-
-def _as_traced(tangents, pair):
-    return [as_traced(t, layout) for t, layout in zip(tangents, pair.tangent_layouts)]
-
-
 def _meta(t):
     return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
 
@@ -557,9 +552,8 @@ class ForwardFn(torch.autograd.Function):
         values = _values(ctx, pair, returned_tensors, primals)
         output_grads, residual_grads = grads[:pair.num_outputs], grads[pair.num_outputs:]
         if all(g is None for g in residual_grads):
-            tangents = _zeros_for([output_grads[i] for i in pair.tangent_outputs],
-                                  [ctx.values_meta[i] for i in pair.tangent_outputs])
-            inputs = [values[i] for i in pair.saved_order] + _as_traced(tangents, pair)
+            inputs = pair.backward_inputs([values[i] for i in pair.saved_order], output_grads,
+                                          ctx.values_meta)
             if torch.is_grad_enabled():      # create_graph: the backward is differentiated later
                 primal_grads = BackwardFn.apply(graph, *inputs)
             else:                            # plain first order: what stock compile runs
@@ -598,9 +592,8 @@ def _residual_vjp(ctx, graph, primals, values, output_grads, residual_grads):
     vjp = graph.forward_vjp(inputs, mask)
     with torch.no_grad():
         values2 = vjp.forward([x.detach() if isinstance(x, torch.Tensor) else x for x in inputs])
-    tangents = _zeros_for([cotangents[i] for i in vjp.tangent_outputs],
-                          [_meta(values2[i]) for i in vjp.tangent_outputs])
-    grads = vjp.backward([values2[i] for i in vjp.saved_order] + _as_traced(tangents, vjp))
+    grads = vjp.backward(vjp.backward_inputs([values2[i] for i in vjp.saved_order], cotangents,
+                                             [_meta(v) for v in values2]))
     return grads[:len(primals)]
 
 
@@ -614,7 +607,7 @@ class BackwardFn(torch.autograd.Function):
         ctx.graph = graph
         pair = graph.second_order(inputs, mask)
         values = pair.forward(inputs)
-        ctx.pair, ctx.mask = pair, mask
+        ctx.pair = pair
         # Only what the double backward reads, never the outputs themselves: an output kept
         # on its own node's ctx is a reference cycle autograd never frees.
         ctx.second_order_saved = [values[i] for i in pair.saved_order]
@@ -632,7 +625,5 @@ class BackwardFn(torch.autograd.Function):
         if torch.is_grad_enabled():      # third order: exact, eager, differentiable again
             return (None, *_vjp_eagerly(ctx.graph.eager_backward(), inputs, vectors))
         pair = ctx.pair
-        tangents = _zeros_for([vectors[i] for i in pair.tangent_outputs],
-                              [ctx.output_meta[i] for i in pair.tangent_outputs])
-        grads = pair.backward(ctx.second_order_saved + _as_traced(tangents, pair))
+        grads = pair.backward(pair.backward_inputs(ctx.second_order_saved, vectors, ctx.output_meta))
         return (None, *grads)

@@ -55,9 +55,9 @@ class GraphReport:
     route: str = ""
     route_reason: str = ""
     error: str = ""              # set when the backend fell back to the untouched graph
-    # (what, CompiledPair) of each compiled AOTAutograd pair of the "training" route:
-    # "first_order" at compile time, "double_backward" and "residual_vjp" on first use
-    compiled_pairs: list = dataclasses.field(default_factory=list)
+    # one line per compiled AOTAutograd pair of the "training" route (compiled_text):
+    # first order at compile time, double backward and residual VJP on first use
+    compiled: list = dataclasses.field(default_factory=list)
     dump_folder: Optional[str] = None
 
     @property
@@ -80,7 +80,7 @@ class GraphReport:
         if self.error:
             lines.append(f"  error: {self.error}")
         lines.append(f"  route: {self.route}" + (f" ({self.route_reason})" if self.route_reason else ""))
-        lines += [f"  compiled: {compiled_text(what, pair)}" for what, pair in self.compiled_pairs]
+        lines += [f"  compiled: {line}" for line in self.compiled]
         return "\n".join(lines) + "\n"
 
 
