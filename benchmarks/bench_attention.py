@@ -17,7 +17,7 @@ Providers
 
 FLOP convention (per visible (query, key) pair, d = head dim): forward 4d, backward 10d,
 BoB 36d: the anchors' 50d per second-order step (4 + 10 + 36, FlashBoB's count), so that
-TFLOP/s compare directly with anchors-h200.md. The chain form actually executes more:
+TFLOP/s compare directly with docs/baselines.md. The chain form actually executes more:
 `executed_flops` in the JSON counts forward 4d + backward 10d (2 x 7 GEMM units with
 the deterministic dq pass: 14d) + BoB (row pass 18d + column pass 16d = 34d; or 24d with
 atomics) + second backward 14d.

@@ -1,7 +1,7 @@
 """Everything that differs between the torch versions we support (2.11 and 2.13).
 
 Keep it here, small and explicit, so that a new torch release means reading one file.
-Differences found so far (shared/research/compile.md §6):
+Differences found so far (docs/torch-behaviour.md lists them with the rest):
 - Dynamo records Python comparison operators on tensors as `call_method "__eq__"` on 2.11
   and as `call_function operator.eq` on 2.13 (arithmetic operators are `operator.*` on
   both; the dunder method spellings are accepted for them too, in case a version flips).

@@ -1,20 +1,20 @@
 """Autograd for the attention ops, at every order and under every torch.func transform.
 
 `custom_op.register_autograd` builds an old-style autograd.Function, which torch.func
-refuses (and forward-mode AD through it silently yields zero tangents: compile.md §2.3).
+refuses (and forward-mode AD through it silently yields zero tangents: docs/torch-behaviour.md).
 So each op is called from a new-style autograd.Function (`setup_context`, an explicit
 `jvp`, `generate_vmap_rule`), and the Functions chain:
 
     AttnFn (attn_fwd)  --backward-->  AttnBwdFn (attn_bwd)  --backward-->  AttnBobFn (attn_bob)
 
-Factorization of the second order: the CHAIN form (DESIGN.md, option 2). o and lse are
+Factorization of the second order: the CHAIN form (docs/second-order.md). o and lse are
 inputs of attn_bwd, so attn_bob is the plain VJP of attn_bwd and returns cotangents for
 o and lse too; autograd sends those back through AttnFn.backward, i.e. one more attn_bwd
 with an incoming lse cotangent (free in an FA2 kernel: D = rowsum(dO∘O) - dlse). Chosen
 because attn_bob then needs no whole-row reduction before its column outputs (24·d FLOPs
 per pair against 36·d for the FlashBoB form), because in a real Hessian-vector product the
 extra attn_bwd merges with the backward through o that runs anyway, and because the same
-three ops serve AOTAutograd graphs unchanged (the verified design of compile.md §2).
+three ops serve AOTAutograd graphs unchanged (docs/routing.md).
 
 Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; explicit
 formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP of

@@ -121,8 +121,8 @@ def main(argv=None):
     # them on fake tensors *before* any backend sees the graph, and SDPA's default kernels
     # (flash, efficient, cuDNN, CPU flash) have no derivative of their backward, so tracing
     # grad(grad(...)) or jvp(grad(...)) over SDPA fails there. Under MATH it traces; flashbob
-    # then replaces the SDPA node with its own op, so the math kernel never runs (research
-    # note compile.md §4.1).
+    # then replaces the SDPA node with its own op, so the math kernel never runs
+    # (docs/torch-behaviour.md).
     def math_attention():
         return sdpa_kernel(SDPBackend.MATH)
 

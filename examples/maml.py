@@ -22,7 +22,7 @@ requiring grad (a single linear layer, say), silently returns first-order number
 script prints which happened. flashbob must match the eager reference, or the script exits
 with status 1.
 
-    python examples/maml.py                       # tiny, CPU, ~16 s
+    python examples/maml.py                       # tiny, CPU, ~90 s (mostly compiling)
     python examples/maml.py --device cuda --dtype bfloat16 --seq-len 1024 --d-model 256 \\
         --n-heads 4 --n-layers 4 --steps 200
 """

@@ -25,7 +25,7 @@ Before and after training, the script checks the compiled model's loss, gradient
 Hessian-vector product against the same model run eagerly (hand-written math attention),
 and exits with status 1 if they differ.
 
-    python examples/sophia_h.py                   # tiny, CPU, ~10 s
+    python examples/sophia_h.py                   # tiny, CPU, ~55 s (mostly compiling)
     python examples/sophia_h.py --device cuda --dtype bfloat16 --block-size 1024 \\
         --n-layer 12 --n-head 12 --n-embd 768 --batch-size 4 --steps 100 --hess-interval 10
 """

@@ -7,7 +7,7 @@ third-order fallbacks in `bob_compile.autograd` rely on.
 Layout (the kernel contract, see `kernels/__init__.py`): q (B, Hq, L, E),
 k (B, Hkv, S, E), v (B, Hkv, S, Ev), with Hkv dividing Hq (grouped-query attention when
 Hkv < Hq). Causal masks are aligned top-left, as in PyTorch: query i sees keys j <= i.
-The math is that of shared/research/algorithm.md §4 and compile.md §2.1 (chain form:
+The math is that of docs/second-order.md (chain form:
 o and lse are inputs of the backward, so their cotangents are outputs of the BoB).
 """
 import torch

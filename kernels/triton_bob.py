@@ -1,6 +1,6 @@
 """Backward-over-backward in Triton: the VJP of `backward` w.r.t. (q, k, v, o, lse, do, dlse).
 
-Chain form (o and lse are inputs of the backward; shared/research/algorithm.md §4, and
+Chain form (o and lse are inputs of the backward; docs/second-order.md, and
 kernels/reference.py `bob`). With the upstream cotangents gdq, gdk, gdv of dq, dk, dv:
 
     P = exp(scale q k^T - lse)   dP = dO v^T   D = rowsum(dO * O) - dlse   dS = P * (dP - D)

@@ -3,7 +3,7 @@
 Never graph-wide dead-code elimination: Dynamo graphs hold calls that matter only for
 their side effects and have no users (functorch's `_grad_increment_nesting`,
 `_set_tensor_requires_grad`, saved-tensor hooks, ...); `graph.eliminate_dead_code()`
-deletes them and breaks torch.func inside compiled code (compile.md §3.1).
+deletes them and breaks torch.func inside compiled code (docs/torch-behaviour.md).
 """
 
 

@@ -96,7 +96,7 @@ def assert_stock_compile_fails_maml(model, inputs, expected):
 
 
 def test_stock_compile_silently_first_order():
-    """compile.md §4.2 with attention: MAML over a plain weight tensor. Stock compile returns
+    """docs/torch-behaviour.md, with attention: MAML over a plain weight tensor. Stock compile returns
     a wrong outer gradient and no error; flashbob returns the exact one."""
     def loss(w, x):
         q = (x @ w).view(2, 8, 2, 4).transpose(1, 2)
@@ -160,7 +160,7 @@ def test_transforms_compiled(name, scenario):
     inputs = case.batch(0)
     params = {name: p.detach() for name, p in model.named_parameters()}
     # Dynamo traces SDPA's derivative with fake tensors before any backend runs; only the
-    # MATH kernel has a double backward (compile.md §4.1). After the rewrite it is unused.
+    # MATH kernel has a double backward (docs/torch-behaviour.md). After the rewrite it is unused.
     with sdpa_kernel(SDPBackend.MATH):
         expected = scenario(exact_twin(model), params, inputs)
         compiled = torch.compile(lambda p: scenario(model, p, inputs), backend=flashbob, options=OPTIONS)
