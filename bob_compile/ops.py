@@ -11,8 +11,9 @@
 Shapes: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev) with equal leading dims
 and Hkv dividing Hq (rank-2 inputs have one implicit head); lse and other row vectors are
 (..., Hq, L). The ops flatten leading dims to the 4-D layout of `bob_compile.kernels` and
-pick an implementation there. Outputs are contiguous, as the fake implementations say
-(a fake that kept a permuted input's strides once broke a double-backward graph).
+pick an implementation there. Each output is dense, in the memory order of the input it is
+shaped like (row vectors contiguous: kernels/layout.py); the fake implementations say the
+same, through the same functions, so compiled graphs see the strides they were traced with.
 
 Autograd does not live here: `custom_op.register_autograd` does not compose with
 torch.func, so `bob_compile.autograd` wraps these ops in new-style autograd.Functions.
@@ -24,9 +25,13 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .kernels import layout
 from .kernels.reference import acc_dtype
 
 NAMESPACE = "bob_compile"
+# Inputs reach the implementations with the strides they were traced with (inductor's
+# default for custom ops; said explicitly so that a changed default cannot reorder them).
+_TAGS = (torch.Tag.needs_exact_strides,)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -52,41 +57,44 @@ def _flat_rows(r: Optional[Tensor], qf: Tensor):
     return r if r.shape == shape else r.reshape(shape)
 
 
-def _unflat(t: Tensor, shape):
-    """t (contiguous, from an implementation) in the caller's shape, contiguous."""
-    if t.shape == shape:
-        return t.contiguous()
-    return t.reshape(shape).contiguous()
+def _unflat(t: Tensor, shape, like: Optional[Tensor]):
+    """t (from an implementation) in the caller's shape, laid out like `like` (a row vector,
+    like=None: contiguous); see kernels/layout.py."""
+    if t.shape != shape:
+        t = t.reshape(shape)
+    return layout.contiguous(t) if like is None else layout.in_order_of(t, like)
 
 
 def call_forward(pick, q, k, v, scale, causal):
     """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
-    restore the leading dims. The call_* functions below do the same for each op."""
+    restore the leading dims and the output layout. The call_* functions below do the same
+    for each op."""
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     o, lse = pick(qf, kf, vf).forward(qf, kf, vf, scale, causal)
-    return _unflat(o, (*q.shape[:-1], v.shape[-1])), _unflat(lse, q.shape[:-1])
+    return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
 def call_backward(pick, q, k, v, o, lse, do, dlse, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                            _flat_rows(dlse, qf), scale, causal)
-    return _unflat(dq, q.shape), _unflat(dk, k.shape), _unflat(dv, v.shape)
+    return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                 _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv), scale, causal)
-    shapes = (q.shape, k.shape, v.shape, o.shape, lse.shape, do.shape, lse.shape)
-    return tuple(_unflat(t, s) for t, s in zip(outs, shapes))
+    likes = (q, k, v, o, None, do, None)
+    return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
+                 for t, like in zip(outs, likes))
 
 
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq),
                                             _flat(tk), _flat(tv), scale, causal)
-    return _unflat(to, o.shape), _unflat(tlse, lse.shape)
+    return _unflat(to, o.shape, o), _unflat(tlse, lse.shape, None)
 
 
 def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
@@ -96,27 +104,32 @@ def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
         _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
         scale, causal)
-    return tuple(_unflat(t, s) for t, s in zip(outs, (q.shape, k.shape, v.shape)))
+    return tuple(_unflat(t, like.shape, like) for t, like in zip(outs, (q, k, v)))
 
 
-def _new(t: Tensor, shape=None, dtype=None):
-    """A contiguous empty tensor, as the real kernels return."""
-    return t.new_empty(t.shape if shape is None else shape, dtype=dtype or t.dtype)
+def _like(t: Tensor, shape=None, dtype=None):
+    """An empty tensor laid out as the real implementations lay out an output shaped like t."""
+    return layout.empty_like_order(t.shape if shape is None else shape, t, dtype)
+
+
+def _rows(t: Tensor, dtype=None):
+    """An empty contiguous row vector shaped like t."""
+    return t.new_empty(t.shape, dtype=dtype or t.dtype)
 
 
 # ----------------------------------------------------------------------------- forward
-@torch.library.custom_op(f"{NAMESPACE}::attn_fwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::attn_fwd", mutates_args=(), tags=_TAGS)
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     return call_forward(kernels.select, q, k, v, scale, causal)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, scale, causal):
-    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], acc_dtype(q.dtype))
+    return _like(q, (*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
 # ----------------------------------------------------------------------------- backward
-@torch.library.custom_op(f"{NAMESPACE}::attn_bwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::attn_bwd", mutates_args=(), tags=_TAGS)
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
              dlse: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     return call_backward(kernels.select, q, k, v, o, lse, do, dlse, scale, causal)
@@ -124,11 +137,11 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
 
 @attn_bwd.register_fake
 def _(q, k, v, o, lse, do, dlse, scale, causal):
-    return _new(q), _new(k), _new(v)
+    return _like(q), _like(k), _like(v)
 
 
 # ----------------------------------------------------------------------------- backward-over-backward
-@torch.library.custom_op(f"{NAMESPACE}::attn_bob", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::attn_bob", mutates_args=(), tags=_TAGS)
 def attn_bob(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
              dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
              gdv: Optional[Tensor], scale: float, causal: bool
@@ -138,11 +151,11 @@ def attn_bob(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
 
 @attn_bob.register_fake
 def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
-    return _new(q), _new(k), _new(v), _new(o), _new(lse), _new(do), _new(lse)
+    return _like(q), _like(k), _like(v), _like(o), _rows(lse), _like(do), _rows(lse)
 
 
 # ----------------------------------------------------------------------------- forward mode
-@torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=(), tags=_TAGS)
 def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
                  tk: Optional[Tensor], tv: Optional[Tensor], scale: float, causal: bool
                  ) -> tuple[Tensor, Tensor]:
@@ -151,10 +164,10 @@ def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Op
 
 @attn_fwd_jvp.register_fake
 def _(q, k, v, o, lse, tq, tk, tv, scale, causal):
-    return _new(o), _new(lse)
+    return _like(o), _rows(lse)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attn_bwd_jvp", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::attn_bwd_jvp", mutates_args=(), tags=_TAGS)
 def attn_bwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                  dlse: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
                  tv: Optional[Tensor], to: Optional[Tensor], tlse: Optional[Tensor],
@@ -166,7 +179,7 @@ def attn_bwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Te
 
 @attn_bwd_jvp.register_fake
 def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
-    return _new(q), _new(k), _new(v)
+    return _like(q), _like(k), _like(v)
 
 
 # ----------------------------------------------------------------------------- vmap

@@ -6,7 +6,8 @@ Contract shared by every implementation (`reference`, `blockwise`, `triton_atten
 - `causal` masks are aligned top-left like PyTorch (query i sees keys j <= i);
 - lse is in the accumulation dtype (float32 for half inputs), natural log, -inf on rows
   that see no key (whose outputs are 0, never NaN);
-- outputs are contiguous, in their primal's dtype;
+- outputs are dense tensors of their own (contiguous, or, for forward/backward, laid out
+  like their primal: layout.py), in their primal's dtype; ops.py gives each its final layout;
 - optional cotangents/tangents may be None, meaning zero: implementations skip that work.
 
 Functions (names and argument order are the same in every implementation):

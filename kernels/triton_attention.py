@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from . import blockwise, settings
+from . import blockwise, layout, settings
 from .triton_backward import attention_backward
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
@@ -92,8 +92,8 @@ def _native_forward(backend, q, k, v, scale, causal):
     else:
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
-    o, lse = out[0], out[1]
-    return o.contiguous(), lse.reshape(B, H, L).float().contiguous()
+    o, lse = out[0], out[1]     # o in q's dimension order, as the op's contract wants
+    return o, layout.contiguous(lse.reshape(B, H, L).float())
 
 
 _empty_seeds = {}
@@ -112,7 +112,7 @@ def _native_backward(backend, q, k, v, o, lse, do, scale, causal):
     L, S = q.shape[2], k.shape[2]
     # no dropout: the RNG state is never read; cumulative lengths = None means "not varlen"
     seed = _empty_seed(q.device)
-    do = do.contiguous() if do.stride() != o.stride() else do
+    do = layout.in_order_of(do, o)     # the fused backwards read dO in o's layout
     if backend == "cudnn":
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             do, q, k, v, o, lse.unsqueeze(-1), seed, seed, None, None, None, L, S, 0.0,
@@ -120,7 +120,7 @@ def _native_backward(backend, q, k, v, o, lse, do, scale, causal):
     else:
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do, q, k, v, o, lse, None, None, L, S, 0.0, causal, seed, seed, scale=scale)
-    return tuple(g.contiguous() for g in grads[:3])
+    return grads[:3]        # in the primals' dimension orders (ops.py copies where not)
 
 
 def _try_native(backend, fn, *args):

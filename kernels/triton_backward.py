@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .layout import empty_like_order
 from .triton_common import (LOG2E, dot_precision, fixed_plan, interpreting,
                             key_blocks_of_row_block, launch_plan, load_lse2, load_row_vector,
                             load_tile, padded_dim, row_block_program, row_blocks_of_key_block,
@@ -237,13 +238,13 @@ def dq_candidates(dtype, head_dim, head_dim_v):
 
 
 def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=False):
-    """(dq, dk, dv), contiguous, in the primals' dtypes; S must be > 0."""
+    """(dq, dk, dv), laid out like the primals (layout.py), in their dtypes; S must be > 0."""
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     lse = lse.contiguous()
     d = row_dot(do, o, dlse)
-    dk = torch.empty((B, Hkv, S, E), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, Hkv, S, Ev), device=q.device, dtype=v.dtype)
+    dk = empty_like_order(k.shape, k)
+    dv = empty_like_order(v.shape, v)
     dq_acc = (torch.zeros((B, Hq, L, E), device=q.device, dtype=torch.float32)
               if dq_atomics else dk)
 
@@ -266,7 +267,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
     if dq_atomics:
         return dq_acc.to(q.dtype), dk, dv
 
-    dq = torch.empty((B, Hq, L, E), device=q.device, dtype=q.dtype)
+    dq = empty_like_order(q.shape, q)
 
     def launch_rows(plan):
         plan(_dq_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .layout import empty_like_order
 from .triton_common import (LOG2E, dot_precision, interpreting, key_blocks_of_row_block,
                             launch_plan, load_tile, padded_dim, row_block_program, row_bytes,
                             store_tile, strides4, visibility_mask, wide_candidates)
@@ -104,10 +105,10 @@ def forward_candidates(dtype, head_dim, head_dim_v):
 
 
 def attention_forward(q, k, v, scale, causal):
-    """o (contiguous, q's dtype) and lse (float32, (B, Hq, L)); S must be > 0."""
+    """o (q's dtype, laid out like q: layout.py) and lse (float32, (B, Hq, L)); S must be > 0."""
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-    o = torch.empty((B, Hq, L, Ev), device=q.device, dtype=q.dtype)
+    o = empty_like_order((B, Hq, L, Ev), q)
     lse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
 
     def launch(plan):

@@ -52,14 +52,35 @@ def test_opcheck_every_op_with_permuted_inputs(causal, gqa):
         assert set(result.values()) == {"SUCCESS"}, (fn, result)
 
 
-def test_fake_outputs_are_contiguous_like_the_real_ones():
+def _dim_order(t):
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+@pytest.mark.parametrize("make", [permuted, lambda *shape: torch.randn(*shape, dtype=torch.float64)],
+                         ids=["permuted", "contiguous"])
+def test_outputs_are_dense_in_the_order_of_their_input_fake_and_real(make):
+    """o and the cotangents keep the memory order of q/k/v/o/do (so that the transpose
+    after attention and the gradient into it cost no copy), rows are contiguous, and the
+    fake implementations say exactly that."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    q, k, v, *_ = first_order_state(causal=True)
-    real = op.attn_fwd(q, k, v, 0.5, True)
-    with FakeTensorMode() as mode:
-        fake = op.attn_fwd(*(mode.from_tensor(t) for t in (q, k, v)), 0.5, True)
-    for r, f in zip(real, fake):
-        assert r.is_contiguous() and f.stride() == r.stride() and f.dtype == r.dtype
+    q, k, v, do = make(2, 3, 5, 4), make(2, 3, 6, 4), make(2, 3, 6, 2), make(2, 3, 5, 2)
+    o, lse = op.attn_fwd(q, k, v, 0.5, True)
+    g = (make(2, 3, 5, 4), make(2, 3, 6, 4), make(2, 3, 6, 2))
+    calls = [(op.attn_fwd, (q, k, v, 0.5, True), (q, None)),
+             (op.attn_bwd, (q, k, v, o, lse, do, None, 0.5, True), (q, k, v)),
+             (op.attn_bob, (q, k, v, o, lse, do, lse, *g, 0.5, True), (q, k, v, o, None, do, None))]
+    for fn, args, likes in calls:
+        real = fn(*args)
+        with FakeTensorMode() as mode:
+            fake = fn(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        for r, f, like in zip(real, fake, likes, strict=True):
+            assert f.stride() == r.stride() and f.dtype == r.dtype, fn
+            assert r.untyped_storage().nbytes() == r.numel() * r.element_size(), fn  # dense
+            if like is None:
+                assert r.is_contiguous(), fn
+            else:
+                assert _dim_order(r) == _dim_order(like), fn
+    assert o.transpose(1, 2).is_contiguous() == q.transpose(1, 2).is_contiguous()
 
 
 def test_raw_op_has_no_autograd_and_says_so():
