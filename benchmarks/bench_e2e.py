@@ -23,13 +23,17 @@ by these implementations:
             refuses a double backward, or for MAML silently drops its second-order terms)
   flashbob  torch.compile(model, backend="flashbob"): the same model, with attention
             replaced by this package's fused op
+  flashbob_cudagraphs  the same with mode="reduce-overhead": inductor replays each compiled
+            graph (forward, backward, double backward) as a CUDA graph, which removes the
+            host's launch overhead where it dominates (batch 1, short sequences, MAML)
 
 --maml-tasks adds the meta-learning rows: a 4-layer, width-256, 4-head GPT (vocabulary
 --maml-vocab), one MAML meta-gradient over T-token tasks (one support and one query
 sequence each, one inner SGD step with create_graph=True, the meta-gradient summed over
 tasks), e.g. `--maml-tasks 128x32 256x8` for T=128 with 32 tasks and T=256 with 8. Its
-implementations: math, flashbob (torch.func.functional_call), and flashbob_torchopt (the
-same step with torchopt's differentiable FuncOptimizer) when torchopt is installed.
+implementations: math, flashbob (torch.func.functional_call), flashbob_cudagraphs (the same,
+mode="reduce-overhead"), and flashbob_torchopt (the same step with torchopt's
+differentiable FuncOptimizer) when torchopt is installed.
 
 Timing: CUDA events around each step after warm-up (the first warm-up step includes
 compilation and is reported separately), median of --reps. Peak memory:
@@ -74,7 +78,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 from sophia_h import GPT, SophiaH, hutchinson_step, rademacher_like  # noqa: E402  (the examples' nanoGPT, Sophia-H)
 
-IMPLS = ("math", "eager", "stock", "flashbob")
+IMPLS = ("math", "eager", "stock", "flashbob", "flashbob_cudagraphs")
 FIRST_ORDER_ONLY = ("eager", "stock")
 WORKLOADS = ("first_order", "sophia_hessian", "sophia_plain", "maml_outer")
 FIRST_ORDER_WORKLOADS = ("first_order", "sophia_plain")
@@ -162,6 +166,11 @@ class Clock:
         return 1e3 * (time.perf_counter() - start)
 
 
+def compile_flashbob(model, impl):
+    mode = "reduce-overhead" if impl == "flashbob_cudagraphs" else None
+    return torch.compile(model, backend=flashbob_backend(), dynamic=False, mode=mode)
+
+
 def build(impl, seq_len, args, device):
     """A fresh model (the same initial weights for every implementation) and how to call it."""
     torch.manual_seed(args.seed)
@@ -170,9 +179,9 @@ def build(impl, seq_len, args, device):
                     sdpa=args.attention == "sdpa")
     params = list(model.parameters())
     torch._dynamo.reset()  # no recompiles across rows: each row compiles its own graphs
-    if impl == "flashbob":
+    if impl.startswith("flashbob"):
         _flashbob_counters(clear=True)
-        return torch.compile(model, backend=flashbob_backend(), dynamic=False), params
+        return compile_flashbob(model, impl), params
     if impl == "stock":
         return torch.compile(model, dynamic=False), params
     return model, params
@@ -220,7 +229,7 @@ def measure(impl, workload, seq_len, args, device, want_probe):
     peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
     row = dict(status="ok", median_ms=statistics.median(times), times_ms=times, first_call_ms=first_ms,
                peak_mem_gib=peak)
-    if impl == "flashbob":
+    if impl.startswith("flashbob"):
         row["flashbob_counters"] = _flashbob_counters()
     return row, (probes[0] if probes else None)
 
@@ -254,7 +263,7 @@ def rel_err(got, ref):
 
 
 # ----------------------------------------------------------------------------- MAML over tasks
-MAML_IMPLS = ("math", "flashbob", "flashbob_torchopt")
+MAML_IMPLS = ("math", "flashbob", "flashbob_cudagraphs", "flashbob_torchopt")
 
 
 def maml_meta_gradient(impl, model, params, tasks, args):
@@ -293,8 +302,7 @@ def maml_sweep(args, device):
                                args.maml_n_embd, sdpa=args.attention == "sdpa")
                 params = list(base.parameters())
                 torch._dynamo.reset()
-                model = base if impl == "math" else \
-                    torch.compile(base, backend=flashbob_backend(), dynamic=False)
+                model = base if impl == "math" else compile_flashbob(base, impl)
                 generator = torch.Generator(device=device).manual_seed(args.seed + seq_len)
                 tasks = [tuple(torch.randint(args.maml_vocab, (1, seq_len), device=device,
                                              generator=generator) for _ in range(4))

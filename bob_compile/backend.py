@@ -132,7 +132,8 @@ def _compile(report, gm, example_inputs, opts):
         name = f"graph {report.compile_id}"
         try:
             pair = training_runtime.compile_pair(copy.deepcopy(gm), example_inputs, opts.compiler,
-                                                 opts.inductor_config, name, nested=False)
+                                                 opts.inductor_config, name, nested=False,
+                                                 donate=True)
             on_compile = _on_compile(report)
             on_compile("first_order", pair)
             return training_runtime.TrainingGraph(pair, opts.compiler, opts.inductor_config,

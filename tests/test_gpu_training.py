@@ -24,6 +24,10 @@ def model_and_batch():
     return model, (idx, torch.roll(idx, -1, dims=1))
 
 
+def first_order(model, batch):
+    return torch.autograd.grad(model(*batch), list(model.parameters()))
+
+
 def hvp(model, batch):
     params = list(model.parameters())
     grads = torch.autograd.grad(model(*batch), params, create_graph=True)
@@ -49,3 +53,24 @@ def test_second_order_on_cuda(scenario):
     assert relative_error(actual, expected) <= 1e-4
     assert {r.route for r in recent_reports} == {"training"}
     assert all(len(r.replaced) == 2 for r in recent_reports)
+
+
+@pytest.mark.parametrize("scenario", [first_order, hvp, maml], ids=lambda f: f.__name__)
+def test_cuda_graphs_replay_every_order(scenario):
+    """mode="reduce-overhead": inductor records the forward, backward and double-backward
+    graphs as CUDA graphs (our ops inside them; tuning ran in the warm-up, never during a
+    capture) and replays them, exactly."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+    model, batch = model_and_batch()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = scenario(model, batch)
+    compiled = torch.compile(model, backend=flashbob, mode="reduce-overhead", options=OPTIONS)
+    counters["inductor"].clear()
+    for _ in range(3):              # warm-up, record, replay
+        actual = [g.clone() for g in scenario(compiled, batch)]
+    assert relative_error(actual, expected) <= 1e-4
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    assert manager is not None and sum(len(nodes) for nodes in manager.roots.values()) > 0
+    assert {r.route for r in recent_reports} == {"training"}

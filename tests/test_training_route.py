@@ -134,6 +134,56 @@ def test_first_order_runs_no_second_order_code(inductor_runs):
     assert counters["compiled_double_backward"] == counters["compiled_residual_vjp"] == 0
 
 
+def test_first_order_backward_frees_residuals_as_it_goes(monkeypatch):
+    """As with stock compile: the compiled backward is the only holder of the forward's
+    residuals, so each is freed after its last use, not at the end of the backward (the
+    node's own saved tensors are released first), and may write into their memory (donated
+    buffers); retain_graph=True keeps them, and runs the backward graph eagerly, exact."""
+    import weakref
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    params = list(model.parameters())
+    compiled = torch.compile(model, backend=flashbob, options=INDUCTOR)
+    first_order(compiled, x)
+    alive_after_backward, compiled_backward_ran = [], []
+    original = training_runtime.ForwardFn.backward
+
+    def watching(ctx, *grads):
+        pair = ctx.graph.pair
+        inner = pair.backward
+
+        def run(args):
+            keep = {id(p) for p in params} | {id(g) for g in grads} | {id(x)}   # held by us
+            # one reference of ours to each residual's storage; whatever else holds one
+            # after the backward (the node's saved tensors) keeps its memory
+            storages = {a.untyped_storage().data_ptr(): a.untyped_storage()
+                        for a in args if isinstance(a, torch.Tensor) and id(a) not in keep}
+            assert storages
+            assert pair.donates
+            compiled_backward_ran.append(True)
+            result = inner(args)
+            alive_after_backward.append(sum(torch._C._storage_Use_Count(st._cdata) > 1
+                                            for st in storages.values()))
+            return result
+        monkeypatch.setattr(pair, "backward", run)
+        try:
+            return original(ctx, *grads)
+        finally:
+            monkeypatch.setattr(pair, "backward", inner)
+    monkeypatch.setattr(training_runtime.ForwardFn, "backward", staticmethod(watching))
+    with math_sdpa():
+        expected = first_order(model, x)
+    loss = loss_of(compiled(x))
+    compiled_backward_ran.clear()
+    twice = [torch.autograd.grad(loss, params, retain_graph=True) for _ in range(2)]
+    assert max_error(twice[0], expected) <= TOLERANCE and max_error(twice[1], expected) <= TOLERANCE
+    assert not compiled_backward_ran           # retain_graph: never the donating code
+    assert max_error(torch.autograd.grad(loss, params), expected) <= TOLERANCE
+    assert compiled_backward_ran
+    assert max_error(first_order(compiled, x), expected) <= TOLERANCE
+    assert alive_after_backward[-1] == 0       # without it, nothing outlives its last use
+
+
 # ---------------------------------------------------------------------------- MAML, three ways
 def maml_compiled_functional_call(model, x, steps):
     """The functional model compiled, the meta-loss eager (torch.func MAML style)."""
