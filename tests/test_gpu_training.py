@@ -6,7 +6,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bob_compile.backend import flashbob, recent_reports
-from models import GPT, loss_of
+from models import GPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 OPTIONS = {"compiler": "inductor", "fallback": False}

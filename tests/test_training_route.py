@@ -139,7 +139,6 @@ def test_first_order_backward_frees_residuals_as_it_goes(monkeypatch):
     residuals, so each is freed after its last use, not at the end of the backward (the
     node's own saved tensors are released first), and may write into their memory (donated
     buffers); retain_graph=True keeps them, and runs the backward graph eagerly, exact."""
-    import weakref
     model = SDPABlock().double()
     x, = CASES["sdpa"].batch(0)
     params = list(model.parameters())
