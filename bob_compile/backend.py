@@ -19,7 +19,6 @@ For each graph Dynamo captures:
      function) and nothing outside can differentiate it: AOTAutograd traces the op's
      derivatives into the graph and `compiler` (inductor) compiles all of it;
    - "inference": no gradient can flow: `compiler` compiles the rewritten graph.
-   options["double_backward"]=False sends training graphs to stock AOTAutograd.
 3. report and dump (dump.py), the compiled graphs of every order included.
 A failure inside the backend warns and runs the untouched graph: never a crash, never a
 wrong result (options["fallback"]=False raises instead).
@@ -112,17 +111,15 @@ def choose_route(gm, example_inputs, opts):
     differentiable = torch.is_grad_enabled() and requiring_grad
     compiler = f"AOTAutograd + {opts.compiler}"
     if transform is not None:
-        if differentiable and opts.double_backward:
+        if differentiable:
             return "eager", (f"the graph differentiates itself ({transform.name}) and "
                              f"{len(requiring_grad)} input(s) require grad: it may also be "
                              f"differentiated from outside")
         return "aot", f"{compiler}: the graph differentiates itself ({transform.name})"
-    if differentiable and opts.double_backward:
+    if differentiable:
         return "training", (f"{compiler}, every order compiled: grad mode is on and "
                             f"{len(requiring_grad)} input(s) require grad, so the outputs "
                             f"may be differentiated twice")
-    if differentiable:
-        return "aot", f"{compiler}: training graph, and options['double_backward'] is False"
     return "inference", f"{compiler}: no input requires grad under grad mode"
 
 

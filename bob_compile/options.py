@@ -11,17 +11,18 @@ never silently turns a feature off.
                      whose route compiles (in-graph differentiation, inference). "aot_eager"
                      traces with AOTAutograd but generates no code (fast to compile, good for
                      debugging); "eager" runs every graph as rewritten, compiling nothing.
-    double_backward  bool, default True. True keeps `create_graph=True` working for graphs
-                     that are differentiated from outside (Hessian-vector products, MAML), by
-                     running them as rewritten graphs. False declares that no outside
-                     derivative of a compiled graph is ever differentiated again, and sends
-                     training graphs through AOTAutograd + `compiler` too (faster first-order
-                     training; a double backward then fails with AOTAutograd's own error).
     fallback         bool, default True. If the backend fails on a graph, warn and run that
                      graph untouched (as backend="eager" would). False raises instead, for
                      debugging the backend itself.
 
-`mode` (torch.compile's argument) is passed on to inductor where inductor compiles.
+`mode` (torch.compile's argument) is passed on to inductor where inductor compiles
+(torch.compile takes `mode` or `options`, not both; `backend=functools.partial(flashbob,
+mode=..., options=...)` passes both).
+
+Removed: `double_backward` (False sent training graphs through stock AOTAutograd, for a
+faster first order). The training route now runs the same compiled forward and backward
+as stock compile when no double backward happens (docs/routing.md), so the option bought
+nothing and could only break Hessian-vector products; passing it is an error that says so.
 """
 import dataclasses
 import os
@@ -37,18 +38,24 @@ COMPILERS = ("inductor", "aot_eager", "eager")
 class Options:
     dump_dir: Optional[str] = None
     compiler: str = "inductor"
-    double_backward: bool = True
     fallback: bool = True
     # Inductor config patches for torch.compile's `mode` (not an option key).
     inductor_config: tuple = ()
 
 
-VALID_KEYS = ("dump_dir", "compiler", "double_backward", "fallback")
+VALID_KEYS = ("dump_dir", "compiler", "fallback")
+REMOVED_KEYS = {
+    "double_backward": "options['double_backward'] was removed: training graphs compile in "
+                       "every order, and a step without double backward runs what stock "
+                       "torch.compile runs (see bob_compile/options.py); drop the key",
+}
 
 
 def parse(options=None, mode=None):
     """Options from torch.compile's `options` dict and `mode`; ValueError/TypeError if invalid."""
     options = dict(options or {})
+    for key in sorted(set(options) & set(REMOVED_KEYS)):
+        raise ValueError(f"flashbob: {REMOVED_KEYS[key]}")
     unknown = sorted(set(options) - set(VALID_KEYS))
     if unknown:
         raise ValueError(f"flashbob: unknown option(s) {unknown}; valid options are "
@@ -59,7 +66,7 @@ def parse(options=None, mode=None):
     compiler = options.get("compiler", "inductor")
     if compiler not in COMPILERS:
         raise ValueError(f"flashbob: options['compiler']={compiler!r}; expected one of {list(COMPILERS)}")
-    for key in ("double_backward", "fallback"):
+    for key in ("fallback",):
         if not isinstance(options.get(key, True), bool):
             raise TypeError(f"flashbob: options[{key!r}] must be True or False, "
                             f"got {options[key]!r}")
@@ -67,7 +74,6 @@ def parse(options=None, mode=None):
     return Options(
         dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         compiler=compiler,
-        double_backward=options.get("double_backward", True),
         fallback=options.get("fallback", True),
         inductor_config=tuple(sorted(inductor_config.items())),
     )

@@ -47,7 +47,7 @@ def max_error(actual, expected):
 # ---------------------------------------------------------------------------- options
 def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['dumpdir'\]; valid options are "
-                                         r"\['dump_dir', 'compiler', 'double_backward', 'fallback'\]"):
+                                         r"\['dump_dir', 'compiler', 'fallback'\]"):
         options.parse({"dumpdir": "/tmp"})
     with pytest.raises(Exception, match="unknown option"):  # through torch.compile too
         torch.compile(lambda x: x + 1, backend="flashbob", options={"dumpdir": "/tmp"})(torch.ones(2))
@@ -103,20 +103,14 @@ def test_routes():
     with torch.no_grad():
         compiled(x)
     torch._dynamo.reset()
-    torch.compile(model, backend=flashbob, options={**FAST, "double_backward": False})(x)
-    torch._dynamo.reset()
     torch.compile(model, backend=flashbob, options={"compiler": "eager"})(x)
-    assert [r.route for r in recent_reports] == ["training", "inference", "aot", "eager"]
+    assert [r.route for r in recent_reports] == ["training", "inference", "eager"]
     assert "may be differentiated twice" in recent_reports[0].route_reason
-    assert "double_backward" in recent_reports[2].route_reason
 
 
-def test_double_backward_false_is_stock_aot():
-    """The option's promise: faster graphs, and AOTAutograd's own error on double backward."""
-    model = NanoGPTBlock().double()
-    compiled = torch.compile(model, backend=flashbob, options={**FAST, "double_backward": False})
-    with pytest.raises(RuntimeError, match="does not currently support double backward"):
-        hvp(compiled, torch.randn(2, 8, 16, dtype=torch.float64))
+def test_removed_double_backward_option_says_why():
+    with pytest.raises(ValueError, match="double_backward'\\] was removed: training graphs compile"):
+        options.parse({"double_backward": False})
 
 
 def test_inductor_inference_and_in_graph_grad_of_grad():
