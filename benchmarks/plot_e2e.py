@@ -1,10 +1,15 @@
-"""Plot the JSON of benchmarks/bench_e2e.py: step time and peak memory against sequence length.
+"""Plot the JSON of benchmarks/bench_e2e.py.
 
-One column per workload (Sophia-H step with Hessian estimate, plain Sophia-H step, MAML
-outer step), time on top, peak memory below, math and flashbob as two lines; where math ran
-out of memory, an "x" on the top edge marks the first length it failed at.
+A sweep over sequence lengths: one column per workload (Sophia-H step with Hessian
+estimate, plain Sophia-H step, MAML outer step), time on top, peak memory below, math and
+flashbob as two lines; where math ran out of memory, an "x" on the top edge marks the first
+length it failed at. MAML meta-gradients over tasks (--maml-tasks rows): one panel per
+JSON file (each panel one run), a group of bars per task configuration, one bar per
+implementation, labelled with its speedup over eager math of the same run.
 
-    python benchmarks/plot_e2e.py results/bench_e2e.json [--out results/bench_e2e.png]
+    python benchmarks/plot_e2e.py benchmarks/results/bench_e2e.json [--out plot.png]
+    python benchmarks/plot_e2e.py benchmarks/results/bench_e2e_training_maml*.json \
+        --out benchmarks/results/bench_e2e_training_maml.png
 
 Needs matplotlib; without it the script says so and exits with status 0 (nothing to plot
 is not an error of the benchmark).
@@ -84,13 +89,64 @@ def plot(results, png_path):
     return True
 
 
+MAML_STYLE = {"math": ("tab:red", "eager, SDPBackend.MATH"),
+              "flashbob": ("tab:blue", 'backend="flashbob"'),
+              "flashbob_cudagraphs": ("tab:green", 'backend="flashbob", mode="reduce-overhead"'),
+              "flashbob_torchopt": ("tab:purple", '"flashbob" + torchopt FuncOptimizer')}
+
+
+def plot_maml(runs, png_path):
+    """Bars of the maml_tasks rows of each run in `runs` (parsed JSONs); False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
+    for ax, results in zip(axes[0], runs):
+        rows = [r for r in results["rows"] if r["workload"] == "maml_tasks" and r["status"] == "ok"]
+        configs = sorted({(r["seq_len"], r["tasks"]) for r in rows})
+        impls = [i for i in MAML_STYLE if any(r["impl"] == i for r in rows)]
+        width = 0.8 / max(len(impls), 1)
+        for k, impl in enumerate(impls):
+            color, label = MAML_STYLE[impl]
+            for c, config in enumerate(configs):
+                by = {r["impl"]: r for r in rows if (r["seq_len"], r["tasks"]) == config}
+                if impl not in by:
+                    continue
+                ms = by[impl]["median_ms"]
+                x = c + (k - (len(impls) - 1) / 2) * width
+                ax.bar(x, ms, width, color=color, label=label if c == 0 else None)
+                if impl != "math" and "math" in by:
+                    ax.annotate(f"{by['math']['median_ms'] / ms:.2f}x", (x, ms), ha="center",
+                                va="bottom", fontsize=8)
+        ax.set_xticks(range(len(configs)), [f"T={t}, {n} tasks" for t, n in configs])
+        ax.set_ylabel("ms per meta-gradient (median)")
+        meta = results["meta"]
+        ax.set_title(f"{meta.get('device')}, torch {meta.get('torch')}, {meta.get('date', '')[:16]}",
+                     fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("MAML meta-gradient, 4-layer GPT (width 256, 4 heads), one inner SGD step "
+                 "with create_graph=True per task", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", help="output of bench_e2e.py")
-    p.add_argument("--out", help="PNG to write (default: the JSON's path with .png)")
+    p.add_argument("json", nargs="+", help="output of bench_e2e.py (several: MAML runs only)")
+    p.add_argument("--out", help="PNG to write (default: the first JSON's path with .png)")
     args = p.parse_args(argv)
-    png = pathlib.Path(args.out) if args.out else pathlib.Path(args.json).with_suffix(".png")
-    if not plot(json.loads(pathlib.Path(args.json).read_text()), png):
+    png = pathlib.Path(args.out) if args.out else pathlib.Path(args.json[0]).with_suffix(".png")
+    runs = [json.loads(pathlib.Path(f).read_text()) for f in args.json]
+    maml = [all(r["workload"] == "maml_tasks" for r in run["rows"]) for run in runs]
+    if len(runs) > 1 and not all(maml):
+        p.error("several JSON files are plotted side by side only when they hold MAML rows alone")
+    if not (plot_maml(runs, png) if all(maml) else plot(runs[0], png)):
         print("plot_e2e: matplotlib is not installed; no plot written (pip install matplotlib)")
         return 0
     print(f"wrote {png}")

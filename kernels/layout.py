@@ -44,12 +44,31 @@ def _same_layout(shape, strides, wanted):
     return all(n == 1 or s == w for n, s, w in zip(shape, strides, wanted))
 
 
+# (shape, strides, like's strides) -> whether those strides already are the wanted layout.
+# in_order_of runs on every output of every op call; the answer only depends on this key.
+_already_laid_out = {}
+_CACHE_LIMIT = 4096
+
+
+def _is_laid_out(shape, strides, like_strides):
+    key = (shape, strides, like_strides)
+    try:
+        return _already_laid_out[key]
+    except KeyError:
+        pass
+    except TypeError:       # symbolic sizes are not hashable: no caching
+        return _same_layout(shape, strides, dense_strides(shape, like_strides))
+    if len(_already_laid_out) >= _CACHE_LIMIT:
+        _already_laid_out.clear()
+    answer = _already_laid_out[key] = _same_layout(shape, strides, dense_strides(shape, like_strides))
+    return answer
+
+
 def in_order_of(t, like):
     """t itself when it has the layout `empty_like_order(t.shape, like)` gives, else a copy
     with that layout."""
-    shape = t.shape
     like_strides = like.stride()
-    if _same_layout(shape, t.stride(), dense_strides(shape, like_strides)):
+    if _is_laid_out(t.shape, t.stride(), like_strides):
         return t
     # out of place (permute, copy, permute back), so that it also runs under torch.func
     # transforms and autograd, where the closed-form twins call it
