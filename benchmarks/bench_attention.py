@@ -215,6 +215,8 @@ def main():
     ap.add_argument("--variants", nargs="+", default=[],
                     help="extra bob_compile rows as BOB_SCHEDULE:BWD_DQ pairs, e.g. atomic:two_pass")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention: needs a CUDA device (it times the Triton kernels on a GPU)")
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
     B, H = args.batch, args.heads

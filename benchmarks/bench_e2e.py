@@ -51,8 +51,7 @@ benchmarks/plot_e2e.py.
     python benchmarks/bench_e2e.py --out results/bench_e2e.json             # full sweep, CUDA
     python benchmarks/bench_e2e.py --quick --out results/bench_e2e_quick.json
     python benchmarks/bench_e2e.py --out results/bench_e2e.json --resume --time-budget-s 480  # repeat until done
-    python benchmarks/bench_e2e.py --device cpu --n-layer 2 --n-head 2 --n-embd 32 \\
-        --vocab-size 256 --seq-lens 32 64 --dtype float32 --out /tmp/e2e.json   # CPU smoke run
+    python benchmarks/bench_e2e.py --device cpu --quick --out /tmp/e2e.json    # CPU smoke run
 
 Needs torch >= 2.11 and this package installed (pip install -e .); no network, no
 transformers.
@@ -491,7 +490,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write (a directory gets bench_e2e.json)")
     p.add_argument("--quick", action="store_true",
-                   help="fast subset: N in {1024, 2048}, 1 warm-up step, 3 timed steps")
+                   help="fast subset: N in {1024, 2048}, 1 warm-up step, 3 timed steps; with "
+                        "--device cpu a tiny float32 model (2 layers, width 32, N in {32, 64})")
     p.add_argument("--seq-lens", type=int, nargs="+",
                    default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS))
@@ -528,7 +528,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
-        args.seq_lens, args.warmup, args.reps = [1024, 2048], 1, 3
+        tiny = args.device == "cpu"
+        quick = dict(seq_lens=[32, 64] if tiny else [1024, 2048], warmup=1, reps=3)
+        if tiny:
+            quick.update(n_layer=2, n_head=2, n_embd=32, vocab_size=256, dtype="float32",
+                         maml_n_layer=1, maml_n_head=2, maml_n_embd=32, maml_vocab=64)
+        for key, value in quick.items():   # what the command line set explicitly wins
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
     args.warmup = max(args.warmup, 1)
     args.impls = [i for i in IMPLS if i in args.impls]  # math first: the probe compares against it
     args.seq_lens = sorted(args.seq_lens)

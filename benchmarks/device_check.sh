@@ -7,7 +7,9 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.log 2>&1 || tail -5 $OUT/pip.log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  BOB_COMPILE_TUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -n 6 -p no:cacheprovider \
+  # six workers where pytest-xdist is installed (the H200 image has it; no extra installs it)
+  PARALLEL=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6")
+  BOB_COMPILE_TUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x $PARALLEL -p no:cacheprovider \
     tests/test_gpu_kernels.py ${TEST_ARGS:-} > $OUT/gpu_tests.log 2>&1
   echo "gpu tests rc=$?"; tail -25 $OUT/gpu_tests.log
 fi

@@ -2,10 +2,11 @@
 compiled ahead of time for the H200 (sm_90a) on any machine, no GPU needed.
 
 Uses Triton's own ptxas (-v) and nvdisasm. Prints one line per kernel and launch config:
-the configs are those the tuner picked on the H200 (benchmarks/results/*.json).
+the configs are the ones the tuner picked on the H200, listed in main() below.
 
     python benchmarks/kernel_resources.py
 """
+import argparse
 import importlib
 import os
 import re
@@ -63,7 +64,8 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
                 hgmma=len(re.findall(r"\bHGMMA\b", sass)), hmma=len(re.findall(r"\bHMMA\b", sass)))
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     bob, bwd = load_kernels()
     print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'regs':>5s} "
           f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s}")

@@ -1,10 +1,15 @@
 """Plot the JSON written by bench_attention.py: time and memory against N, one panel per
 (head dim, causal), every provider.
 
-    python benchmarks/plot_attention.py benchmarks/results/*.json -o benchmarks/results/attention.png
+    python benchmarks/plot_attention.py benchmarks/results/bench_attention_*.json \
+        -o benchmarks/results/bench_attention.png
+
+Needs matplotlib (pip install -e ".[bench]"); without it the script says so and exits.
 """
 import argparse
+import importlib.util
 import json
+import sys
 
 PROVIDER_STYLE = {
     "bob_compile": ("bob_compile 2nd-order step", "C0", "o-"),
@@ -57,12 +62,18 @@ def plot(rows, out):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("json", nargs="+")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="+", help="outputs of bench_attention.py")
     ap.add_argument("-o", "--out", default="attention.png")
     args = ap.parse_args()
+    if importlib.util.find_spec("matplotlib") is None:
+        print('plot_attention: matplotlib is not installed; no plot written '
+              '(pip install -e ".[bench]")')
+        return 0
     plot(load_rows(args.json), args.out)
+    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -120,7 +120,9 @@ def choose_route(gm, example_inputs, opts):
         return "training", (f"{compiler}, every order compiled: grad mode is on and "
                             f"{len(requiring_grad)} input(s) require grad, so the outputs "
                             f"may be differentiated twice")
-    return "inference", f"{compiler}: no input requires grad under grad mode"
+    if not torch.is_grad_enabled():
+        return "inference", f"{compiler}: grad mode is off (torch.no_grad / inference_mode)"
+    return "inference", f"{compiler}: grad mode is on, but no input requires grad"
 
 
 def _compile(report, gm, example_inputs, opts):

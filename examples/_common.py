@@ -51,7 +51,8 @@ def sync(device):
 
 
 class StepTimer:
-    """Wall time of each step (synchronised on CUDA); the first step includes compilation."""
+    """Wall time of each step (synchronised on CUDA). The first step also pays for whatever
+    was not compiled yet (the examples' checks compile most graphs before training)."""
 
     def __init__(self, device):
         self.device = device
@@ -72,7 +73,7 @@ class StepTimer:
     def summary(self, what="step"):
         if not self.times:
             return f"{what}: none run"
-        first = f"first {what} (includes compilation) {1e3 * self.times[0]:.1f} ms"
+        first = f"first {what} {1e3 * self.times[0]:.1f} ms (with any compilation still pending)"
         if len(self.times) == 1:
             return first
         rest = self.times[1:]

@@ -93,6 +93,21 @@ def normalized(v):
     return {name: t / norm for name, t in v.items()}
 
 
+def convergence(estimates, tolerance=1e-3):
+    """A line on whether power iteration settled: the last step's relative change. (The
+    estimate is the eigenvalue of largest magnitude; power iteration converges at the rate
+    of the ratio of the two largest, which can be slow.)"""
+    if len(estimates) < 2:
+        return "power iteration: one step only, no word on convergence (use --steps)"
+    change = abs(estimates[-1] - estimates[-2]) / max(abs(estimates[-1]), 1e-30)
+    if change <= tolerance:
+        return (f"power iteration converged: the estimate {estimates[-1]:.5f} changed by "
+                f"{change:.1e} (relative) in the last step")
+    return (f"power iteration NOT converged after {len(estimates)} steps: the estimate still "
+            f"changed by {change:.1e} (relative) in the last step; run more --steps for the "
+            f"eigenvalue itself (the HVP checks below do not depend on it)")
+
+
 def main(argv=None):
     p = _common.parser(__doc__.split("\n\n")[0], steps=10, vocab=32, seq_len=16, batch_size=4,
                        d_model=32, n_heads=2, n_layers=2)
@@ -131,6 +146,7 @@ def main(argv=None):
     v = normalized({name: torch.randn_like(t) for name, t in params.items()})
     fwd_rev_timer, rev_rev_timer = _common.StepTimer(device), _common.StepTimer(device)
     _common.reset_peak_memory(device)
+    estimates = []
     for step in range(args.steps):
         with math_attention(), _common.autocast(args, device):
             with fwd_rev_timer.step():
@@ -138,10 +154,12 @@ def main(argv=None):
             with rev_rev_timer.step():
                 hv_rev = compiled_rev_rev(params, x, y, v)
         eigenvalue = dot(v, hv).item()
+        estimates.append(eigenvalue)
         print(f"step {step:3d}  eigenvalue estimate {eigenvalue:10.5f}  "
               f"jvp(grad) {fwd_rev_timer.last_ms:8.1f} ms  grad(grad) {rev_rev_timer.last_ms:8.1f} ms  "
               f"relative gap {_common.rel_err(hv_rev.values(), hv.values()):.1e}")
         v = normalized(hv)
+    print(convergence(estimates))
     print(f"jvp(grad):  {fwd_rev_timer.summary('HVP')}")
     print(f"grad(grad): {rev_rev_timer.summary('HVP')}")
     print(f"peak memory: {_common.peak_memory(device)}")

@@ -130,9 +130,11 @@ def main():
     torch._dynamo.reset()
     try:
         hutchinson_hvp(torch.compile(model, backend="aot_eager"), params, idx, targets, z)
-        print("stock torch.compile (AOTAutograd, as inductor): ran (unexpected)")
+        print("stock torch.compile (backend='aot_eager': the AOTAutograd inductor uses): "
+              "ran (unexpected)")
     except RuntimeError as e:
-        print(f"stock torch.compile (AOTAutograd, as inductor) on the same step: RuntimeError: "
+        print(f"stock torch.compile (backend='aot_eager': the AOTAutograd inductor uses) on the "
+              f"same step: RuntimeError: "
               f"{str(e).splitlines()[0]}")
 
     print("all checks passed" if ok else "CHECK FAILED")

@@ -58,7 +58,12 @@ def supports(q, k, v):
 # --------------------------------------------------------------------------------------
 # PyTorch's fused first-order kernels, where they apply
 # --------------------------------------------------------------------------------------
+# (backend, dtype, head dims, causal) configurations PyTorch's fused kernel refused once
 _native_failed = set()
+
+
+def _native_key(backend, q, v, causal):
+    return backend, q.dtype, q.shape[3], v.shape[3], causal
 
 
 def _native_backend(q, k, v, causal):
@@ -81,7 +86,9 @@ def _native_backend(q, k, v, causal):
     backend = s.native_backend
     if backend is None:
         backend = "cudnn" if E <= 128 else "none"
-    return None if backend in _native_failed or backend == "none" else backend
+    if backend == "none" or _native_key(backend, q, v, causal) in _native_failed:
+        return None
+    return backend
 
 
 def _native_forward(backend, q, k, v, scale, causal):
@@ -123,13 +130,20 @@ def _native_backward(backend, q, k, v, o, lse, do, scale, causal):
     return grads[:3]        # in the primals' dimension orders (ops.py copies where not)
 
 
-def _try_native(backend, fn, *args):
+def _try_native(backend, fn, q, k, v, *rest):
+    """fn(backend, q, k, v, *rest), or None where PyTorch's fused kernel refuses this
+    configuration: that configuration (dtype, head dims, causal) then runs the Triton kernels
+    from now on. Out-of-memory is not a refusal: it propagates, and changes nothing."""
     try:
-        return fn(backend, *args)
-    except (RuntimeError, TypeError) as e:  # unsupported in this build: use Triton from now on
-        _native_failed.add(backend)
-        log.warning("PyTorch fused attention (%s) failed (%s); using the Triton kernels",
-                    backend, e)
+        return fn(backend, q, k, v, *rest)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError) as e:  # unsupported in this build or for these inputs
+        causal = rest[-1]
+        _native_failed.add(_native_key(backend, q, v, causal))
+        log.warning("PyTorch fused attention (%s) failed for %s, head dims %d/%d, causal=%s (%s); "
+                    "using the Triton kernels for that configuration", backend, q.dtype,
+                    q.shape[3], v.shape[3], causal, e)
         return None
 
 

@@ -1,10 +1,30 @@
 """Shared test setup: CPU tests run the blockwise path with tiny tiles, so that even short
 sequences cross tile borders (odd lengths, partial and diagonal tiles)."""
+import os
+
 import pytest
 import torch
 
 from bob_compile.backend import counters, recent_reports
 from bob_compile.kernels import blockwise, settings
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked interpreter_subprocess run in the TRITON_INTERPRET=1 subprocess that
+    test_kernels_under_the_interpreter starts: outside it they are deselected (counted as
+    "deselected" in the summary, not mistaken for skipped GPU tests)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        elsewhere = [item for item in items if item.get_closest_marker("interpreter_subprocess")]
+        if elsewhere:
+            config.hook.pytest_deselected(items=elsewhere)
+            items[:] = [item for item in items
+                        if not item.get_closest_marker("interpreter_subprocess")]
+    # tests marked gpu are skipped without a CUDA device
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -37,12 +57,3 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)

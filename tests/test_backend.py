@@ -106,6 +106,7 @@ def test_routes():
     torch.compile(model, backend=flashbob, options={"compiler": "eager"})(x)
     assert [r.route for r in recent_reports] == ["training", "inference", "eager"]
     assert "may be differentiated twice" in recent_reports[0].route_reason
+    assert "grad mode is off" in recent_reports[1].route_reason
 
 
 def test_removed_double_backward_option_says_why():

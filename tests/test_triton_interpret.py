@@ -23,8 +23,7 @@ triton = pytest.importorskip("triton")
 # this module starts itself again in a fresh process with the variable set, and the tests
 # below run there.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 "
-                                    "subprocess of test_kernels_under_the_interpreter")
+in_interpreter = pytest.mark.interpreter_subprocess     # deselected outside it (conftest.py)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter process")
