@@ -10,42 +10,45 @@ The probabilities are rebuilt per tile from the saved log-sum-exp, P = exp(scale
 as the fused kernels do; the formulas are those of `kernels/reference.py` (chain form).
 """
 import contextlib
+import contextvars
 import math
 
 import torch
 
 from .reference import acc_dtype, expand_kv, lse_for_probabilities, reduce_kv
 
-# Tile edge lengths. 256 keeps Python overhead low on CPU while one tile stays far below
-# an L·S tensor; tests shrink them (`tiles`) so short sequences cross tile borders.
-TILE_Q = 256
-TILE_K = 256
+# Tile edge lengths (query rows, key columns). 256 keeps Python overhead low on CPU while
+# one tile stays far below an L·S tensor; tests shrink them (`tiles`) so short sequences
+# cross tile borders. A context variable, not module globals: a `tiles` block in one thread
+# (or asyncio task) never changes the tiles another one runs with.
+_TILES = contextvars.ContextVar("bob_compile_blockwise_tiles", default=(256, 256))
 
 
 @contextlib.contextmanager
 def tiles(q=None, k=None):
-    """Temporarily use other tile sizes (for tests)."""
-    global TILE_Q, TILE_K
-    saved = TILE_Q, TILE_K
-    TILE_Q, TILE_K = q or TILE_Q, k or TILE_K
+    """Use other tile sizes inside this block, in this thread/context only (for tests)."""
+    tile_q, tile_k = _TILES.get()
+    token = _TILES.set((q or tile_q, k or tile_k))
     try:
         yield
     finally:
-        TILE_Q, TILE_K = saved
+        _TILES.reset(token)
 
 
 # ----------------------------------------------------------------------------- tiling
 def _row_tiles(L):
-    for r0 in range(0, L, TILE_Q):
-        yield slice(r0, min(r0 + TILE_Q, L))
+    tile_q = _TILES.get()[0]
+    for r0 in range(0, L, tile_q):
+        yield slice(r0, min(r0 + tile_q, L))
 
 
 def _key_tiles(rows, S, causal):
     """(key slice, needs elementwise mask) for every key tile that rows can see."""
-    for c0 in range(0, S, TILE_K):
+    tile_k = _TILES.get()[1]
+    for c0 in range(0, S, tile_k):
         if causal and c0 > rows.stop - 1:       # this tile and all after it: above the diagonal
             return
-        c1 = min(c0 + TILE_K, S)
+        c1 = min(c0 + tile_k, S)
         yield slice(c0, c1), causal and c1 - 1 > rows.start
 
 
