@@ -1,8 +1,13 @@
-"""Closed-form reference of every attention kernel, for tests.
+"""Closed-form math of every attention kernel: the oracle of the kernel tests, and the
+production path of third and higher orders.
 
-It materializes the full (L, S) score matrix, so it is only for small shapes, but it
-runs in any dtype (float64 included) and every function is differentiable, which the
-third-order fallbacks in `bob_compile.autograd` rely on.
+Every function here materializes the full (L, S) score matrix (O(L·S) memory), runs in any
+dtype (float64 included; half inputs are computed in float32) and is differentiable. So it
+serves three purposes: the tests compare every kernel with it; `bob_compile.autograd`
+differentiates it for the third order and beyond (exact, unfused) and runs it as the twin
+of a fused step under torch's legacy vmap; and BOB_COMPILE_KERNELS=reference forces it for
+debugging. `sdpa_math` at the end is the plain forward that autograd differentiates in the
+tests' answers (independent of the closed forms above it).
 
 Layout (the kernel contract, see `kernels/__init__.py`): q (B, Hq, L, E),
 k (B, Hkv, S, E), v (B, Hkv, S, Ev), with Hkv dividing Hq (grouped-query attention when
@@ -10,6 +15,8 @@ Hkv < Hq). Causal masks are aligned top-left, as in PyTorch: query i sees keys j
 The math is that of docs/second-order.md (chain form:
 o and lse are inputs of the backward, so their cotangents are outputs of the BoB).
 """
+import math
+
 import torch
 
 # Cotangent names of `bob` outputs, in order: the VJP of `backward` w.r.t. all its tensors.
@@ -203,3 +210,15 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, sc
         tdv = tdv + p.transpose(-2, -1) @ tdo
     outs = (tdq, reduce_kv(tdk, hkv), reduce_kv(tdv, hkv))
     return tuple(t.to(dt) for t, dt in zip(outs, dts))
+
+
+def sdpa_math(q, k, v, is_causal=False, scale=None, enable_gqa=False):
+    """softmax(q kᵀ · scale, top-left causal mask) v with ordinary ops, SDPA's signature
+    (any leading dims): what the tests differentiate with autograd for their answers."""
+    if enable_gqa:
+        k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-2, -1) * scale
+    if is_causal:
+        s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v

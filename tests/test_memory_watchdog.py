@@ -50,7 +50,7 @@ def test_blockwise_second_order_never_materializes_scores(causal):
 
 def test_watchdog_catches_math_attention():
     """The check can fail: plain math attention materializes N×N."""
-    from attention_math import math_attention
+    from bob_compile.kernels.reference import sdpa_math as math_attention
     watch = LargestOutput()
     with watch:
         second_order_step(math_attention, causal=True)

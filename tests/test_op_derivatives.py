@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 
-from attention_math import math_attention
+from bob_compile.kernels.reference import sdpa_math as math_attention
 from bob_compile import attention
 
 TOL = 1e-10

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.func import grad, jvp
 
-from attention_math import math_attention
+from bob_compile.kernels.reference import sdpa_math as math_attention
 from bob_compile import attention
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -1,5 +1,5 @@
 """Two ways the op once gave wrong answers without any error, in float64 against autograd
-through plain math attention (tests/attention_math.py).
+through plain math attention (kernels/reference.py: sdpa_math).
 
 Batched cotangents: torch's legacy vmap (`is_grads_batched=True`, and `vectorize=True` in
 torch.autograd.functional) dropped the graph of the fused steps, so a derivative taken there
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.autograd.functional import hessian, jacobian
 
-from attention_math import math_attention
+from bob_compile.kernels.reference import sdpa_math as math_attention
 from bob_compile import attention, autograd
 
 TOL = 1e-10
