@@ -62,7 +62,7 @@ def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     like=None: contiguous); see kernels/layout.py."""
     if t.shape != shape:
         t = t.reshape(shape)
-    return layout.contiguous(t) if like is None else layout.in_order_of(t, like)
+    return t.contiguous() if like is None else layout.in_order_of(t, like)
 
 
 def call_forward(pick, q, k, v, scale, causal):

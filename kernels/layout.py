@@ -8,8 +8,8 @@ and its cotangents) are contiguous. That is the rule of PyTorch's own fused SDPA
 views of one projection, (B, L, H, E) in memory, and the code after attention transposes o
 back to (B, L, H·E). With o in q's order, that transpose is free and the incoming gradient
 already has o's layout; with contiguous outputs every call paid a copy of o, dq, dk and dv
-and inductor one more to undo it (measured: 1.1 ms of copies and ~5 ms of host time per
-GPT-2-small training step, B=8, T=1024, on an H200).
+and inductor one more to undo it (measured on an H200, GPT-2 small, B=8, T=1024: 72 more
+kernels per training step than stock compile, 2.2 ms of GPU time; docs/routing.md).
 
 The fake (meta) implementations and the real ones use the same functions below, so the
 strides a compiled graph was traced with are the strides it gets.
@@ -75,8 +75,3 @@ def in_order_of(t, like):
     outer_to_inner = fill_order(like_strides)[::-1]
     back = sorted(range(len(outer_to_inner)), key=outer_to_inner.__getitem__)
     return t.permute(outer_to_inner).contiguous().permute(back)
-
-
-def contiguous(t):
-    """t, or a contiguous copy (the layout of row vectors)."""
-    return t if t.is_contiguous() else t.contiguous()

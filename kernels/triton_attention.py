@@ -86,7 +86,9 @@ def _native_backend(q, k, v, causal):
     backend = s.native_backend
     if backend is None:
         backend = "cudnn" if E <= 128 else "none"
-    if backend == "none" or _native_key(backend, q, v, causal) in _native_failed:
+    if backend == "none":
+        return None
+    if _native_failed and _native_key(backend, q, v, causal) in _native_failed:
         return None
     return backend
 
@@ -100,7 +102,7 @@ def _native_forward(backend, q, k, v, scale, causal):
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
     o, lse = out[0], out[1]     # o in q's dimension order, as the op's contract wants
-    return o, layout.contiguous(lse.reshape(B, H, L).float())
+    return o, lse.reshape(B, H, L).float().contiguous()
 
 
 _empty_seeds = {}
