@@ -13,7 +13,11 @@ Providers
 - torch_fused_first_order: PyTorch's native fused SDPA (default backend choice), forward +
   backward only: the first-order cost, for scale;
 - bob_compile_first_order: this package's forward + backward, to check it is not slower
-  than native (it calls the same fused kernels where they apply).
+  than native (it calls the same fused kernels where they apply);
+- op_autograd / op_autograd_first_order: what a user runs, `bob_compile.attention` through
+  autograd (the second-order step: forward, grad(create_graph=True), second grad w.r.t.
+  q, k, v, dO; or forward + grad), host overhead included: compare op_autograd_first_order
+  with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K).
 
 FLOP convention (per visible (query, key) pair, d = head dim): forward 4d, backward 10d,
 BoB 36d: the anchors' 50d per second-order step (4 + 10 + 36, FlashBoB's count), so that
@@ -111,7 +115,23 @@ def bob_first_order(q, k, v, do, gq, gk, gv, scale, causal):
     return tri.backward(q, k, v, o, lse, do, None, scale, causal)
 
 
-PROVIDERS = {"bob_compile": bob_step, "torch_math": math_step,
+def op_autograd(q, k, v, do, gq, gk, gv, scale, causal):
+    import bob_compile
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    o = bob_compile.attention(q, k, v, is_causal=causal, scale=scale)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
+
+
+def op_autograd_first_order(q, k, v, do, gq, gk, gv, scale, causal):
+    import bob_compile
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = bob_compile.attention(q, k, v, is_causal=causal, scale=scale)
+    return torch.autograd.grad(o, (q, k, v), do)
+
+
+PROVIDERS = {"bob_compile": bob_step, "op_autograd": op_autograd,
+             "op_autograd_first_order": op_autograd_first_order, "torch_math": math_step,
              "torch_fused_first_order": native_first_order,
              "bob_compile_first_order": bob_first_order}
 
@@ -261,7 +281,7 @@ def main():
                         torch.cuda.empty_cache()
                         slow.add(prov)
                         continue
-                    order = 50 if prov.startswith(("bob_compile@", "bob_compile", "torch_math")) \
+                    order = 50 if prov.startswith(("bob_compile", "op_autograd", "torch_math")) \
                         and not prov.endswith("first_order") else 14
                     row = dict(provider=prov, n=n, d=d, causal=causal, ms=ms, times_ms=times,
                                peak_extra_mib=mib, first_call_s=first_s,

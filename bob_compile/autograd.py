@@ -30,6 +30,7 @@ closed-form twin instead (builtin ops, exact at every order); without grad mode 
 create_graph) the fused ops run, as their results are never differentiated.
 """
 import logging
+import threading
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
@@ -87,10 +88,15 @@ def _plain_eager(tensors):
     return True
 
 
+# Whether the running `_Fused.apply` found its call plain eager (per thread: the autograd
+# engine runs backwards on its own threads), so that the forward it runs need not check again.
+_apply_state = threading.local()
+
+
 def _run(op_overload, call, name, args):
     """op_overload(*args), or its implementation `call(kernels.select, *args)` directly
     where nothing could observe the op (args: the op's arguments, scale and causal last)."""
-    if not _plain_eager(args[:-2]):
+    if not getattr(_apply_state, "plain", False):
         return op_overload(*args)
     if _profiling():
         with torch.profiler.record_function(name):
@@ -107,14 +113,24 @@ class _Fused(torch.autograd.Function):
     def apply(cls, *args, **kwargs):
         if kwargs or _functorch_active():
             return super().apply(*args, **kwargs)   # torch.func: custom_function_call
-        if _plain_eager(args[:-2]):
-            if _forward_ad._current_level < 0 and (
+        plain = _plain_eager(args[:-2])
+        if not plain:
+            args = unwrap_dead_wrappers(args)
+        outer, _apply_state.plain = getattr(_apply_state, "plain", False), plain
+        try:
+            if plain and _forward_ad._current_level < 0 and (
                     not torch.is_grad_enabled() or not _any_requires_grad(*args)):
                 return cls.forward(*args)
-        else:
-            args = unwrap_dead_wrappers(args)
-        # what Function.apply does from here on, without binding the signature again
-        return super(torch.autograd.Function, cls).apply(*args)
+            # what Function.apply does from here on, without binding the signature again
+            return super(torch.autograd.Function, cls).apply(*args)
+        finally:
+            _apply_state.plain = outer
+
+
+def _forward_mode_possible():
+    """Whether this node's jvp may run: only under a forward-AD level or a torch.func
+    transform active while the node is made (then setup_context saves for it)."""
+    return _forward_ad._current_level >= 0 or _functorch_active()
 
 
 def _zeros_if_none(t, like):
@@ -265,7 +281,8 @@ class AttnBwdFn(_Fused):
         q, k, v, o, lse, do, dlse, scale, causal = inputs
         ctx.has_dlse = dlse is not None
         ctx.save_for_backward(q, k, v, o, lse, do, dlse)
-        ctx.save_for_forward(q, k, v, o, lse, do, dlse)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse, do, dlse)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
 
@@ -305,7 +322,8 @@ class AttnFn(_Fused):
         q, k, v, scale, causal = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.save_for_forward(q, k, v, o, lse)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
 

@@ -31,7 +31,7 @@ import warnings
 import torch
 from torch import fx
 
-from . import _compat, dump, training_runtime
+from . import _compat, dump, static_inputs, training_runtime
 from . import options as options_module
 from .passes import GraphReport, rewrite_attention
 from .passes.report import compiled_text, count, counters  # noqa: F401  (counters: re-exported for users)
@@ -62,6 +62,8 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
                           stacklevel=2)
     try:
         rewrite_attention(gm, example_inputs, report)
+        if static_inputs.uses_cuda_graphs(opts.inductor_config):
+            static_inputs.unmark_parameter_stand_ins(gm, example_inputs)
         after = dump.graph_text(gm)
         report.route, report.route_reason = choose_route(gm, example_inputs, opts)
         compiled = _compile(report, gm, example_inputs, opts)

@@ -454,7 +454,14 @@ class TrainingGraph:
             return cache[None]
         key = (mask, _signature(values))
         if key not in cache:
-            cache[key] = self._compile(what, graph, _example(values, mask))
+            try:
+                cache[key] = self._compile(what, graph, _example(values, mask))
+            except NotSupported as e:
+                # None: the caller differentiates `graph` eagerly (exact, the fused attention
+                # kept), for this signature from now on
+                log.warning("flashbob: %s of %s runs eagerly: %s", what.replace("_", " "),
+                            self.name, e)
+                cache[key] = None
         return cache[key]
 
     def _compile(self, what, graph, example_inputs):
@@ -506,20 +513,31 @@ def _meta(t):
     return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
 
 
-def _vjp_eagerly(graph, inputs, cotangents):
-    """Exact VJP of an aten graph run eagerly, differentiable again (third order).
+def _vjp_eagerly(graph, inputs, cotangents, mask=None):
+    """Exact VJP of an aten graph run eagerly: differentiable again (third order), or, given
+    `mask` (which inputs need a gradient), a plain VJP where no compiled pair exists.
 
     The inputs get fresh views first: autograd.grad with respect to the inputs themselves
     would also follow the paths by which one input depends on another (a residual on the
     primals it was computed from), where the VJP wants each input's own partial."""
+    if mask is not None:
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_() if needed else x
+                      for x, needed in zip(inputs, mask)]
+            return _vjp(graph, inputs, cotangents, create_graph=False)
     inputs = [x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x
               for x in inputs]
+    return _vjp(graph, inputs, cotangents, create_graph=True)
+
+
+def _vjp(graph, inputs, cotangents, create_graph):
     wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
     outs = graph(*inputs)
     pairs = [(o, c) for o, c in zip(outs, cotangents)
              if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
     grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
-                                [c for _, c in pairs], create_graph=True, allow_unused=True)
+                                [c for _, c in pairs], create_graph=create_graph,
+                                allow_unused=True)
     result = [None] * len(inputs)
     for i, g in zip(wanted, grads):
         result[i] = g
@@ -638,6 +656,8 @@ def _residual_vjp(ctx, graph, primals, values, output_grads, residual_grads):
         return _vjp_eagerly(graph.eager_forward(), inputs, cotangents)[:len(primals)]
     mask = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
     vjp = graph.forward_vjp(inputs, mask)
+    if vjp is None:
+        return _vjp_eagerly(graph.eager_forward(), inputs, cotangents, mask)[:len(primals)]
     with torch.no_grad():
         values2 = vjp.forward([x.detach() if isinstance(x, torch.Tensor) else x for x in inputs])
     grads = vjp.backward(vjp.backward_inputs([values2[i] for i in vjp.saved_order], cotangents,
@@ -654,8 +674,14 @@ class BackwardFn(torch.autograd.Function):
         mask = tuple(ctx.needs_input_grad[1:])
         ctx.graph = graph
         pair = graph.second_order(inputs, mask)
-        values = pair.forward(inputs)
         ctx.pair = pair
+        ctx.mask = mask
+        if pair is None:                 # not compiled: the backward graph, run eagerly
+            ctx.non_tensor_inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+            ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])
+            ctx.set_materialize_grads(False)
+            return tuple(graph.eager_backward()(*inputs))
+        values = pair.forward(inputs)
         # Only what the double backward reads, never the outputs themselves: an output kept
         # on its own node's ctx is a reference cycle autograd never frees.
         ctx.second_order_saved = [values[i] for i in pair.saved_order]
@@ -673,5 +699,7 @@ class BackwardFn(torch.autograd.Function):
         if torch.is_grad_enabled():      # third order: exact, eager, differentiable again
             return (None, *_vjp_eagerly(ctx.graph.eager_backward(), inputs, vectors))
         pair = ctx.pair
+        if pair is None:
+            return (None, *_vjp_eagerly(ctx.graph.eager_backward(), inputs, vectors, ctx.mask))
         grads = pair.backward(pair.backward_inputs(ctx.second_order_saved, vectors, ctx.output_meta))
         return (None, *grads)

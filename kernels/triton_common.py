@@ -340,15 +340,28 @@ def tuning_key(kernel, q, k, v, causal, *flags):
 # Launching: what is fixed per launch site and bucket is worked out once
 # --------------------------------------------------------------------------------------
 # A launch through JITFunction.run binds and specializes every argument (up to 64 here),
-# hashes the result to find the compiled kernel, then launches; ~30 us of Python per launch
-# for the BoB kernels. The specialization depends only on: each tensor's dtype and whether
-# its address is 16-byte aligned, each int's value (== 1 becomes a constant, multiples of
-# 16 are marked, the width is 32 or 64 bit), the constexprs and options, and the current
-# device. LaunchPlan keys the compiled kernel on exactly those properties (ints by value),
-# so a later launch that specializes the same way goes straight to the compiled kernel,
-# as torch inductor launches its Triton kernels; any other launch takes Triton's own path.
+# hashes the result to find the compiled kernel, then launches. Even a CompiledKernel's own
+# launch (`compiled[grid](*args)`) asks for the current device and stream, builds launch
+# metadata for hooks, calls two (empty) Python hook chains from C, and for each tensor
+# calls its data_ptr() method and asks the driver to validate the pointer
+# (cuPointerGetAttribute): on the H200's host, 20-60 us per launch, more than the kernel
+# itself at short lengths (benchmarks/README.md, host overhead).
+#
+# The specialization depends only on: each tensor's dtype and whether its address is
+# 16-byte aligned, each int's value (== 1 becomes a constant, multiples of 16 are marked,
+# the width is 32 or 64 bit), the constexprs and options, and the current device.
+# LaunchPlan keys the compiled kernel on exactly those properties (ints by value), so a
+# later launch that specializes the same way goes straight to that kernel's C launcher
+# with the tensors' addresses as integers, the current stream, and no hooks, as inductor
+# launches its kernels. Anything else (a new specialization, a Triton launch hook set by
+# a profiler such as proton, a kernel that needs scratch memory, a launcher of another
+# shape) takes Triton's own path.
 _MAX_SPECIALIZATIONS = 64   # per plan; varying lengths would otherwise grow it forever
 _OPTIONS = ("num_warps", "num_stages")
+
+
+def _current_device():
+    return torch._C._cuda_getDevice()
 
 
 def _layout(args):
@@ -366,20 +379,68 @@ def _layout(args):
     return nt, ni - nt
 
 
+try:
+    from triton import knobs as _knobs
+    from triton.knobs import HookChain as _HookChain
+except ImportError:  # an older Triton: hooks cannot be inspected, so never skip them
+    _knobs = _HookChain = None
+
+
+def _no_launch_hooks():
+    """True when no Triton launch hook is set (then the C launcher need not call any)."""
+    if _knobs is None:
+        return False
+    runtime = _knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and not (type(hook) is _HookChain and not hook.calls):
+            return False
+    return True
+
+
+class DirectLaunch:
+    """A compiled kernel's C launcher entry point, with what it needs besides the arguments
+    (the loaded function, its packed metadata, the launch flags). `of(compiled)` is None
+    when the kernel cannot be launched this way (scratch memory, an unknown launcher)."""
+    __slots__ = ("compiled", "launch", "function", "metadata", "cooperative", "pdl")
+
+    def __init__(self, compiled, launcher):
+        self.compiled = compiled
+        self.launch = launcher.launch
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+        self.cooperative = launcher.launch_cooperative_grid
+        self.pdl = launcher.launch_pdl
+
+    @classmethod
+    def of(cls, compiled):
+        try:
+            launcher = compiled.run     # loads the kernel's handles if not done yet
+            if launcher.global_scratch_size or launcher.profile_scratch_size:
+                return None
+            return cls(compiled, launcher)
+        except AttributeError:
+            return None
+
+    def __call__(self, grid, device, pointers, scalars):
+        self.launch(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(device),
+                    self.function, self.cooperative, self.pdl, None, None, self.metadata,
+                    None, None, None, *pointers, *scalars)
+
+
 class LaunchPlan:
     """One launch site at one tuning bucket: `kwargs` (constexprs, BLOCK_M/BLOCK_N,
     num_warps, num_stages) and the compiled kernels seen so far, by specialization.
 
     plan(kernel, grid, *args) is kernel[grid](*args, **plan.kwargs), where args are the
-    kernel's runtime (non-constexpr) arguments in order: tensors, ints, floats. The key of
-    a compiled kernel is what Triton specializes on (see above): the current device, the
-    ints by value, each tensor's dtype and 16-byte alignment; floats are passed as fp32 and
-    never specialized."""
+    kernel's runtime (non-constexpr) arguments in order: tensors, ints, floats, and grid
+    has two dimensions. The key of a compiled kernel is what Triton specializes on (see
+    above): the current device, the ints by value, each tensor's dtype and 16-byte
+    alignment; floats are passed as fp32 and never specialized."""
     __slots__ = ("kwargs", "_compiled", "_constexprs", "_layout")
 
     def __init__(self, kwargs):
         self.kwargs = kwargs
-        self._compiled = {}
+        self._compiled = {}       # key -> DirectLaunch, or CompiledKernel where it cannot
         self._constexprs = None   # their values in the kernel's parameter order; False: none
         self._layout = None       # (tensors, ints) among the runtime arguments; False: none
 
@@ -389,33 +450,47 @@ class LaunchPlan:
             return
         layout = self._layout
         if layout:
-            key = self._key(args, layout)
-            compiled = self._compiled.get(key)
-            if compiled is not None and all(type(a) is float for a in args[sum(layout):]):
+            nt, ni = layout
+            pointers = [t.data_ptr() for t in args[:nt]]
+            device = _current_device()
+            key = self._key(args, layout, pointers, device)
+            entry = self._compiled.get(key)
+            if entry is not None and all(type(a) is float for a in args[nt + ni:]):
+                if type(entry) is DirectLaunch and _no_launch_hooks():
+                    try:
+                        entry(grid, device, pointers, (*args[nt:], *self._constexprs))
+                        return
+                    except TypeError:
+                        # the launcher parses its arguments before launching: one with
+                        # another calling convention launches nothing and raises here;
+                        # this kernel takes Triton's path from now on
+                        self._compiled[key] = entry = entry.compiled
                 # CompiledKernel[grid] takes every parameter positionally, constexprs
                 # included (their values are not passed to the GPU), and a 3-D grid
-                compiled[(*grid, 1, 1)[:3]](*args, *self._constexprs)
+                compiled = entry.compiled if type(entry) is DirectLaunch else entry
+                compiled[(*grid, 1)](*args, *self._constexprs)
                 return
         compiled = kernel[grid](*args, **self.kwargs)   # Triton's path (compiles if new)
         if layout is None:   # first launch: may this site take the fast path at all?
             fits = self._constexpr_values(kernel, len(args))
             self._layout = layout = (_layout(args) or False) if fits else False
             if layout:
-                key = self._key(args, layout)
+                nt = layout[0]
+                pointers = [t.data_ptr() for t in args[:nt]]
+                device = _current_device()
+                key = self._key(args, layout, pointers, device)
         if layout and isinstance(compiled, _CompiledKernel):
             if len(self._compiled) >= _MAX_SPECIALIZATIONS:
                 self._compiled.clear()
-            self._compiled[key] = compiled
+            self._compiled[key] = DirectLaunch.of(compiled) or compiled
 
     @staticmethod
-    def _key(args, layout):
+    def _key(args, layout, pointers, device):
         nt, ni = layout
-        tensors = args[:nt]
         aligned = 0
-        for t in tensors:
-            aligned = aligned + aligned + (t.data_ptr() % 16 == 0)
-        return (torch.cuda.current_device(), args[nt:nt + ni],
-                tuple([t.dtype for t in tensors]), aligned)
+        for p in pointers:
+            aligned = aligned + aligned + (p % 16 == 0)
+        return (device, args[nt:nt + ni], tuple([t.dtype for t in args[:nt]]), aligned)
 
     def _constexpr_values(self, kernel, num_args):
         """Whether args + kwargs fill the kernel's parameters as runtime arguments followed

@@ -359,6 +359,33 @@ def test_input_mutation_runs_eagerly_with_a_reason():
     assert report.route == "eager" and "mutates inputs" in report.route_reason
 
 
+@pytest.mark.parametrize("refused", ["double_backward", "residual_vjp"])
+@pytest.mark.parametrize("scenario", [hessian_vector_product, maml], ids=lambda f: f.__name__)
+def test_a_second_order_graph_that_cannot_compile_runs_eagerly(scenario, refused, monkeypatch,
+                                                              caplog):
+    """A second-order piece compiles on first use, inside a backward; if AOTAutograd's
+    trace of it needs what the runtime does not replicate, that piece runs eagerly (exact,
+    with a warning), instead of raising out of the user's backward."""
+    original = training_runtime.TrainingGraph._compile
+
+    def refuse(graph_runtime, what, *args):
+        if what == refused:
+            raise training_runtime.NotSupported("it mutates inputs (simulated)")
+        return original(graph_runtime, what, *args)
+    monkeypatch.setattr(training_runtime.TrainingGraph, "_compile", refuse)
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    with math_sdpa():
+        expected = scenario(exact_twin(model), x)
+    compiled = torch.compile(model, backend=flashbob, options=AOT_EAGER)
+    with caplog.at_level("WARNING", logger="bob_compile.training"):
+        for _ in range(2):          # the refusal is remembered: no second attempt, same result
+            assert max_error(scenario(compiled, x), expected) <= TOLERANCE
+    assert {r.route for r in recent_reports} == {"training"}
+    warnings = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(warnings) >= 1 and refused.replace("_", " ") in warnings[0].getMessage()
+
+
 # ---------------------------------------------------------------------------- shapes
 def test_new_lengths_do_not_recompile_the_second_order():
     model = CASES["nanogpt"].model()

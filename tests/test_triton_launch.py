@@ -6,7 +6,10 @@ without a GPU, that (1) every launch site of triton_forward / triton_backward / 
 passes its runtime arguments then its constexprs in the kernel's own parameter order, so
 that the positional call of the fast path binds exactly as Triton's keyword call does, and
 (2) the fast path is taken only for arguments that specialize like the cached launch's:
-same ints, same tensor dtypes and 16-byte alignment, same device (floats do not matter).
+same ints, same tensor dtypes and 16-byte alignment, same device (floats do not matter),
+and (3) it calls the compiled kernel's C launcher with the arguments Triton's own launch
+would give it (addresses as integers, the current stream, no hooks), and only when no
+launch hook is set and the kernel needs no scratch memory.
 The kernels themselves are exercised by test_triton_interpret.py (interpreter, where the
 plan always takes Triton's path) and test_gpu_kernels.py.
 """
@@ -117,7 +120,7 @@ class FakeKernel:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(triton_common, "_CompiledKernel", FakeCompiled)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_common, "_current_device", lambda: 0)
     assert settings.current().fast_launch or settings.current().interpret
 
 
@@ -152,7 +155,7 @@ def test_a_differently_specialized_launch_takes_tritons_path(fake_gpu, monkeypat
             "dtype": (torch.zeros(64, dtype=torch.float64), 32, 0.5),
             "device": (x, 32, 0.5)}[change]
     if change == "device":
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+        monkeypatch.setattr(triton_common, "_current_device", lambda: 1)
     plan(kernel, (1, 1), *args)
     assert kinds(kernel.log) == ["jit", "jit"]
     plan(kernel, (1, 1), *args)                   # and is cached in its turn
@@ -193,3 +196,86 @@ def test_an_int_where_a_float_was_takes_tritons_path(fake_gpu):
     plan(kernel, (1, 1), x, 32, 1)
     plan(kernel, (1, 1), x, 32, 2.0)
     assert kinds(kernel.log) == ["jit", "jit", "fast"]
+
+
+# --------------------------------------------------------------------------------------
+# (3) the direct call of the C launcher
+# --------------------------------------------------------------------------------------
+class FakeLauncher:
+    """Triton's CudaLauncher as DirectLaunch sees it: `launch` is the C entry point."""
+
+    def __init__(self, log, scratch=0):
+        self.log = log
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def launch(self, *args):
+        self.log.append(("direct", args))
+
+
+class FakeLaunchableCompiled(FakeCompiled):
+    def __init__(self, log, scratch=0):
+        super().__init__(log)
+        self.run = FakeLauncher(log, scratch)
+        self.function, self.packed_metadata = 1234, (4, 1, 0)
+
+
+class FakeLaunchableKernel(FakeKernel):
+    scratch = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return FakeLaunchableCompiled(self.log, self.scratch)
+        return run
+
+
+@pytest.fixture
+def direct_gpu(fake_gpu, monkeypatch):
+    if settings.current().interpret:
+        pytest.skip("no fast path in the interpreter")
+    monkeypatch.setattr(triton_common, "_CompiledKernel", FakeLaunchableCompiled)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7 + device,
+                        raising=False)   # absent from CPU builds
+
+
+def test_repeated_launch_calls_the_c_launcher_with_addresses(direct_gpu):
+    kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4, num_stages=2))
+    x = torch.zeros(64)
+    plan(kernel, (3, 2), x, 128, 0.5)
+    plan(kernel, (5, 2), x, 128, 0.25)
+    assert kinds(kernel.log) == ["jit", "direct"]
+    # grid, stream, function, cooperative, pdl, no scratch, metadata, no launch metadata,
+    # no hooks, then the kernel's arguments: tensors as addresses, scalars, constexprs
+    assert kernel.log[-1][1] == (5, 2, 1, 7, 1234, False, True, None, None, (4, 1, 0),
+                                 None, None, None, x.data_ptr(), 128, 0.25, 64)
+
+
+def test_a_launch_hook_sends_launches_through_triton(direct_gpu, monkeypatch):
+    from triton import knobs
+    kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
+    x = torch.zeros(64)
+    plan(kernel, (1, 1), x, 32, 0.5)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    plan(kernel, (1, 1), x, 32, 0.5)
+    assert kinds(kernel.log) == ["jit", "fast"]        # CompiledKernel[grid]: runs the hook
+
+
+def test_a_kernel_with_scratch_memory_is_not_launched_directly(direct_gpu):
+    kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
+    kernel.scratch = 128
+    x = torch.zeros(64)
+    plan(kernel, (1, 1), x, 32, 0.5)
+    plan(kernel, (1, 1), x, 32, 0.5)
+    assert kinds(kernel.log) == ["jit", "fast"]
+
+
+def test_a_launcher_that_refuses_the_arguments_falls_back_for_good(direct_gpu, monkeypatch):
+    def refuse(self, *args):
+        raise TypeError("function takes exactly 20 arguments")
+    monkeypatch.setattr(FakeLauncher, "launch", refuse)
+    kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
+    x = torch.zeros(64)
+    for _ in range(3):
+        plan(kernel, (1, 1), x, 32, 0.5)
+    assert kinds(kernel.log) == ["jit", "fast", "fast"]
