@@ -37,6 +37,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from . import kernels, ops
 from .kernels import reference
+from .kernels import settings as kernel_settings
 
 op = torch.ops.bob_compile
 log = logging.getLogger("bob_compile.autograd")
@@ -125,6 +126,15 @@ class _Fused(torch.autograd.Function):
             return super(torch.autograd.Function, cls).apply(*args)
         finally:
             _apply_state.plain = outer
+
+
+def _with_kernel_choices(choices, fn, *args):
+    """fn(*args) under a compiled graph's kernel choices, saved at forward time (the
+    backward runs later, on the autograd engine's thread; kernels/settings.py)."""
+    if choices is None:
+        return fn(*args)
+    with kernel_settings.using(choices):
+        return fn(*args)
 
 
 def _forward_mode_possible():
@@ -280,6 +290,7 @@ class AttnBwdFn(_Fused):
     def setup_context(ctx, inputs, output):
         q, k, v, o, lse, do, dlse, scale, causal = inputs
         ctx.has_dlse = dlse is not None
+        ctx.kernel_choices = kernel_settings.overridden()
         ctx.save_for_backward(q, k, v, o, lse, do, dlse)
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, do, dlse)
@@ -292,8 +303,9 @@ class AttnBwdFn(_Fused):
             return (None,) * 9
         q, k, v, o, lse, do, dlse = ctx.saved_tensors
         bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
-        gq, gk, gv, go, glse, gdo, gdlse = bob(
-            q, k, v, o, lse, do, dlse, gdq, gdk, gdv, ctx.scale, ctx.causal)
+        gq, gk, gv, go, glse, gdo, gdlse = _with_kernel_choices(
+            ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, ctx.scale,
+            ctx.causal)
         return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None
 
     @staticmethod
@@ -322,6 +334,7 @@ class AttnFn(_Fused):
         q, k, v, scale, causal = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse)
+        ctx.kernel_choices = kernel_settings.overridden()
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse)
         ctx.scale, ctx.causal = scale, causal
@@ -333,7 +346,8 @@ class AttnFn(_Fused):
             return None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else AttnBwdFn.apply
-        dq, dk, dv = backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse, ctx.scale, ctx.causal)
+        dq, dk, dv = _with_kernel_choices(ctx.kernel_choices, backward, q, k, v, o, lse,
+                                          _zeros_if_none(do, o), dlse, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None
 
     @staticmethod

@@ -33,6 +33,7 @@ from torch import fx
 
 from . import _compat, dump, static_inputs, training_runtime
 from . import options as options_module
+from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
 from .passes.report import compiled_text, count, counters  # noqa: F401  (counters: re-exported for users)
 
@@ -138,16 +139,31 @@ def _compile(report, gm, example_inputs, opts):
             on_compile = _on_compile(report)
             on_compile("first_order", pair)
             return training_runtime.TrainingGraph(pair, opts.compiler, opts.inductor_config,
-                                                  name, on_compile=on_compile)
+                                                  name, on_compile=on_compile,
+                                                  kernel_choices=opts.kernel_choices)
         except training_runtime.NotSupported as e:
             report.route, report.route_reason = "eager", (
                 f"{e}; running the rewritten graph eagerly keeps every order exact")
-            return gm.forward
+            return _with_kernel_choices(gm.forward, opts.kernel_choices)
     if route == "eager":
-        return gm.forward
+        return _with_kernel_choices(gm.forward, opts.kernel_choices)
     if opts.compiler == "aot_eager":
-        return _compat.compile_with_aot_eager(gm, example_inputs)
-    return _compat.compile_with_inductor(gm, example_inputs, dict(opts.inductor_config))
+        compiled = _compat.compile_with_aot_eager(gm, example_inputs)
+    else:
+        compiled = _compat.compile_with_inductor(gm, example_inputs, dict(opts.inductor_config))
+    return _with_kernel_choices(compiled, opts.kernel_choices)
+
+
+def _with_kernel_choices(compiled, choices):
+    """`compiled`, run under the compile's kernel choices (options `kernels`, ...; the
+    autograd nodes it makes keep them for their backward: bob_compile/autograd.py)."""
+    if not choices:
+        return compiled
+
+    def run(*args):
+        with kernel_settings.using(choices):
+            return compiled(*args)
+    return run
 
 
 def _on_compile(report):

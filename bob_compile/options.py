@@ -15,6 +15,15 @@ never silently turns a feature off.
                      graph untouched (as backend="eager" would). False raises instead, for
                      debugging the backend itself.
 
+Kernel choices for this compile's graphs, in every order of derivative (default: the
+environment variable named, else the automatic choice; kernels/settings.py):
+    kernels          "triton", "blockwise" or "reference"      (BOB_COMPILE_KERNELS)
+    native_backend   "cudnn", "flash" or "none": PyTorch's fused first-order kernels
+                                                               (BOB_COMPILE_NATIVE_BACKEND)
+    bwd_dq           "two_pass" or "atomic"                    (BOB_COMPILE_BWD_DQ)
+    bob_schedule     "two_pass" or "atomic"                    (BOB_COMPILE_BOB_SCHEDULE)
+    tune             bool: time candidate launch configs       (BOB_COMPILE_TUNE)
+
 `mode` (torch.compile's argument) is passed on to inductor where inductor compiles
 (torch.compile takes `mode` or `options`, not both; `backend=functools.partial(flashbob,
 mode=..., options=...)` passes both).
@@ -29,6 +38,7 @@ import os
 from typing import Optional
 
 from . import _compat
+from .kernels import settings as kernel_settings
 
 DUMP_DIR_ENV = "BOB_COMPILE_DUMP_DIR"
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -41,9 +51,13 @@ class Options:
     fallback: bool = True
     # Inductor config patches for torch.compile's `mode` (not an option key).
     inductor_config: tuple = ()
+    kernel_choices: kernel_settings.KernelChoices = kernel_settings.KernelChoices()
 
 
-VALID_KEYS = ("dump_dir", "compiler", "fallback")
+VALID_KEYS = ("dump_dir", "compiler", "fallback", "kernels", "native_backend", "bwd_dq",
+              "bob_schedule", "tune")
+_CHOICES = {"kernels": kernel_settings.KERNELS, "native_backend": kernel_settings.NATIVE_BACKENDS,
+            "bwd_dq": kernel_settings.SCHEDULES, "bob_schedule": kernel_settings.SCHEDULES}
 REMOVED_KEYS = {
     "double_backward": "options['double_backward'] was removed: training graphs compile in "
                        "every order, and a step without double backward runs what stock "
@@ -66,14 +80,24 @@ def parse(options=None, mode=None):
     compiler = options.get("compiler", "inductor")
     if compiler not in COMPILERS:
         raise ValueError(f"flashbob: options['compiler']={compiler!r}; expected one of {list(COMPILERS)}")
-    for key in ("fallback",):
+    for key in ("fallback", "tune"):
         if not isinstance(options.get(key, True), bool):
             raise TypeError(f"flashbob: options[{key!r}] must be True or False, "
                             f"got {options[key]!r}")
+    for key, valid in _CHOICES.items():
+        if key in options and options[key] not in valid:
+            raise ValueError(f"flashbob: options[{key!r}]={options[key]!r}; expected one of "
+                             f"{list(valid)}")
     inductor_config = _compat.inductor_mode_options(mode or "default")
+    schedule = {key: None if key not in options else options[key] == "atomic"
+                for key in ("bwd_dq", "bob_schedule")}
     return Options(
         dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         compiler=compiler,
         fallback=options.get("fallback", True),
         inductor_config=tuple(sorted(inductor_config.items())),
+        kernel_choices=kernel_settings.KernelChoices(
+            kernels=options.get("kernels"), native_backend=options.get("native_backend"),
+            bwd_dq_atomics=schedule["bwd_dq"], bob_row_atomics=schedule["bob_schedule"],
+            tune=options.get("tune")),
     )

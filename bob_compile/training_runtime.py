@@ -35,6 +35,7 @@ docs/routing.md has the why of each piece, random draws, shapes and the known li
 """
 import copy
 import dataclasses
+import functools
 import logging
 from typing import Callable
 
@@ -43,6 +44,7 @@ from torch import fx
 
 from . import _compat
 from . import autograd as bob_autograd
+from .kernels import settings as kernel_settings
 
 log = logging.getLogger("bob_compile.training")
 
@@ -53,6 +55,20 @@ def _not_traced(fn):
     """Run `fn` as Python, never traced by Dynamo: the runtime itself, which the autograd
     engine may call from inside a compiled frame (autograd.grad in a compiled meta-loss)."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def _under_kernel_choices(fn):
+    """Run an autograd.Function method of the runtime under its graph's kernel choices (the
+    compile's options): forwards get the graph as first argument, backwards find it on
+    ctx, and run on the autograd engine's thread, where no choice of the caller's holds."""
+    @functools.wraps(fn)
+    def run(ctx, *args):
+        graph = getattr(ctx, "graph", None) or args[0]
+        if not graph.kernel_choices:
+            return fn(ctx, *args)
+        with kernel_settings.using(graph.kernel_choices):
+            return fn(ctx, *args)
+    return run
 
 
 class NotSupported(Exception):
@@ -417,13 +433,15 @@ class TrainingGraph:
     instead, symbolically and for every floating input requiring grad (a superset), so
     that a new shape never compiles again: guards they add must reach Dynamo now."""
 
-    def __init__(self, pair, compiler, config_patches, name, on_compile=None):
+    def __init__(self, pair, compiler, config_patches, name, on_compile=None,
+                 kernel_choices=None):
         self.pair, self.compiler, self.config_patches, self.name = pair, compiler, config_patches, name
         self.on_compile = on_compile or (lambda what, pair: None)
         self._second_order = {}      # (requires-grad mask, shapes) of the backward's inputs -> pair
         self._forward_vjp = {}       # (requires-grad mask, shapes) of the primals -> pair
         self._eager_backward = None
         self._eager_forward = None
+        self.kernel_choices = kernel_choices   # the compile's options (kernels/settings.py)
         self.dynamic = any(_is_symbolic(p.meta.get("val"))
                            for p in pair.forward_graph.graph.nodes if p.op == "placeholder")
         if self.dynamic:
@@ -549,6 +567,7 @@ class ForwardFn(torch.autograd.Function):
 
     @staticmethod
     @_not_traced
+    @_under_kernel_choices
     def forward(ctx, graph, *primals):
         pair = graph.pair
         values = pair.forward(primals)
@@ -579,6 +598,7 @@ class ForwardFn(torch.autograd.Function):
 
     @staticmethod
     @_not_traced
+    @_under_kernel_choices
     def backward(ctx, *grads):
         graph, pair = ctx.graph, ctx.graph.pair
         output_grads, residual_grads = grads[:pair.num_outputs], grads[pair.num_outputs:]
@@ -670,6 +690,7 @@ class BackwardFn(torch.autograd.Function):
 
     @staticmethod
     @_not_traced
+    @_under_kernel_choices
     def forward(ctx, graph, *inputs):
         mask = tuple(ctx.needs_input_grad[1:])
         ctx.graph = graph
@@ -694,6 +715,7 @@ class BackwardFn(torch.autograd.Function):
 
     @staticmethod
     @_not_traced
+    @_under_kernel_choices
     def backward(ctx, *vectors):
         inputs = [x if t is None else t for x, t in zip(ctx.non_tensor_inputs, ctx.saved_tensors)]
         if torch.is_grad_enabled():      # third order: exact, eager, differentiable again

@@ -2,7 +2,8 @@
 production path of third and higher orders.
 
 Every function here materializes the full (L, S) score matrix (O(L·S) memory), runs in any
-dtype (float64 included; half inputs are computed in float32) and is differentiable. So it
+dtype (float64 included; half inputs are computed in float32, or, with upcast=False, with
+the roundings of a plain implementation in their own dtype) and is differentiable. So it
 serves three purposes: the tests compare every kernel with it; `bob_compile.autograd`
 differentiates it for the third order and beyond (exact, unfused) and runs it as the twin
 of a fused step under torch's legacy vmap; and BOB_COMPILE_KERNELS=reference forces it for
@@ -65,8 +66,63 @@ def _upcast(*ts):
     return [None if t is None else t.to(dt) for t in ts]
 
 
-def forward(q, k, v, scale, causal):
+# --------------------------------------------------------------------------------------
+# upcast=False: the same math with the roundings of a plain implementation in the input
+# dtype (matmuls in that dtype, softmax statistics in float32, P and dS rounded to that
+# dtype before they meet a matmul), as SDPA's math path on half inputs rounds: the
+# precision baseline that the GPU tests hold the fused kernels to (a small multiple of its
+# error against float64). upcast=True (the default) computes in float32 for half inputs.
+# --------------------------------------------------------------------------------------
+def _scores_in_dtype(q, k, scale, causal):
+    s = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    return s
+
+
+def _forward_in_dtype(q, k, v, scale, causal):
+    k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
+    s = _scores_in_dtype(q, k, scale, causal)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s.to(acc_dtype(s.dtype)), -1)
+
+
+def _backward_in_dtype(q, k, v, o, lse, do, dlse, scale, causal):
+    hkv = k.shape[-3]
+    ke, ve = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
+    acc = acc_dtype(q.dtype)
+    s = _scores_in_dtype(q, ke, 1.0, causal).to(acc) * scale
+    p = torch.exp(s - lse_for_probabilities(lse).unsqueeze(-1))
+    dp = (do @ ve.transpose(-2, -1)).to(acc)
+    D = (do.to(acc) * o.to(acc)).sum(-1)
+    if dlse is not None:
+        D = D - dlse
+    ds = (p * (dp - D.unsqueeze(-1))).to(q.dtype)
+    dq = (ds @ ke) * scale
+    dk = reduce_kv((ds.transpose(-2, -1) @ q) * scale, hkv)
+    dv = reduce_kv(p.to(q.dtype).transpose(-2, -1) @ do, hkv)
+    return dq, dk, dv
+
+
+def _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    """The VJP of _backward_in_dtype, by autograd (every rounding of it differentiated).
+    A missing dlse counts as zeros, so that gdlse is returned as the closed form returns it."""
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    inputs = [t.detach().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
+    with torch.enable_grad():
+        grads = _backward_in_dtype(*inputs, scale, causal)
+        given = [(g, c) for g, c in zip(grads, (gdq, gdk, gdv)) if c is not None]
+        outs = torch.autograd.grad([g for g, _ in given], inputs, [c for _, c in given],
+                                   allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(outs, inputs))
+
+
+# --------------------------------------------------------------------------------------
+# The contract
+# --------------------------------------------------------------------------------------
+def forward(q, k, v, scale, causal, upcast=True):
     """Returns (o, lse); lse is -inf for rows that see no key, and o is 0 there."""
+    if not upcast:
+        return _forward_in_dtype(q, k, v, scale, causal)
     out_dtype = q.dtype
     q, k, v = _upcast(q, k, v)
     k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
@@ -80,8 +136,10 @@ def forward(q, k, v, scale, causal):
     return (p @ v).to(out_dtype), lse
 
 
-def backward(q, k, v, o, lse, do, dlse, scale, causal):
+def backward(q, k, v, o, lse, do, dlse, scale, causal, upcast=True):
     """FA2 backward with an incoming lse cotangent: D = rowsum(dO * O) - dlse."""
+    if not upcast:
+        return _backward_in_dtype(q, k, v, o, lse, do, dlse, scale, causal)
     dts = (q.dtype, k.dtype, v.dtype)
     hkv = k.shape[-3]
     q, k, v, o, lse, do, dlse = _upcast(q, k, v, o, lse, do, dlse)
@@ -98,12 +156,14 @@ def backward(q, k, v, o, lse, do, dlse, scale, causal):
     return dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2])
 
 
-def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, upcast=True):
     """Backward-over-backward: the VJP of `backward` w.r.t. (q, k, v, o, lse, do, dlse).
 
     gdq/gdk/gdv are the cotangents of dq/dk/dv; any may be None (zero). Returns the seven
     cotangents named in BOB_OUTPUTS, each in its primal's dtype (gdlse like lse).
     """
+    if not upcast:
+        return _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
     dts = [t.dtype for t in (q, k, v, o, lse, do)]
     hkv = k.shape[-3]
     q, k, v, o, lse, do, dlse, gdq, gdk, gdv = _upcast(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)

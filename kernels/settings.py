@@ -1,35 +1,55 @@
-"""The environment switches of the kernels, read in one place, once.
+"""The switches of the kernels: read from the environment in one place, once, and
+overridable per compiled graph.
 
 Reading `os.environ` costs about a microsecond per variable, and the op's call path used to
 read up to a dozen of them per call. They are now read on first use (the first op call, or
-the first `current()`) into one `Settings` object. A program that changes one of these
-variables after that, in its own process (tests, benchmarks comparing schedules), calls
-`reload()` to make the change take effect; a variable set before the process starts, or
-before the first call, needs nothing.
+the first `current()`) into one `Settings` object, and each value is checked then: an
+unknown value is a ValueError that lists the valid ones. A program that changes one of
+these variables after that, in its own process (tests, benchmarks comparing schedules),
+calls `reload()` to make the change take effect; a variable set before the process
+starts, or before the first call, needs nothing.
 
     BOB_COMPILE_KERNELS         blockwise | reference | triton: force an implementation
                                 (unset or empty: Triton on supported CUDA inputs, else
-                                blockwise); an unknown value is an error at the first call
-    BOB_COMPILE_NATIVE_SDPA     0: never call PyTorch's fused first-order kernels
-    BOB_COMPILE_NATIVE_BACKEND  cudnn | flash | none: which of them (default: cudnn for head
+                                blockwise)
+    BOB_COMPILE_NATIVE_SDPA     1 | 0: 0 never calls PyTorch's fused first-order kernels
+    BOB_COMPILE_NATIVE_BACKEND  cudnn | flash | none: which of them (unset: cudnn for head
                                 dims <= 128, none above)
-    BOB_COMPILE_BWD_DQ          atomic | two_pass (default): dq of the Triton backward
-    BOB_COMPILE_BOB_SCHEDULE    atomic | two_pass (default): BoB row outputs
-    BOB_COMPILE_TUNE            0: the first candidate launch config, no timing
-    BOB_COMPILE_FAST_LAUNCH     0: every Triton launch through JITFunction.run (default:
-                                a launch whose arguments specialize exactly like an earlier
-                                one reuses that launch's compiled kernel; triton_common.py)
+    BOB_COMPILE_BWD_DQ          two_pass (default) | atomic: dq of the Triton backward
+    BOB_COMPILE_BOB_SCHEDULE    two_pass (default) | atomic: BoB row outputs
+    BOB_COMPILE_TUNE            1 | 0: 0 takes the first candidate launch config, no timing
+    BOB_COMPILE_FAST_LAUNCH     1 | 0: 0 sends every Triton launch through JITFunction.run
+                                (default: a launch that specializes like an earlier one
+                                reuses its compiled kernel, called directly; triton_common.py)
     BOB_COMPILE_CACHE_DIR       where tuned launch configs are kept
                                 (default ~/.cache/bob_compile)
     TRITON_INTERPRET            1: the Triton kernels run in Triton's interpreter (Triton
                                 itself reads it when the kernels are defined)
 
-The meaning of every value is unchanged from when each was read per call
-(BOB_COMPILE_FAST_LAUNCH is new).
+Per compiled graph, the flashbob backend's options `kernels`, `native_backend`, `bwd_dq`,
+`bob_schedule` and `tune` replace the matching variables while that graph's code runs, in
+every order of derivative (`using()`, `overridden()`; bob_compile/options.py).
 """
+import contextlib
+import contextvars
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
+
+KERNELS = ("blockwise", "reference", "triton")
+NATIVE_BACKENDS = ("cudnn", "flash", "none")
+SCHEDULES = ("two_pass", "atomic")
+SWITCH = ("1", "0")
+
+
+def _choice(env, name, valid, default=None):
+    """env[name] if it is one of `valid` (unset or empty: default), else a ValueError."""
+    value = env.get(name) or default
+    if value is not None and value not in valid:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(valid)} "
+                         f"(or unset; see bob_compile/kernels/settings.py)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -49,27 +69,89 @@ class Settings:
         env = os.environ if environ is None else environ
         interpret = env.get("TRITON_INTERPRET", "0") == "1"
         return cls(
-            kernels=env.get("BOB_COMPILE_KERNELS") or None,
-            native_sdpa=env.get("BOB_COMPILE_NATIVE_SDPA", "1") != "0",
-            native_backend=env.get("BOB_COMPILE_NATIVE_BACKEND"),
-            bwd_dq_atomics=env.get("BOB_COMPILE_BWD_DQ", "two_pass") == "atomic",
-            bob_row_atomics=env.get("BOB_COMPILE_BOB_SCHEDULE", "two_pass") == "atomic",
-            tune=env.get("BOB_COMPILE_TUNE", "1") != "0" and not interpret,
+            kernels=_choice(env, "BOB_COMPILE_KERNELS", KERNELS),
+            native_sdpa=_choice(env, "BOB_COMPILE_NATIVE_SDPA", SWITCH, "1") == "1",
+            native_backend=_choice(env, "BOB_COMPILE_NATIVE_BACKEND", NATIVE_BACKENDS),
+            bwd_dq_atomics=_choice(env, "BOB_COMPILE_BWD_DQ", SCHEDULES, "two_pass") == "atomic",
+            bob_row_atomics=_choice(env, "BOB_COMPILE_BOB_SCHEDULE", SCHEDULES,
+                                    "two_pass") == "atomic",
+            tune=_choice(env, "BOB_COMPILE_TUNE", SWITCH, "1") == "1" and not interpret,
             cache_dir=env.get("BOB_COMPILE_CACHE_DIR",
                               os.path.join(os.path.expanduser("~"), ".cache", "bob_compile")),
             interpret=interpret,
-            fast_launch=env.get("BOB_COMPILE_FAST_LAUNCH", "1") != "0" and not interpret,
+            fast_launch=_choice(env, "BOB_COMPILE_FAST_LAUNCH", SWITCH, "1") == "1"
+            and not interpret,
         )
+
+    def with_choices(self, choices):
+        """These settings with a compiled graph's kernel choices (KernelChoices) applied."""
+        changes = {name: value for name, value in dataclasses.asdict(choices).items()
+                   if value is not None}
+        if "tune" in changes:
+            changes["tune"] = changes["tune"] and not self.interpret
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """Kernel settings chosen for one compiled graph (None: the environment's); the
+    flashbob options `kernels`, `native_backend`, `bwd_dq`, `bob_schedule`, `tune`."""
+    kernels: Optional[str] = None
+    native_backend: Optional[str] = None
+    bwd_dq_atomics: Optional[bool] = None
+    bob_row_atomics: Optional[bool] = None
+    tune: Optional[bool] = None
+
+    def __bool__(self):
+        return any(v is not None for v in dataclasses.astuple(self))
 
 
 _current: Optional[Settings] = None
 _listeners = []
 
 
+# The kernel choices of the compiled graph whose code is running (None: none of its own).
+_choices = contextvars.ContextVar("bob_compile_kernel_choices", default=None)
+
+
 def current() -> Settings:
-    """The settings, read from the environment on the first call."""
+    """The settings: the environment's (read on the first call), with the kernel choices
+    of the compiled graph that is running, if it has any."""
     s = _current
-    return s if s is not None else reload()
+    if s is None:
+        s = reload()
+    choices = _choices.get()
+    if choices is None:
+        return s
+    applied = _applied.get(choices)
+    if applied is None or applied[0] is not s:
+        if len(_applied) >= 64:
+            _applied.clear()
+        applied = _applied[choices] = (s, s.with_choices(choices))
+    return applied[1]
+
+
+_applied = {}   # choices -> (environment settings, those settings with the choices applied)
+
+
+def overridden():
+    """The kernel choices in force (KernelChoices), or None: what an autograd node saves
+    at forward time so that its backward, run later on the autograd engine's thread,
+    uses the same kernels."""
+    return _choices.get()
+
+
+@contextlib.contextmanager
+def using(choices):
+    """Run a compiled graph's code with its kernel choices (None or empty: no change)."""
+    if not choices:
+        yield
+        return
+    token = _choices.set(choices)
+    try:
+        yield
+    finally:
+        _choices.reset(token)
 
 
 def reload() -> Settings:

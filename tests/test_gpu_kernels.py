@@ -3,9 +3,10 @@
 Tolerance rule (flash-attention's): for every output, the relative L2 error of our kernels
 against float64 may be at most 3x the error that plain PyTorch math reaches in the same
 dtype on the same inputs, plus a small floor. The PyTorch baseline for the chain-form
-pieces (o, lse, dq/dk/dv, the seven BoB cotangents) is the contract's formulas written with
-torch ops in the input dtype and differentiated by autograd; for the full second-order
-step it is autograd's double backward through SDPBackend.MATH.
+pieces (o, lse, dq/dk/dv, the seven BoB cotangents) is kernels/reference.py with
+upcast=False (the contract's formulas with a plain implementation's roundings in the input
+dtype; the BoB by autograd through them); for the full second-order step it is autograd's
+double backward through SDPBackend.MATH.
 """
 import math
 import os
@@ -29,52 +30,6 @@ FACTOR = 3.0
 def rel_err(actual, expected):
     a, e = actual.double(), expected.double()
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
-
-
-# --------------------------------------------------------------------------------------
-# PyTorch math in the input dtype: the precision baseline
-# --------------------------------------------------------------------------------------
-def _expand(x, heads):
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def math_forward(q, k, v, scale, causal):
-    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    s = (q @ k.transpose(-2, -1)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
-                          float("-inf"))
-    lse = torch.logsumexp(s.float(), -1)
-    return (torch.softmax(s, -1) @ v), lse
-
-
-def math_backward(q, k, v, o, lse, do, dlse, scale, causal):
-    """The contract's backward, in q's dtype (P and dS rounded like a math implementation)."""
-    hkv, H = k.shape[1], q.shape[1]
-    ke, ve = _expand(k, H), _expand(v, H)
-    s = (q @ ke.transpose(-2, -1)).float() * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
-                          float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dp = (do @ ve.transpose(-2, -1)).float()
-    D = (do.float() * o.float()).sum(-1)
-    if dlse is not None:
-        D = D - dlse
-    ds = (p * (dp - D.unsqueeze(-1))).to(q.dtype)
-    dq = (ds @ ke) * scale
-    dk = reference.reduce_kv((ds.transpose(-2, -1) @ q) * scale, hkv)
-    dv = reference.reduce_kv(p.to(q.dtype).transpose(-2, -1) @ do, hkv)
-    return dq, dk, dv
-
-
-def math_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
-    inputs = [t.detach().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
-    grads = math_backward(*inputs, scale, causal)
-    cot = [(g, c) for g, c in zip(grads, (gdq, gdk, gdv)) if c is not None]
-    outs = torch.autograd.grad([g for g, _ in cot], inputs, [c for _, c in cot],
-                               allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g for g, t in zip(outs, inputs)]
 
 
 def second_order_step(attn, q, k, v, do, gq, gk, gv):
@@ -138,7 +93,7 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
     # first order: forward
     o, lse = triton_attention.forward(q, k, v, scale, causal)
     ro, rlse = reference.forward(*f64(q, k, v), scale, causal)
-    mo, mlse = math_forward(q, k, v, scale, causal)
+    mo, mlse = reference.forward(q, k, v, scale, causal, upcast=False)   # precision baseline
     assert o.dtype == dtype and o.is_contiguous() and lse.dtype == torch.float32
     check_against("o", o, mo, ro, report)
     check_against("lse", lse, mlse, rlse, report)
@@ -149,7 +104,7 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
         tag = "" if dlse is None else "+dlse"
         ours = triton_attention.backward(q, k, v, o, lse, do, dlse, scale, causal)
         exact = reference.backward(*f64(q, k, v, o, lse, do, dlse), scale, causal)
-        lowp = math_backward(q, k, v, o, lse, do, dlse, scale, causal)
+        lowp = reference.backward(q, k, v, o, lse, do, dlse, scale, causal, upcast=False)
         for name, a, m, e in zip(("dq", "dk", "dv"), ours, lowp, exact):
             assert a.dtype == dtype and a.is_contiguous()
             check_against(name + tag, a, m, e, report)
@@ -159,7 +114,7 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
     cot = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
     ours = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
     exact = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), scale, causal)
-    lowp = math_bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
+    lowp = reference.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal, upcast=False)
     for name, a, m, e in zip(reference.BOB_OUTPUTS, ours, lowp, exact):
         check_against(name, a, m, e, report)
 

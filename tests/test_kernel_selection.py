@@ -2,6 +2,7 @@
 and a clear error for an unknown one."""
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bob_compile import attention
 from bob_compile import kernels
@@ -31,11 +32,26 @@ def test_forced_reference_is_used_by_the_op(monkeypatch):
     assert calls == [1]
 
 
-def test_unknown_forced_choice_lists_the_valid_ones(monkeypatch):
-    monkeypatch.setenv("BOB_COMPILE_KERNELS", "fast")
-    settings.reload()
-    with pytest.raises(ValueError, match=r"blockwise.*reference.*triton"):
-        kernels.select(*qkv())
+@pytest.mark.parametrize("name,value,valid", [
+    ("BOB_COMPILE_KERNELS", "fast", r"blockwise, reference, triton"),
+    ("BOB_COMPILE_NATIVE_BACKEND", "cudnn9", r"cudnn, flash, none"),
+    ("BOB_COMPILE_BWD_DQ", "atomics", r"two_pass, atomic"),
+    ("BOB_COMPILE_BOB_SCHEDULE", "twopass", r"two_pass, atomic"),
+    ("BOB_COMPILE_TUNE", "no", r"1, 0"),
+    ("BOB_COMPILE_NATIVE_SDPA", "false", r"1, 0"),
+    ("BOB_COMPILE_FAST_LAUNCH", "off", r"1, 0"),
+])
+def test_an_unknown_value_is_an_error_that_lists_the_valid_ones(monkeypatch, name, value, valid):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}': expected one of {valid}"):
+        settings.reload()
+
+
+def test_empty_values_mean_the_default(monkeypatch):
+    for name in ("BOB_COMPILE_KERNELS", "BOB_COMPILE_BWD_DQ", "BOB_COMPILE_TUNE"):
+        monkeypatch.setenv(name, "")
+    s = settings.reload()
+    assert s.kernels is None and not s.bwd_dq_atomics and s.tune
 
 
 # ---------------------------------------------------------------------------- PyTorch's fused kernels
@@ -61,3 +77,83 @@ def test_a_refused_native_configuration_falls_back_for_that_configuration_only(m
     assert triton_attention._native_key("cudnn", q64, v64, True) in failed
     assert triton_attention._native_key("cudnn", q64, v64, False) not in failed
     assert triton_attention._native_key("cudnn", q128, q128, True) not in failed
+
+
+# --------------------------------------------------------------------------------------
+# Kernel choices per compile (flashbob options), in every order
+# --------------------------------------------------------------------------------------
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 12, dtype=torch.float64)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(1, 5, 3, 1, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+
+
+def hvp(model, x):
+    params = list(model.parameters())
+    grads = torch.autograd.grad(model(x), params, create_graph=True)
+    return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+
+
+@pytest.fixture
+def selections(monkeypatch):
+    """The implementation modules kernels.select picked, by name, in call order."""
+    picked = []
+    original = kernels.select
+
+    def spy(q, k, v):
+        module = original(q, k, v)
+        picked.append(module.__name__.rpartition(".")[2])
+        return module
+    monkeypatch.setattr(kernels, "select", spy)
+    return picked
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "eager"])   # training route, eager route
+def test_options_choose_the_kernels_of_every_order(selections, compiler):
+    from bob_compile.backend import flashbob
+    torch._dynamo.reset()
+    model = Attention()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with sdpa_kernel(SDPBackend.MATH):          # the only SDPA with a double backward
+        expected = hvp(model, x)
+    selections.clear()
+    compiled = torch.compile(model, backend=flashbob,
+                             options={"kernels": "reference", "compiler": compiler})
+    actual = hvp(compiled, x)
+    assert max((a - e).abs().max().item() for a, e in zip(actual, expected)) < 1e-10
+    # forward, backward (create_graph), BoB, second backward: all forced
+    assert len(selections) >= 4 and set(selections) == {"reference"}, selections
+    selections.clear()
+    other = torch.compile(Attention(), backend=flashbob, options={"compiler": compiler})
+    hvp(other, x)                       # another compile, without the option
+    assert len(selections) >= 4 and set(selections) == {"blockwise"}, selections
+    selections.clear()
+    attention(*qkv())                   # and the op in plain code, outside both
+    assert selections == ["blockwise"]
+
+
+@pytest.mark.parametrize("options,error", [
+    ({"kernels": "cuda"}, r"options\['kernels'\]='cuda'; expected one of \['blockwise', "),
+    ({"native_backend": "cudnn9"}, r"\['cudnn', 'flash', 'none'\]"),
+    ({"bwd_dq": "atomics"}, r"\['two_pass', 'atomic'\]"),
+    ({"tune": "no"}, r"options\['tune'\] must be True or False"),
+])
+def test_bad_kernel_options_say_what_is_valid(options, error):
+    from bob_compile import options as options_module
+    with pytest.raises((ValueError, TypeError), match=error):
+        options_module.parse(options)
+
+
+def test_choices_apply_over_the_environment(monkeypatch):
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", "atomic")
+    base = settings.reload()
+    choices = settings.KernelChoices(kernels="reference", tune=False)
+    with settings.using(choices):
+        inside = settings.current()
+        assert settings.overridden() is choices
+    assert (inside.kernels, inside.tune, inside.bwd_dq_atomics) == ("reference", False, True)
+    assert settings.current() is base and settings.overridden() is None

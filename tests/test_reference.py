@@ -1,0 +1,63 @@
+"""kernels/reference.py's precision baseline (upcast=False) against its float64 math.
+
+In float64 there is nothing to round, so upcast=False must give the closed forms' values;
+in half precision it must carry a plain implementation's rounding error, which the GPU
+tests (tests/test_gpu_kernels.py) use as the yardstick of the fused kernels."""
+import pytest
+import torch
+
+from bob_compile.kernels import reference
+
+SHAPES = [  # B, Hq, Hkv, L, S, E, Ev, causal
+    (1, 2, 2, 7, 7, 8, 8, True),
+    (2, 4, 2, 5, 9, 8, 4, False),
+    (1, 2, 1, 9, 6, 4, 8, True),
+]
+
+
+def inputs(B, Hq, Hkv, L, S, E, Ev, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return (randn(B, Hq, L, E), randn(B, Hkv, S, E), randn(B, Hkv, S, Ev),
+            randn(B, Hq, L, Ev), randn(B, Hq, L))
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_in_float64_the_baseline_is_the_closed_form(shape, with_dlse):
+    *dims, causal = shape
+    q, k, v, do, dlse = inputs(*dims, torch.float64)
+    dlse = dlse if with_dlse else None
+    scale = 0.37
+    o, lse = reference.forward(q, k, v, scale, causal)
+    assert max_diff(reference.forward(q, k, v, scale, causal, upcast=False), (o, lse)) < 1e-12
+    exact = reference.backward(q, k, v, o, lse, do, dlse, scale, causal)
+    plain = reference.backward(q, k, v, o, lse, do, dlse, scale, causal, upcast=False)
+    assert max_diff(plain, exact) < 1e-12
+    cot = (torch.randn_like(q), None, torch.randn_like(v))
+    exact = reference.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
+    plain = reference.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal, upcast=False)
+    assert max_diff(plain, exact) < 1e-11
+
+
+def rel(a, e):
+    return ((a.double() - e).norm() / e.norm()).item()
+
+
+def test_in_half_precision_the_baseline_rounds_like_its_dtype():
+    q, k, v, do, _ = inputs(1, 2, 2, 64, 64, 16, 16, torch.float64)
+    scale = 0.25
+    o, lse = reference.forward(q, k, v, scale, True)
+    dq = reference.backward(q, k, v, o, lse, do, None, scale, True)[0]
+    h = [t.to(torch.float16) for t in (q, k, v, do)]
+    for upcast, low, high in ((True, 0, 2e-3), (False, 1e-4, 2e-2)):
+        ho, hlse = reference.forward(*h[:3], scale, True, upcast=upcast)
+        hdq = reference.backward(*h[:3], ho, hlse, h[3], None, scale, True, upcast=upcast)[0]
+        assert ho.dtype == hdq.dtype == torch.float16
+        assert low <= rel(ho, o) <= high and low <= rel(hdq, dq) <= high, (upcast, rel(ho, o))
