@@ -66,8 +66,8 @@ def run_variant(which):
         # triton.autotune: record the launches of one step, then tune each site with it
         captured = []
         launch = triton_common.LaunchPlan.__call__
-        triton_common.LaunchPlan.__call__ = lambda plan, kernel, grid, *args: captured.append(
-            (kernel, grid, args, dict(plan.kwargs)))
+        triton_common.LaunchPlan.__call__ = lambda plan, kernel, grid, **named: captured.append(
+            (kernel, grid, triton_common.packer(kernel)(**named), dict(plan.kwargs)))
         try:
             step(*x)
         finally:

@@ -19,7 +19,8 @@ from .layout import empty_like_order
 from .triton_common import (LOG2E, dot_precision, fixed_plan, interpreting,
                             key_blocks_of_row_block, launch_plan, load_lse2, load_row_vector,
                             load_tile, padded_dim, row_block_program, row_blocks_of_key_block,
-                            row_bytes, store_tile, strides4, visibility_mask, wide_candidates)
+                            row_bytes, store_tile, strides_of, visibility_mask,
+                            wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -56,6 +57,9 @@ def _row_dot_kernel(DO, O, DLSE, D, sdb, sdh, sdl, sde, sob, soh, sol, soe,
     tl.store(D + row + offs_m, d, mask=offs_m < L)
 
 
+strides_of(_row_dot_kernel, DO="sd", O="so")
+
+
 def row_dot(do, o, dlse):
     """D (float32, (B, H, L)) = rowsum(do * o) - dlse."""
     B, H, L, Ev = do.shape
@@ -66,7 +70,7 @@ def row_dot(do, o, dlse):
     plan = fixed_plan(("row_dot", Ev, block_m, has_dlse), lambda: dict(
         HEAD_DIM_V=Ev, BLOCK_EV=padded_dim(Ev), BLOCK_M=block_m, HAS_DLSE=has_dlse, num_warps=4))
     plan(_row_dot_kernel, (triton.cdiv(L, block_m), B * H),
-         do, o, dlse_arg, d, *strides4(do), *strides4(o), H, L)
+         DO=do, O=o, DLSE=dlse_arg, D=d, num_q_heads=H, L=L)
     return d
 
 
@@ -157,6 +161,9 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC,
                sdvn, sdve, S, HEAD_DIM_V, PAD_EV)
 
 
+strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv")
+
+
 # --------------------------------------------------------------------------------------
 # dq: query-block major (deterministic)
 # --------------------------------------------------------------------------------------
@@ -211,6 +218,9 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 
 
+strides_of(_dq_kernel, Q="sq", K="sk", V="sv", DO="sd", DQ="sdq")
+
+
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
@@ -256,9 +266,9 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
         if dq_atomics:
             dq_acc.zero_()
         plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-             q, k, v, do, lse, d, dk, dv, dq_acc,
-             *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dk),
-             *strides4(dv), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale)
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc,
+             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             scale=scale)
 
     launch_columns(launch_plan(
         "bwd_columns", q, k, v, causal, (dq_atomics,),
@@ -271,9 +281,9 @@ def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=Fals
 
     def launch_rows(plan):
         plan(_dq_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             q, k, v, do, lse, d, dq,
-             *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(dq),
-             Hq, Hq // Hkv, L, S, scale * LOG2E, scale)
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq,
+             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             scale=scale)
 
     launch_rows(launch_plan(
         "bwd_dq", q, k, v, causal, (), lambda: dq_candidates(q.dtype, E, Ev), common,

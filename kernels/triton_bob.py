@@ -28,7 +28,7 @@ from .triton_backward import load_lse2_for_probabilities, row_dot
 from .triton_common import (LOG2E, dot_precision, fixed_plan, interpreting,
                             key_blocks_of_row_block, launch_plan, load_row_vector, load_tile,
                             padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
-                            store_tile, strides4, visibility_mask, wide_candidates)
+                            store_tile, strides_of, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -149,6 +149,10 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
                        GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
                        GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
                        HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
+
+
+strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
+           GDV="sgv")
 
 
 # --------------------------------------------------------------------------------------
@@ -295,6 +299,10 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
                offs_n, offs_ev, HEAD_DIM_V, 1, S, HEAD_DIM_V, PAD_EV)
 
 
+strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", GDQ="sgq", GDK="sgk",
+           GDV="sgv")
+
+
 # --------------------------------------------------------------------------------------
 # After the atomic column pass: row outputs from the fp32 sums
 # --------------------------------------------------------------------------------------
@@ -323,6 +331,9 @@ def _finish_rows_kernel(GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, O, DO, GQ, GO, GDO, G
                        GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
                        GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
                        HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
+
+
+strides_of(_finish_rows_kernel, O="so", DO="sd")
 
 
 # --------------------------------------------------------------------------------------
@@ -398,10 +409,10 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
             for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
                 t.zero_()
         plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-             q, k, v, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gk, gv,
-             gq_acc, gdo_acc, dg_acc, sbar_acc,
-             *strides4(q), *strides4(k), *strides4(v), *strides4(do), *strides4(gdq_arg),
-             *strides4(gdk_arg), *strides4(gdv_arg), Hkv, Hq // Hkv, L, S, scale * LOG2E, scale)
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
+             GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc, DG_ACC=dg_acc, SBAR_ACC=sbar_acc,
+             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             scale=scale)
 
     launch_columns(launch_plan(
         "bob_columns", q, k, v, causal, (row_atomics, *flag_key),
@@ -414,16 +425,16 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_a
             HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
             BLOCK_M=block_m, num_warps=4))
         plan(_finish_rows_kernel, (triton.cdiv(L, block_m), B * Hq),
-             gq_acc, gdo_acc, dg_acc, sbar_acc, o, do, gq, go, gdo, glse, gdlse,
-             *strides4(o), *strides4(do), Hq, L)
+             GQ_ACC=gq_acc, GDO_ACC=gdo_acc, DG_ACC=dg_acc, SBAR_ACC=sbar_acc, O=o, DO=do,
+             GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse, num_q_heads=Hq, L=L)
         return gq, gk, gv, go, glse, gdo, gdlse
 
     def launch_rows(plan):
         plan(_row_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             q, k, v, o, do, lse, d, gdq_arg, gdk_arg, gdv_arg, gq, go, gdo, glse, gdlse,
-             *strides4(q), *strides4(k), *strides4(v), *strides4(o), *strides4(do),
-             *strides4(gdq_arg), *strides4(gdk_arg), *strides4(gdv_arg),
-             Hq, Hq // Hkv, L, S, scale * LOG2E, scale)
+             Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
+             GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse,
+             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             scale=scale)
 
     launch_rows(launch_plan(
         "bob_rows", q, k, v, causal, flag_key, lambda: row_candidates(q.dtype, E, Ev), common,

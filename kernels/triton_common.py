@@ -14,6 +14,7 @@ chosen once per tuning bucket and remembered, and repeated launches go straight 
 compiled kernel (`LaunchPlan`), so a call costs the allocation of its outputs, its launches
 and little else (benchmarks/bench_host_overhead.py measures it).
 """
+import inspect
 import json
 import math
 import os
@@ -43,14 +44,6 @@ def dot_precision(dtype):
 def padded_dim(d):
     """Head dims are tiled by the next power of two (>= 16, the smallest tl.dot size)."""
     return max(16, triton.next_power_of_2(d))
-
-
-def strides4(t):
-    """The four strides of a (B, H, N, E) tensor, as kernel arguments (one call, not four)."""
-    strides = t.stride()
-    if len(strides) != 4:
-        raise ValueError(f"expected a 4-D tensor, got strides {strides}")
-    return strides
 
 
 # --------------------------------------------------------------------------------------
@@ -427,15 +420,69 @@ class DirectLaunch:
                     None, None, None, *pointers, *scalars)
 
 
+# --------------------------------------------------------------------------------------
+# Arguments by name
+# --------------------------------------------------------------------------------------
+# Launch sites pass a kernel's tensors and scalars by name; the four strides of each
+# (B, H, N, X) operand are derived from the tensor itself. Each kernel declares, once,
+# which tensor parameter each group of four stride parameters belongs to
+# (`strides_of(kernel, Q="sq", ...)`: the parameters sqb, sqh, sql|sqn, sqe are Q's
+# strides), and gets a packer: a function of its tensors and scalars by keyword only that
+# returns every runtime argument in the kernel's order. It is generated code, so Python's
+# own binding checks the names (a missing, unexpected or misspelled one is a TypeError that
+# names it) at the cost of a positional call (~2 us on a laptop-class CPU).
+_packers = {}
+
+
+def _runtime_parameter_names(kernel):
+    """The names of the kernel's non-constexpr parameters, in order (a JITFunction lists
+    its params; under TRITON_INTERPRET=1 the kernel is an InterpretedFunction, whose
+    Python signature's annotations say which parameters are constexprs)."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return [p.name for p in params if not p.is_constexpr]
+    return [name for name, p in inspect.signature(kernel.fn).parameters.items()
+            if not (p.annotation is tl.constexpr or p.annotation == "tl.constexpr")]
+
+
+def strides_of(kernel, **groups):
+    """Declare kernel's stride parameters: tensor parameter name -> stride prefix (see
+    above); make its packer. Returns the kernel."""
+    names = _runtime_parameter_names(kernel)
+    owner = {}
+    for tensor, prefix in groups.items():
+        row = "l" if f"{prefix}l" in names else "n"
+        for dim, suffix in enumerate(("b", "h", row, "e")):
+            name = prefix + suffix
+            if name not in names or tensor not in names:
+                raise ValueError(f"{kernel.fn.__name__}: no parameter {name!r} or {tensor!r}")
+            owner[name] = f"_{tensor}[{dim}]"
+    given = [n for n in names if n not in owner]
+    strides = "".join(f"    _{tensor} = {tensor}.stride()\n" for tensor in groups)
+    body = ", ".join(owner.get(n, n) for n in names)
+    namespace = {}
+    exec(f"def {kernel.fn.__name__}(*, {', '.join(given)}):\n{strides}    return ({body},)\n",
+         namespace)
+    _packers[kernel] = namespace[kernel.fn.__name__]
+    return kernel
+
+
+def packer(kernel):
+    """The function that packs kernel's runtime arguments from its tensors and scalars by
+    name (declared with strides_of)."""
+    return _packers[kernel]
+
+
 class LaunchPlan:
     """One launch site at one tuning bucket: `kwargs` (constexprs, BLOCK_M/BLOCK_N,
     num_warps, num_stages) and the compiled kernels seen so far, by specialization.
 
-    plan(kernel, grid, *args) is kernel[grid](*args, **plan.kwargs), where args are the
-    kernel's runtime (non-constexpr) arguments in order: tensors, ints, floats, and grid
-    has two dimensions. The key of a compiled kernel is what Triton specializes on (see
-    above): the current device, the ints by value, each tensor's dtype and 16-byte
-    alignment; floats are passed as fp32 and never specialized."""
+    plan(kernel, grid, **args) is kernel[grid](**args, **plan.kwargs): args are the
+    kernel's tensors and scalars by name, its strides derived from the tensors (see
+    "Arguments by name"), and grid has two dimensions. The key of a compiled
+    kernel is what Triton specializes on (see above): the current device, the ints by
+    value, each tensor's dtype and 16-byte alignment; floats are passed as fp32 and never
+    specialized."""
     __slots__ = ("kwargs", "_compiled", "_constexprs", "_layout")
 
     def __init__(self, kwargs):
@@ -444,7 +491,11 @@ class LaunchPlan:
         self._constexprs = None   # their values in the kernel's parameter order; False: none
         self._layout = None       # (tensors, ints) among the runtime arguments; False: none
 
-    def __call__(self, kernel, grid, *args):
+    def __call__(self, kernel, grid, **named):
+        self.launch(kernel, grid, *_packers[kernel](**named))
+
+    def launch(self, kernel, grid, *args):
+        """plan(...) with the runtime arguments already in the kernel's order."""
         if not settings.current().fast_launch:   # off in the interpreter
             kernel[grid](*args, **self.kwargs)
             return

@@ -12,7 +12,7 @@ import triton.language as tl
 from .layout import empty_like_order
 from .triton_common import (LOG2E, dot_precision, interpreting, key_blocks_of_row_block,
                             launch_plan, load_tile, padded_dim, row_block_program, row_bytes,
-                            store_tile, strides4, visibility_mask, wide_candidates)
+                            store_tile, strides_of, visibility_mask, wide_candidates)
 
 
 @triton.jit
@@ -88,6 +88,9 @@ def _forward_kernel(Q, K, V, O, LSE,
     tl.store(LSE + row + offs_m, lse, mask=offs_m < L)
 
 
+strides_of(_forward_kernel, Q="sq", K="sk", V="sv", O="so")
+
+
 # Candidate launch configs, best measured default first (see benchmarks/README.md).
 def forward_candidates(dtype, head_dim, head_dim_v):
     if interpreting():
@@ -113,8 +116,8 @@ def attention_forward(q, k, v, scale, causal):
 
     def launch(plan):
         plan(_forward_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             q, k, v, o, lse, *strides4(q), *strides4(k), *strides4(v), *strides4(o),
-             Hq, Hq // Hkv, L, S, scale * LOG2E)
+             Q=q, K=k, V=v, O=o, LSE=lse,
+             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E)
 
     launch(launch_plan(
         "forward", q, k, v, causal, (), lambda: forward_candidates(q.dtype, E, Ev),

@@ -44,8 +44,8 @@ def recorded_launches(monkeypatch):
         pytest.skip("the kernels are interpreted functions in this process")
     launches = []
 
-    def record(plan, kernel, grid, *args):
-        launches.append((plan, kernel, grid, args))
+    def record(plan, kernel, grid, **named):
+        launches.append((plan, kernel, grid, named))
     monkeypatch.setattr(LaunchPlan, "__call__", record)
     return launches
 
@@ -75,8 +75,19 @@ def test_every_launch_binds_the_same_positionally(recorded_launches, dtype, gqa,
                      + ([] if atomics else ["_dq_kernel"])
                      + ["_row_dot_kernel", "_column_kernel"]
                      + (["_finish_rows_kernel"] if atomics else ["_row_kernel"]))
-    for plan, kernel, grid, args in recorded_launches:
+    for plan, kernel, grid, named in recorded_launches:
         assert len(grid) == 2
+        args = triton_common.packer(kernel)(**named)
+        # every runtime parameter gets a value: the named ones as given, strides from their
+        # tensor (checked against the tensor itself)
+        runtime = [p for p in kernel.params if not p.is_constexpr]
+        assert len(args) == len(runtime), kernel.fn.__name__
+        for p, value in zip(runtime, args):
+            if p.name in named:
+                assert value is named[p.name], (kernel.fn.__name__, p.name)
+            else:
+                assert type(value) is int and p.name.startswith("s"), (kernel.fn.__name__, p.name)
+        # ... and the fast path's positional call binds exactly as Triton's keyword call
         constexprs = {k: v for k, v in plan.kwargs.items() if k not in OPTIONS}
         by_keyword = kernel.signature.bind(*args, **constexprs)
         assert plan._constexpr_values(kernel, len(args)), kernel.fn.__name__
@@ -85,6 +96,39 @@ def test_every_launch_binds_the_same_positionally(recorded_launches, dtype, gqa,
         for name, value in by_keyword.arguments.items():
             assert positional.arguments[name] is value, (kernel.fn.__name__, name)
         assert all(p.is_constexpr for p in kernel.params[len(args):])
+
+
+def test_strides_come_from_the_tensor_they_belong_to():
+    from bob_compile.kernels.triton_forward import _forward_kernel
+    q = torch.empty(2, 3, 5, 8).transpose(1, 2)            # strides (120, 8, 24, 1)
+    k, v, o, lse = torch.empty(2, 3, 7, 8), torch.empty(2, 3, 7, 4), torch.empty(2, 5, 3, 4), \
+        torch.empty(2, 5, 3)
+    args = triton_common.packer(_forward_kernel)(
+        Q=q, K=k, V=v, O=o, LSE=lse, num_q_heads=5, kv_group=1, L=3, S=7, qk_scale_log2=0.5)
+    named = dict(zip([p.name for p in _forward_kernel.params], args))
+    assert [named[n] for n in ("sqb", "sqh", "sql", "sqe")] == list(q.stride())
+    assert [named[n] for n in ("skb", "skh", "skn", "ske")] == list(k.stride())
+    assert [named[n] for n in ("svb", "svh", "svn", "sve")] == list(v.stride())
+    assert [named[n] for n in ("sob", "soh", "sol", "soe")] == list(o.stride())
+
+
+def test_a_missing_or_misspelled_argument_is_an_error():
+    from bob_compile.kernels.triton_forward import _forward_kernel
+    pack = triton_common.packer(_forward_kernel)
+    t = torch.empty(1, 1, 2, 4)
+    given = dict(Q=t, K=t, V=t, O=t, LSE=t, num_q_heads=1, kv_group=1, L=2, S=2,
+                 qk_scale_log2=1.0)
+    pack(**given)
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'kv_group'"):
+        pack(**{k: v for k, v in given.items() if k != "kv_group"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kv_groups'"):
+        pack(**given, kv_groups=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sqb'"):
+        pack(**given, sqb=1)                                # strides are never passed
+    with pytest.raises(TypeError, match="positional"):
+        pack(*given.values())
+    with pytest.raises(ValueError, match="no parameter 'sxb'"):
+        triton_common.strides_of(_forward_kernel, Q="sx")
 
 
 # --------------------------------------------------------------------------------------
@@ -133,13 +177,13 @@ def test_repeated_launch_goes_to_the_compiled_kernel(fake_gpu):
         pytest.skip("no fast path in the interpreter")
     kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4, num_stages=2))
     x = torch.zeros(64)
-    plan(kernel, (3, 2), x, 128, 0.5)
+    plan.launch(kernel, (3, 2), x, 128, 0.5)
     assert kernel.log == [("jit", (3, 2), (x, 128, 0.5),
                            dict(BLOCK=64, num_warps=4, num_stages=2))]
-    plan(kernel, (3, 2), x, 128, 0.25)            # a float never changes the kernel
+    plan.launch(kernel, (3, 2), x, 128, 0.25)            # a float never changes the kernel
     assert kernel.log[-1] == ("fast", (3, 2, 1), (x, 128, 0.25, 64))
     y = torch.zeros(64)
-    plan(kernel, (5, 2), y, 128, 0.5)             # another aligned tensor, another grid
+    plan.launch(kernel, (5, 2), y, 128, 0.5)             # another aligned tensor, another grid
     assert kernel.log[-1] == ("fast", (5, 2, 1), (y, 128, 0.5, 64))
 
 
@@ -149,16 +193,16 @@ def test_a_differently_specialized_launch_takes_tritons_path(fake_gpu, monkeypat
         pytest.skip("no fast path in the interpreter")
     kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4, num_stages=2))
     x = torch.zeros(64)
-    plan(kernel, (1, 1), x, 32, 0.5)
+    plan.launch(kernel, (1, 1), x, 32, 0.5)
     args = {"int value": (x, 33, 0.5), "int one": (x, 1, 0.5),
             "misaligned": (torch.zeros(65)[1:], 32, 0.5),
             "dtype": (torch.zeros(64, dtype=torch.float64), 32, 0.5),
             "device": (x, 32, 0.5)}[change]
     if change == "device":
         monkeypatch.setattr(triton_common, "_current_device", lambda: 1)
-    plan(kernel, (1, 1), *args)
+    plan.launch(kernel, (1, 1), *args)
     assert kinds(kernel.log) == ["jit", "jit"]
-    plan(kernel, (1, 1), *args)                   # and is cached in its turn
+    plan.launch(kernel, (1, 1), *args)                   # and is cached in its turn
     assert kinds(kernel.log) == ["jit", "jit", "fast"]
 
 
@@ -168,7 +212,7 @@ def test_switched_off_every_launch_takes_tritons_path(fake_gpu, monkeypatch):
     kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
     x = torch.zeros(64)
     for _ in range(3):
-        plan(kernel, (1, 1), x, 32, 0.5)
+        plan.launch(kernel, (1, 1), x, 32, 0.5)
     assert kinds(kernel.log) == ["jit", "jit", "jit"]
 
 
@@ -178,11 +222,11 @@ def test_unknown_argument_kinds_and_layouts_are_not_cached(fake_gpu):
     kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
     x = torch.zeros(64)
     for _ in range(2):
-        plan(kernel, (1, 1), x, torch.tensor(3).numpy(), 0.5)   # a numpy int: not handled
+        plan.launch(kernel, (1, 1), x, torch.tensor(3).numpy(), 0.5)   # a numpy int: not handled
     assert kinds(kernel.log) == ["jit", "jit"]
     plan = LaunchPlan(dict(BLOCK=64, OTHER=1, num_warps=4))   # not a constexpr of kernel
     for _ in range(2):
-        plan(kernel, (1, 1), x, 3, 0.5)
+        plan.launch(kernel, (1, 1), x, 3, 0.5)
     assert kinds(kernel.log) == ["jit"] * 4
 
 
@@ -192,9 +236,9 @@ def test_an_int_where_a_float_was_takes_tritons_path(fake_gpu):
         pytest.skip("no fast path in the interpreter")
     kernel, plan = FakeKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
     x = torch.zeros(64)
-    plan(kernel, (1, 1), x, 32, 1.0)
-    plan(kernel, (1, 1), x, 32, 1)
-    plan(kernel, (1, 1), x, 32, 2.0)
+    plan.launch(kernel, (1, 1), x, 32, 1.0)
+    plan.launch(kernel, (1, 1), x, 32, 1)
+    plan.launch(kernel, (1, 1), x, 32, 2.0)
     assert kinds(kernel.log) == ["jit", "jit", "fast"]
 
 
@@ -242,8 +286,8 @@ def direct_gpu(fake_gpu, monkeypatch):
 def test_repeated_launch_calls_the_c_launcher_with_addresses(direct_gpu):
     kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4, num_stages=2))
     x = torch.zeros(64)
-    plan(kernel, (3, 2), x, 128, 0.5)
-    plan(kernel, (5, 2), x, 128, 0.25)
+    plan.launch(kernel, (3, 2), x, 128, 0.5)
+    plan.launch(kernel, (5, 2), x, 128, 0.25)
     assert kinds(kernel.log) == ["jit", "direct"]
     # grid, stream, function, cooperative, pdl, no scratch, metadata, no launch metadata,
     # no hooks, then the kernel's arguments: tensors as addresses, scalars, constexprs
@@ -255,9 +299,9 @@ def test_a_launch_hook_sends_launches_through_triton(direct_gpu, monkeypatch):
     from triton import knobs
     kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
     x = torch.zeros(64)
-    plan(kernel, (1, 1), x, 32, 0.5)
+    plan.launch(kernel, (1, 1), x, 32, 0.5)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
-    plan(kernel, (1, 1), x, 32, 0.5)
+    plan.launch(kernel, (1, 1), x, 32, 0.5)
     assert kinds(kernel.log) == ["jit", "fast"]        # CompiledKernel[grid]: runs the hook
 
 
@@ -265,8 +309,8 @@ def test_a_kernel_with_scratch_memory_is_not_launched_directly(direct_gpu):
     kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
     kernel.scratch = 128
     x = torch.zeros(64)
-    plan(kernel, (1, 1), x, 32, 0.5)
-    plan(kernel, (1, 1), x, 32, 0.5)
+    plan.launch(kernel, (1, 1), x, 32, 0.5)
+    plan.launch(kernel, (1, 1), x, 32, 0.5)
     assert kinds(kernel.log) == ["jit", "fast"]
 
 
@@ -277,5 +321,5 @@ def test_a_launcher_that_refuses_the_arguments_falls_back_for_good(direct_gpu, m
     kernel, plan = FakeLaunchableKernel(), LaunchPlan(dict(BLOCK=64, num_warps=4))
     x = torch.zeros(64)
     for _ in range(3):
-        plan(kernel, (1, 1), x, 32, 0.5)
+        plan.launch(kernel, (1, 1), x, 32, 0.5)
     assert kinds(kernel.log) == ["jit", "fast", "fast"]
