@@ -32,6 +32,7 @@ allocated during one step minus what was allocated before it (the inputs).
     python benchmarks/bench_attention.py --out results/ [--n 1024 4096 ...] [--d 64 128]
 """
 import argparse
+import importlib
 import json
 import math
 import os
@@ -62,6 +63,7 @@ def import_kernels():
 tri, reference = import_kernels()
 # the kernels read BOB_COMPILE_* once; --variants changes them in-process, then reloads
 kernel_settings = sys.modules[tri.__name__.rpartition(".")[0] + ".settings"]
+AttentionParams = importlib.import_module(tri.__name__.rpartition(".")[0] + ".params").AttentionParams
 MIB = 2 ** 20
 
 
@@ -76,13 +78,14 @@ def bob_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
             events[i].record()
 
     mark(0)
-    o, lse = tri.forward(q, k, v, scale, causal)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = tri.forward(q, k, v, params)
     mark(1)
-    dq, dk, dv = tri.backward(q, k, v, o, lse, do, None, scale, causal)
+    dq, dk, dv = tri.backward(q, k, v, o, lse, do, None, params)
     mark(2)
-    bq, bk, bv, go, glse, gdo, _ = tri.bob(q, k, v, o, lse, do, None, gq, gk, gv, scale, causal)
+    bq, bk, bv, go, glse, gdo, _ = tri.bob(q, k, v, o, lse, do, None, gq, gk, gv, params)
     mark(3)
-    dq2, dk2, dv2 = tri.backward(q, k, v, o, lse, go, glse, scale, causal)
+    dq2, dk2, dv2 = tri.backward(q, k, v, o, lse, go, glse, params)
     bq += dq2
     bk += dk2
     bv += dv2
@@ -111,8 +114,9 @@ def native_first_order(q, k, v, do, gq, gk, gv, scale, causal):
 
 
 def bob_first_order(q, k, v, do, gq, gk, gv, scale, causal):
-    o, lse = tri.forward(q, k, v, scale, causal)
-    return tri.backward(q, k, v, o, lse, do, None, scale, causal)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = tri.forward(q, k, v, params)
+    return tri.backward(q, k, v, o, lse, do, None, params)
 
 
 def op_autograd(q, k, v, do, gq, gk, gv, scale, causal):
@@ -199,12 +203,13 @@ def accuracy(B, H, n, d, causal, dtype):
     scale = 1.0 / math.sqrt(d)
     q, k, v, do, gq, gk, gv = make_inputs(B, H, n, d, dtype, 1)[0]
     first, second = bob_step(q, k, v, do, gq, gk, gv, scale, causal)
-    o, _ = tri.forward(q, k, v, scale, causal)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, _ = tri.forward(q, k, v, params)
     x = [t.double() for t in (q, k, v, do, gq, gk, gv)]
-    ro, rlse = reference.forward(x[0], x[1], x[2], scale, causal)
-    rdq, rdk, rdv = reference.backward(x[0], x[1], x[2], ro, rlse, x[3], None, scale, causal)
-    rb = reference.bob(x[0], x[1], x[2], ro, rlse, x[3], None, x[4], x[5], x[6], scale, causal)
-    r2 = reference.backward(x[0], x[1], x[2], ro, rlse, rb[3], rb[4], scale, causal)
+    ro, rlse = reference.forward(x[0], x[1], x[2], params)
+    rdq, rdk, rdv = reference.backward(x[0], x[1], x[2], ro, rlse, x[3], None, params)
+    rb = reference.bob(x[0], x[1], x[2], ro, rlse, x[3], None, x[4], x[5], x[6], params)
+    r2 = reference.backward(x[0], x[1], x[2], ro, rlse, rb[3], rb[4], params)
     exact = dict(o=ro, dq=rdq, dk=rdk, dv=rdv, gq=rb[0] + r2[0], gk=rb[1] + r2[1],
                  gv=rb[2] + r2[2], gdo=rb[5])
     ours = dict(o=o, dq=first[0], dk=first[1], dv=first[2], gq=second[0], gk=second[1],

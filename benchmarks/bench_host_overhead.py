@@ -141,17 +141,17 @@ class StubKernels:
         return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
 
     @staticmethod
-    def forward(q, k, v, scale, causal):
+    def forward(q, k, v, params):
         B, H, L, _ = q.shape
         return (q.new_empty((B, H, L, v.shape[-1])),
                 q.new_empty((B, H, L), dtype=torch.float32))
 
     @staticmethod
-    def backward(q, k, v, o, lse, do, dlse, scale, causal):
+    def backward(q, k, v, o, lse, do, dlse, params):
         return StubKernels._like(q, k, v)
 
     @staticmethod
-    def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
         return StubKernels._like(q, k, v, o, lse, do, lse)
 
 

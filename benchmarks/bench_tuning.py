@@ -35,6 +35,7 @@ def run_variant(which):
     import triton
 
     from bob_compile.kernels import triton_attention as ta
+    from bob_compile.kernels.params import AttentionParams
     from bob_compile.kernels import triton_bob, triton_common, triton_forward
     sites = {"_forward_kernel": ("rows", triton_forward.forward_candidates),
              "_row_kernel": ("rows", triton_bob.row_candidates),
@@ -43,8 +44,9 @@ def run_variant(which):
     scale = D ** -0.5
 
     def step(q, k, v, do, gq, gk, gv):
-        o, lse = ta.attention_forward(q, k, v, scale, True)
-        ta.attention_bob(q, k, v, o, lse, do, None, gq, gk, gv, scale, True)
+        params = AttentionParams(scale=scale, causal=True)
+        o, lse = ta.attention_forward(q, k, v, params)
+        ta.attention_bob(q, k, v, o, lse, do, None, gq, gk, gv, params)
 
     rows = []
     for n in LENGTHS:

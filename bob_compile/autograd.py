@@ -217,13 +217,17 @@ def _save_all(ctx, inputs):
     ctx.set_materialize_grads(False)
 
 
-# For each optional input, the position of a required input with its shape.
-# attn_bob inputs: q k v o lse do dlse gdq gdk gdv
-_BOB_LIKE = {6: 4, 7: 0, 8: 1, 9: 2}
-# attn_fwd_jvp inputs: q k v o lse tq tk tv
-_FWD_JVP_LIKE = {5: 0, 6: 1, 7: 2}
-# attn_bwd_jvp inputs: q k v o lse do dlse tq tk tv to tlse tdo tdlse
-_BWD_JVP_LIKE = {6: 4, 7: 0, 8: 1, 9: 2, 10: 3, 11: 4, 12: 5, 13: 4}
+def _like_positions(op_overload, **like):
+    """{position of an optional input: position of the required input shaped like it},
+    from the op's own argument names (optional input name=required input name)."""
+    names = [argument.name for argument in op_overload._schema.arguments]
+    return {names.index(optional): names.index(required) for optional, required in like.items()}
+
+
+_BOB_LIKE = _like_positions(op.attn_bob.default, dlse="lse", gdq="q", gdk="k", gdv="v")
+_FWD_JVP_LIKE = _like_positions(op.attn_fwd_jvp.default, tq="q", tk="k", tv="v")
+_BWD_JVP_LIKE = _like_positions(op.attn_bwd_jvp.default, dlse="lse", tq="q", tk="k", tv="v",
+                                to="o", tlse="lse", tdo="do", tdlse="lse")
 
 
 class AttnBobFn(_Fused):

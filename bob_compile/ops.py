@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import kernels
 from .kernels import layout
+from .kernels.params import AttentionParams
 from .kernels.reference import acc_dtype
 
 NAMESPACE = "bob_compile"
@@ -70,21 +71,23 @@ def call_forward(pick, q, k, v, scale, causal):
     restore the leading dims and the output layout. The call_* functions below do the same
     for each op."""
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, scale, causal)
+    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, AttentionParams(scale=scale, causal=causal))
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
 def call_backward(pick, q, k, v, o, lse, do, dlse, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
-                                           _flat_rows(dlse, qf), scale, causal)
+                                           _flat_rows(dlse, qf),
+                                           AttentionParams(scale=scale, causal=causal))
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
-                                _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv), scale, causal)
+                                _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv),
+                                AttentionParams(scale=scale, causal=causal))
     likes = (q, k, v, o, None, do, None)
     return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                  for t, like in zip(outs, likes))
@@ -93,7 +96,8 @@ def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq),
-                                            _flat(tk), _flat(tv), scale, causal)
+                                            _flat(tk), _flat(tv),
+                                            AttentionParams(scale=scale, causal=causal))
     return _unflat(to, o.shape, o), _unflat(tlse, lse.shape, None)
 
 
@@ -103,7 +107,7 @@ def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo
     outs = pick(qf, kf, vf).backward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
         _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
-        scale, causal)
+        AttentionParams(scale=scale, causal=causal))
     return tuple(_unflat(t, like.shape, like) for t, like in zip(outs, (q, k, v)))
 
 

@@ -10,13 +10,14 @@ Contract shared by every implementation (`reference`, `blockwise`, `triton_atten
   like their primal: layout.py), in their primal's dtype; ops.py gives each its final layout;
 - optional cotangents/tangents may be None, meaning zero: implementations skip that work.
 
-Functions (names and argument order are the same in every implementation):
-    forward(q, k, v, scale, causal) -> (o, lse)
-    backward(q, k, v, o, lse, do, dlse, scale, causal) -> (dq, dk, dv)
-    bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+Functions (names and argument order are the same in every implementation; `params` is an
+AttentionParams (params.py): scale, causal, and whatever a future kernel takes):
+    forward(q, k, v, params) -> (o, lse)
+    backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
+    bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)         the VJP of `backward`
-    forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal) -> (to, tlse)
-    backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal)
+    forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
+    backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
 
 `select(q, k, v)` picks the Triton kernels for CUDA tensors they support, and the
@@ -29,6 +30,7 @@ import importlib
 import logging
 
 from . import blockwise, reference, settings
+from .params import AttentionParams  # noqa: F401  (the contract's parameter bundle)
 
 log = logging.getLogger("bob_compile.kernels")
 

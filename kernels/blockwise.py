@@ -94,7 +94,8 @@ def _row_delta(do, o, dlse):
 
 
 # ----------------------------------------------------------------------------- forward
-def forward(q, k, v, scale, causal):
+def forward(q, k, v, params):
+    scale, causal = params.scale, params.causal
     out_dtype = q.dtype
     q, k, v = _prepare(q, k, v)
     B, H, L, _ = q.shape
@@ -127,7 +128,8 @@ def forward(q, k, v, scale, causal):
 
 
 # ----------------------------------------------------------------------------- backward
-def backward(q, k, v, o, lse, do, dlse, scale, causal):
+def backward(q, k, v, o, lse, do, dlse, params):
+    scale, causal = params.scale, params.causal
     dts, hkv = (q.dtype, k.dtype, v.dtype), k.shape[1]
     q, k, v = _prepare(q, k, v)
     dt = q.dtype
@@ -146,7 +148,8 @@ def backward(q, k, v, o, lse, do, dlse, scale, causal):
 
 
 # ----------------------------------------------------------------------------- backward-over-backward
-def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+    scale, causal = params.scale, params.causal
     dts, hkv = [t.dtype for t in (q, k, v, o, lse, do)], k.shape[1]
     q, k, v, gdk, gdv = _prepare(q, k, v, gdk, gdv)
     dt = q.dtype
@@ -189,7 +192,8 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
 
 
 # ----------------------------------------------------------------------------- forward mode
-def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
+def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
+    scale, causal = params.scale, params.causal
     out_dtype = o.dtype
     q, k, v, tk, tv = _prepare(q, k, v, tk, tv)
     dt = q.dtype
@@ -214,7 +218,8 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
     return to.to(out_dtype), tlse
 
 
-def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params):
+    scale, causal = params.scale, params.causal
     dts, hkv = (q.dtype, k.dtype, v.dtype), k.shape[1]
     q, k, v, tk, tv = _prepare(q, k, v, tk, tv)
     dt = q.dtype

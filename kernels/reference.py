@@ -119,8 +119,9 @@ def _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
 # --------------------------------------------------------------------------------------
 # The contract
 # --------------------------------------------------------------------------------------
-def forward(q, k, v, scale, causal, upcast=True):
+def forward(q, k, v, params, upcast=True):
     """Returns (o, lse); lse is -inf for rows that see no key, and o is 0 there."""
+    scale, causal = params.scale, params.causal
     if not upcast:
         return _forward_in_dtype(q, k, v, scale, causal)
     out_dtype = q.dtype
@@ -136,8 +137,9 @@ def forward(q, k, v, scale, causal, upcast=True):
     return (p @ v).to(out_dtype), lse
 
 
-def backward(q, k, v, o, lse, do, dlse, scale, causal, upcast=True):
+def backward(q, k, v, o, lse, do, dlse, params, upcast=True):
     """FA2 backward with an incoming lse cotangent: D = rowsum(dO * O) - dlse."""
+    scale, causal = params.scale, params.causal
     if not upcast:
         return _backward_in_dtype(q, k, v, o, lse, do, dlse, scale, causal)
     dts = (q.dtype, k.dtype, v.dtype)
@@ -156,12 +158,13 @@ def backward(q, k, v, o, lse, do, dlse, scale, causal, upcast=True):
     return dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2])
 
 
-def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, upcast=True):
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
     """Backward-over-backward: the VJP of `backward` w.r.t. (q, k, v, o, lse, do, dlse).
 
     gdq/gdk/gdv are the cotangents of dq/dk/dv; any may be None (zero). Returns the seven
     cotangents named in BOB_OUTPUTS, each in its primal's dtype (gdlse like lse).
     """
+    scale, causal = params.scale, params.causal
     if not upcast:
         return _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
     dts = [t.dtype for t in (q, k, v, o, lse, do)]
@@ -204,8 +207,9 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, upcast=True):
     return tuple(t.to(dt) for t, dt in zip(outs, dts + [dts[4]]))
 
 
-def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
+def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     """Tangents (to, tlse) of forward() along (tq, tk, tv); None tangents are zero."""
+    scale, causal = params.scale, params.causal
     out_dtype = o.dtype
     q, k, v, o, lse, tq, tk, tv = _upcast(q, k, v, o, lse, tq, tk, tv)
     H = q.shape[-3]
@@ -223,8 +227,9 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
     return to.to(out_dtype), tlse
 
 
-def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params):
     """Tangents (tdq, tdk, tdv) of backward() along all seven tangents (None = zero)."""
+    scale, causal = params.scale, params.causal
     dts = (q.dtype, k.dtype, v.dtype)
     hkv, H = k.shape[-3], q.shape[-3]
     q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse = _upcast(

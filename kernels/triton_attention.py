@@ -1,8 +1,8 @@
 """The Triton implementation of the kernel contract (see `kernels/__init__.py`).
 
-    forward(q, k, v, scale, causal) -> (o, lse)
-    backward(q, k, v, o, lse, do, dlse, scale, causal) -> (dq, dk, dv)
-    bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+    forward(q, k, v, params) -> (o, lse)
+    backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
+    bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)
     forward_jvp / backward_jvp: the blockwise PyTorch path (no fused kernels yet)
 
@@ -162,7 +162,8 @@ def _try_native(backend, fn, q, k, v, *rest):
 # --------------------------------------------------------------------------------------
 # The contract
 # --------------------------------------------------------------------------------------
-def forward(q, k, v, scale, causal):
+def forward(q, k, v, params):
+    scale, causal = params.scale, params.causal
     B, Hq, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
     if S == 0 or L == 0:
@@ -173,10 +174,11 @@ def forward(q, k, v, scale, causal):
         out = _try_native(backend, _native_forward, q, k, v, scale, causal)
         if out is not None:
             return out
-    return attention_forward(q, k, v, scale, causal)
+    return attention_forward(q, k, v, params)
 
 
-def backward(q, k, v, o, lse, do, dlse, scale, causal):
+def backward(q, k, v, o, lse, do, dlse, params):
+    scale, causal = params.scale, params.causal
     S, L = k.shape[2], q.shape[2]
     if S == 0 or L == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format), \
@@ -188,24 +190,24 @@ def backward(q, k, v, o, lse, do, dlse, scale, causal):
             out = _try_native(backend, _native_backward, q, k, v, o, lse, do, scale, causal)
             if out is not None:
                 return out
-    return attention_backward(q, k, v, o, lse, do, dlse, scale, causal,
+    return attention_backward(q, k, v, o, lse, do, dlse, params,
                               dq_atomics=settings.current().bwd_dq_atomics)
 
 
-def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     S, L = k.shape[2], q.shape[2]
     if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
         # every output is a sum over visible (query, key) pairs times a cotangent: all zero
         like = (q, k, v, o, lse, do, lse)
         return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
-    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal,
+    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params,
                          row_atomics=settings.current().bob_row_atomics)
 
 
-def forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal):
-    return blockwise.forward_jvp(q, k, v, o, lse, tq, tk, tv, scale, causal)
+def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
+    return blockwise.forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
 
 
-def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params):
     return blockwise.backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
-                                  scale, causal)
+                                  params)

@@ -247,8 +247,9 @@ def dq_candidates(dtype, head_dim, head_dim_v):
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
 
 
-def attention_backward(q, k, v, o, lse, do, dlse, scale, causal, dq_atomics=False):
+def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     """(dq, dk, dv), laid out like the primals (layout.py), in their dtypes; S must be > 0."""
+    scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     lse = lse.contiguous()

@@ -370,8 +370,9 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics):
             dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)]
 
 
-def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal, row_atomics=False):
+def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=False):
     """(gq, gk, gv, go, glse, gdo, gdlse); S > 0 and at least one of gdq/gdk/gdv given."""
+    scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     dev = q.device

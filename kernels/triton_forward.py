@@ -107,8 +107,9 @@ def forward_candidates(dtype, head_dim, head_dim_v):
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
 
 
-def attention_forward(q, k, v, scale, causal):
+def attention_forward(q, k, v, params):
     """o (q's dtype, laid out like q: layout.py) and lse (float32, (B, Hq, L)); S must be > 0."""
+    scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     o = empty_like_order((B, Hq, L, Ev), q)

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from bob_compile.kernels import blockwise, reference
+from bob_compile.kernels.params import AttentionParams
 
 
 def rel_err(a, b):
@@ -30,19 +31,19 @@ def test_every_function_matches_reference(p):
     q = torch.randn(p["B"], p["H"], p["L"], p["E"], **f64)
     k = torch.randn(p["B"], p["Hkv"], p["S"], p["E"], **f64)
     v = torch.randn(p["B"], p["Hkv"], p["S"], p["Ev"], **f64)
-    sc, causal = p["scale"], p["causal"]
-    o, lse = reference.forward(q, k, v, sc, causal)
+    params = AttentionParams(scale=p["scale"], causal=p["causal"])
+    o, lse = reference.forward(q, k, v, params)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     cot = [t if keep else None for t, keep in
            zip((torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)), p["present"])]
     tan = [t if keep else None for t, keep in
            zip([torch.randn_like(x) for x in (q, k, v, o, lse, do, dlse)], p["present"])]
     calls = [
-        ("forward", (q, k, v, sc, causal)),
-        ("backward", (q, k, v, o, lse, do, dlse if p["present"][3] else None, sc, causal)),
-        ("bob", (q, k, v, o, lse, do, dlse, *cot, sc, causal)),
-        ("forward_jvp", (q, k, v, o, lse, *tan[:3], sc, causal)),
-        ("backward_jvp", (q, k, v, o, lse, do, dlse, *tan, sc, causal)),
+        ("forward", (q, k, v, params)),
+        ("backward", (q, k, v, o, lse, do, dlse if p["present"][3] else None, params)),
+        ("bob", (q, k, v, o, lse, do, dlse, *cot, params)),
+        ("forward_jvp", (q, k, v, o, lse, *tan[:3], params)),
+        ("backward_jvp", (q, k, v, o, lse, do, dlse, *tan, params)),
     ]
     with blockwise.tiles(*p["tiles"]):
         for name, args in calls:
@@ -54,10 +55,11 @@ def test_every_function_matches_reference(p):
 
 def test_rows_that_see_no_key_are_zero_not_nan():
     q, k, v = torch.randn(1, 2, 4, 3), torch.randn(1, 2, 0, 3), torch.randn(1, 2, 0, 5)
-    o, lse = blockwise.forward(q, k, v, 0.5, True)
+    params = AttentionParams(scale=0.5, causal=True)
+    o, lse = blockwise.forward(q, k, v, params)
     assert torch.equal(o, torch.zeros(1, 2, 4, 5)) and torch.isneginf(lse).all()
     outs = blockwise.bob(q, k, v, o, lse, torch.randn_like(o), None, torch.randn_like(q),
-                         torch.randn_like(k), torch.randn_like(v), 0.5, True)
+                         torch.randn_like(k), torch.randn_like(v), params)
     assert all(not torch.isnan(t).any() for t in outs)
     assert torch.equal(outs[0], torch.zeros_like(q))
 
@@ -66,14 +68,15 @@ def test_half_precision_accumulates_in_float32():
     """fp16 inputs: every output within a few fp16 ulps of the float64 answer."""
     with blockwise.tiles(16, 16):
         q, k, v = (torch.randn(1, 2, 37, 16).half() for _ in range(3))
-        o, lse = blockwise.forward(q, k, v, 0.25, True)
-        ref_o, ref_lse = reference.forward(q.double(), k.double(), v.double(), 0.25, True)
+        params = AttentionParams(scale=0.25, causal=True)
+        o, lse = blockwise.forward(q, k, v, params)
+        ref_o, ref_lse = reference.forward(q.double(), k.double(), v.double(), params)
         assert o.dtype == torch.float16 and lse.dtype == torch.float32
         assert rel_err(o, ref_o) < 2e-3 and rel_err(lse, ref_lse) < 1e-6
         do = torch.randn_like(o)
         g = [torch.randn_like(t) for t in (q, k, v)]
-        ours = blockwise.bob(q, k, v, o, lse, do, None, *g, 0.25, True)
+        ours = blockwise.bob(q, k, v, o, lse, do, None, *g, params)
         ref = reference.bob(*(t.double() for t in (q, k, v, o, lse, do)), None,
-                            *(t.double() for t in g), 0.25, True)
+                            *(t.double() for t in g), params)
         for a, b in zip(ours, ref):
             assert rel_err(a, b) < 5e-3

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from bob_compile.kernels import reference, settings, triton_attention  # noqa: E402
+from bob_compile.kernels.params import AttentionParams  # noqa: E402
 
 
 FLOOR = 1e-5  # fp32-level noise that no dtype rule should fail on
@@ -42,10 +43,11 @@ def second_order_step(attn, q, k, v, do, gq, gk, gv):
 
 def chain_step(q, k, v, do, gq, gk, gv, scale, causal, impl):
     """The same step assembled from the kernel contract (chain form)."""
-    o, lse = impl.forward(q, k, v, scale, causal)
-    impl.backward(q, k, v, o, lse, do, None, scale, causal)
-    bq, bk, bv, go, glse, gdo, _ = impl.bob(q, k, v, o, lse, do, None, gq, gk, gv, scale, causal)
-    dq2, dk2, dv2 = impl.backward(q, k, v, o, lse, go, glse, scale, causal)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = impl.forward(q, k, v, params)
+    impl.backward(q, k, v, o, lse, do, None, params)
+    bq, bk, bv, go, glse, gdo, _ = impl.bob(q, k, v, o, lse, do, None, gq, gk, gv, params)
+    dq2, dk2, dv2 = impl.backward(q, k, v, o, lse, go, glse, params)
     return (bq.double() + dq2.double(), bk.double() + dk2.double(),
             bv.double() + dv2.double(), gdo.double())
 
@@ -91,9 +93,10 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
     report = []
 
     # first order: forward
-    o, lse = triton_attention.forward(q, k, v, scale, causal)
-    ro, rlse = reference.forward(*f64(q, k, v), scale, causal)
-    mo, mlse = reference.forward(q, k, v, scale, causal, upcast=False)   # precision baseline
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    ro, rlse = reference.forward(*f64(q, k, v), params)
+    mo, mlse = reference.forward(q, k, v, params, upcast=False)   # precision baseline
     assert o.dtype == dtype and o.is_contiguous() and lse.dtype == torch.float32
     check_against("o", o, mo, ro, report)
     check_against("lse", lse, mlse, rlse, report)
@@ -102,9 +105,9 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
     do = torch.randn_like(o)
     for dlse in (None, torch.randn_like(lse)):
         tag = "" if dlse is None else "+dlse"
-        ours = triton_attention.backward(q, k, v, o, lse, do, dlse, scale, causal)
-        exact = reference.backward(*f64(q, k, v, o, lse, do, dlse), scale, causal)
-        lowp = reference.backward(q, k, v, o, lse, do, dlse, scale, causal, upcast=False)
+        ours = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
+        exact = reference.backward(*f64(q, k, v, o, lse, do, dlse), params)
+        lowp = reference.backward(q, k, v, o, lse, do, dlse, params, upcast=False)
         for name, a, m, e in zip(("dq", "dk", "dv"), ours, lowp, exact):
             assert a.dtype == dtype and a.is_contiguous()
             check_against(name + tag, a, m, e, report)
@@ -112,9 +115,9 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
     # backward-over-backward, all seven outputs
     dlse = torch.randn_like(lse)
     cot = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
-    ours = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
-    exact = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), scale, causal)
-    lowp = reference.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal, upcast=False)
+    ours = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
+    exact = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), params)
+    lowp = reference.bob(q, k, v, o, lse, do, dlse, *cot, params, upcast=False)
     for name, a, m, e in zip(reference.BOB_OUTPUTS, ours, lowp, exact):
         check_against(name, a, m, e, report)
 
@@ -140,14 +143,15 @@ def test_deterministic_two_pass(monkeypatch):
     q = torch.randn(1, 4, 1100, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 1100, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 1100, 64, device="cuda", dtype=torch.bfloat16)
-    o, lse = triton_attention.forward(q, k, v, 0.125, True)
+    params = AttentionParams(scale=0.125, causal=True)
+    o, lse = triton_attention.forward(q, k, v, params)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     cot = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
-    first = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, 0.125, True)
-    first_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, 0.125, True)
+    first = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
+    first_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
     for _ in range(3):
-        again = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, 0.125, True)
-        again_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, 0.125, True)
+        again = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
+        again_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
         for a, b in zip(first + first_bwd, again + again_bwd):
             assert torch.equal(a, b)
 
@@ -157,14 +161,14 @@ def test_empty_key_rows_are_zero(causal):
     q = torch.randn(1, 2, 33, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.bfloat16)
-    o, lse = triton_attention.forward(q, k, v, 0.125, causal)
+    params = AttentionParams(scale=0.125, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
     assert (o == 0).all() and torch.isneginf(lse).all()
     do = torch.randn_like(o)
-    dq, dk, dv = triton_attention.backward(q, k, v, o, lse, do, torch.randn_like(lse), 0.125,
-                                           causal)
+    dq, dk, dv = triton_attention.backward(q, k, v, o, lse, do, torch.randn_like(lse), params)
     assert (dq == 0).all() and dk.numel() == 0 and dv.numel() == 0
     outs = triton_attention.bob(q, k, v, o, lse, do, None, torch.randn_like(q), None, None,
-                                0.125, causal)
+                                params)
     assert all(torch.isfinite(t).all() and (t == 0).all() for t in outs)
 
 
@@ -181,7 +185,7 @@ def test_first_call_tuning_is_cached(tmp_path, monkeypatch):
     settings.reload()
     for n in (3000, 3500):  # one bucket
         q = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
-        triton_attention.forward(q, q, q, 0.125, True)
+        triton_attention.forward(q, q, q, AttentionParams(scale=0.125, causal=True))
         assert os.path.exists(triton_common.TUNING_CACHE.path)
         entries = dict(triton_common.TUNING_CACHE.entries)
         assert len(entries) == 1

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bob_compile.kernels import reference
+from bob_compile.kernels.params import AttentionParams
 
 SHAPES = [  # B, Hq, Hkv, L, S, E, Ev, causal
     (1, 2, 2, 7, 7, 8, 8, True),
@@ -35,14 +36,15 @@ def test_in_float64_the_baseline_is_the_closed_form(shape, with_dlse):
     q, k, v, do, dlse = inputs(*dims, torch.float64)
     dlse = dlse if with_dlse else None
     scale = 0.37
-    o, lse = reference.forward(q, k, v, scale, causal)
-    assert max_diff(reference.forward(q, k, v, scale, causal, upcast=False), (o, lse)) < 1e-12
-    exact = reference.backward(q, k, v, o, lse, do, dlse, scale, causal)
-    plain = reference.backward(q, k, v, o, lse, do, dlse, scale, causal, upcast=False)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = reference.forward(q, k, v, params)
+    assert max_diff(reference.forward(q, k, v, params, upcast=False), (o, lse)) < 1e-12
+    exact = reference.backward(q, k, v, o, lse, do, dlse, params)
+    plain = reference.backward(q, k, v, o, lse, do, dlse, params, upcast=False)
     assert max_diff(plain, exact) < 1e-12
     cot = (torch.randn_like(q), None, torch.randn_like(v))
-    exact = reference.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
-    plain = reference.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal, upcast=False)
+    exact = reference.bob(q, k, v, o, lse, do, dlse, *cot, params)
+    plain = reference.bob(q, k, v, o, lse, do, dlse, *cot, params, upcast=False)
     assert max_diff(plain, exact) < 1e-11
 
 
@@ -53,11 +55,12 @@ def rel(a, e):
 def test_in_half_precision_the_baseline_rounds_like_its_dtype():
     q, k, v, do, _ = inputs(1, 2, 2, 64, 64, 16, 16, torch.float64)
     scale = 0.25
-    o, lse = reference.forward(q, k, v, scale, True)
-    dq = reference.backward(q, k, v, o, lse, do, None, scale, True)[0]
+    params = AttentionParams(scale=scale, causal=True)
+    o, lse = reference.forward(q, k, v, params)
+    dq = reference.backward(q, k, v, o, lse, do, None, params)[0]
     h = [t.to(torch.float16) for t in (q, k, v, do)]
     for upcast, low, high in ((True, 0, 2e-3), (False, 1e-4, 2e-2)):
-        ho, hlse = reference.forward(*h[:3], scale, True, upcast=upcast)
-        hdq = reference.backward(*h[:3], ho, hlse, h[3], None, scale, True, upcast=upcast)[0]
+        ho, hlse = reference.forward(*h[:3], params, upcast=upcast)
+        hdq = reference.backward(*h[:3], ho, hlse, h[3], None, params, upcast=upcast)[0]
         assert ho.dtype == hdq.dtype == torch.float16
         assert low <= rel(ho, o) <= high and low <= rel(hdq, dq) <= high, (upcast, rel(ho, o))

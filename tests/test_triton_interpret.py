@@ -36,6 +36,7 @@ def test_kernels_under_the_interpreter():
 
 
 from bob_compile.kernels import reference, settings  # noqa: E402
+from bob_compile.kernels.params import AttentionParams  # noqa: E402
 
 
 if INTERPRETED:
@@ -93,8 +94,9 @@ def cast_like(expected, actual):
 def run_all_orders(q, k, v, causal, present, with_dlse, dtype):
     scale = 1.0 / math.sqrt(q.shape[-1])
     # forward
-    o, lse = triton_attention.forward(q, k, v, scale, causal)
-    ro, rlse = reference.forward(*f64(q, k, v), scale, causal)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    ro, rlse = reference.forward(*f64(q, k, v), params)
     assert o.dtype == q.dtype and lse.dtype == torch.float32
     check("o", o, ro.to(o.dtype) if dtype == torch.float32 else ro.to(o.dtype), dtype)
     if rlse.numel():
@@ -106,16 +108,16 @@ def run_all_orders(q, k, v, causal, present, with_dlse, dtype):
     # backward, on the kernel's own (o, lse) so that both sides see the same inputs
     do = torch.randn_like(o)
     dlse = torch.randn_like(lse) if with_dlse else None
-    grads = triton_attention.backward(q, k, v, o, lse, do, dlse, scale, causal)
-    expected = reference.backward(*f64(q, k, v, o, lse, do, dlse), scale, causal)
+    grads = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
+    expected = reference.backward(*f64(q, k, v, o, lse, do, dlse), params)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
         check(name, a, e.to(a.dtype), dtype)
 
     # backward-over-backward
     cot = [torch.randn(t.shape, dtype=t.dtype) if keep else None
            for t, keep in zip((q, k, v), present)]
-    outs = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, scale, causal)
-    expected = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), scale, causal)
+    outs = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
+    expected = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), params)
     for name, a, e in zip(reference.BOB_OUTPUTS, outs, expected):
         check(name, a, e.to(a.dtype), dtype)
 
@@ -167,9 +169,10 @@ def test_none_cotangents(monkeypatch, schedule, present):
 @in_interpreter
 def test_all_cotangents_none_gives_zeros():
     q, k, v = make_inputs(1, 2, 2, 17, 19, 16, 16, torch.float32)
-    o, lse = triton_attention.forward(q, k, v, 0.25, False)
+    params = AttentionParams(scale=0.25, causal=False)
+    o, lse = triton_attention.forward(q, k, v, params)
     outs = triton_attention.bob(q, k, v, o, lse, torch.randn_like(o), None, None, None, None,
-                                0.25, False)
+                                params)
     for name, t, like in zip(reference.BOB_OUTPUTS, outs, (q, k, v, o, lse, o, lse)):
         assert t.shape == like.shape and t.dtype == like.dtype, name
         assert t.abs().max().item() == 0, name
@@ -205,11 +208,12 @@ def check_nonfinite(name, actual, expected, same_places):
 def forward_and_backward(q, k, v, causal):
     """(o, lse, grads) of the kernels and of the float64 reference, on the same inputs."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    o, lse = triton_attention.forward(q, k, v, scale, causal)
-    ro, rlse = reference.forward(*f64(q, k, v), scale, causal)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    ro, rlse = reference.forward(*f64(q, k, v), params)
     do = torch.randn_like(o)
-    grads = triton_attention.backward(q, k, v, o, lse, do, None, scale, causal)
-    expected = reference.backward(*f64(q, k, v, o, lse, do, None), scale, causal)
+    grads = triton_attention.backward(q, k, v, o, lse, do, None, params)
+    expected = reference.backward(*f64(q, k, v, o, lse, do, None), params)
     return (o, lse, grads), (ro, rlse, expected)
 
 

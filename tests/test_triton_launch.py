@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 
 from bob_compile.kernels import settings, triton_common  # noqa: E402
 from bob_compile.kernels.triton_common import LaunchPlan  # noqa: E402
+from bob_compile.kernels.params import AttentionParams  # noqa: E402
 
 OPTIONS = ("num_warps", "num_stages")
 
@@ -59,10 +60,11 @@ def host_calls(dtype, gqa, atomics):
                for h, n, e in ((Hq, L, E), (Hkv, S, E), (Hkv, S, Ev)))
     o, do = torch.randn(B, Hq, L, Ev, dtype=dtype), torch.randn(B, Hq, L, Ev, dtype=dtype)
     lse, dlse = torch.randn(B, Hq, L), torch.randn(B, Hq, L)
-    attention_forward(q, k, v, 0.3, True)
-    attention_backward(q, k, v, o, lse, do, dlse, 0.3, False, dq_atomics=atomics)
+    params = AttentionParams(scale=0.3, causal=True)
+    attention_forward(q, k, v, params)
+    attention_backward(q, k, v, o, lse, do, dlse, AttentionParams(scale=0.3, causal=False), dq_atomics=atomics)
     attention_bob(q, k, v, o, lse, do, None, torch.randn_like(q), None, torch.randn_like(v),
-                  0.3, True, row_atomics=atomics)
+                  params, row_atomics=atomics)
 
 
 @pytest.mark.parametrize("atomics", [False, True], ids=["two_pass", "atomic"])
