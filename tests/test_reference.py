@@ -64,3 +64,13 @@ def test_in_half_precision_the_baseline_rounds_like_its_dtype():
         hdq = reference.backward(*h[:3], ho, hlse, h[3], None, params, upcast=upcast)[0]
         assert ho.dtype == hdq.dtype == torch.float16
         assert low <= rel(ho, o) <= high and low <= rel(hdq, dq) <= high, (upcast, rel(ho, o))
+
+
+def test_attention_params_refuse_swapped_or_positional_values():
+    assert AttentionParams(scale=0.5, causal=True) == AttentionParams(scale=0.5, causal=True)
+    with pytest.raises(TypeError):
+        AttentionParams(0.5, True)                                   # keyword-only
+    with pytest.raises(TypeError, match="causal must be a bool, got 0.5"):
+        AttentionParams(scale=True, causal=0.5)                      # swapped
+    with pytest.raises(TypeError, match="scale must be a number, got False"):
+        AttentionParams(scale=False, causal=False)
