@@ -20,6 +20,13 @@ AttentionParams (params.py): scale, causal, and whatever a future kernel takes):
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
 
+Adding an attention parameter (a window, a mask): a field of AttentionParams (params.py);
+its read in each implementation's five functions (reference, blockwise, triton_attention);
+in Triton, a kernel parameter passed by name at each launch site (and, for a tensor, its
+stride group in the kernel's `strides_of` declaration: triton_common.py); in
+bob_compile/ops.py the ops' arguments and `call_*`'s AttentionParams; in
+bob_compile/autograd.py what the Functions save.
+
 `select(q, k, v)` picks the Triton kernels for CUDA tensors they support, and the
 memory-efficient `blockwise` PyTorch path everywhere else. BOB_COMPILE_KERNELS=blockwise
 (or =reference, for debugging at small sizes) forces a choice. Like every environment switch
