@@ -12,42 +12,48 @@ import torch
 
 from .autograd import attention_with_lse
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
 def _check_inputs(query, key, value, enable_gqa):
-    """The errors SDPA gives for the same mistakes, said in our name."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"bob_compile.attention: {name} must be a Tensor, got {type(t).__name__}")
-    if not (query.dtype == key.dtype == value.dtype):
+    """The errors SDPA gives for the same mistakes, said in our name. Runs on every call:
+    each property is read once, and the valid case takes one test per rule."""
+    tensor = torch.Tensor
+    if not (isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor)):
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, tensor):
+                raise TypeError(f"bob_compile.attention: {name} must be a Tensor, got {type(t).__name__}")
+    dtype = query.dtype
+    if key.dtype != dtype or value.dtype != dtype:
         raise RuntimeError(
             "bob_compile.attention: Expected query, key, and value to have the same dtype, but got "
             f"query.dtype: {query.dtype} key.dtype: {key.dtype} and value.dtype: {value.dtype} instead.")
-    if query.dtype not in _FLOAT_DTYPES:
+    if dtype not in _FLOAT_DTYPES:
         raise RuntimeError(f"bob_compile.attention: expected a floating dtype "
                            f"(float16, bfloat16, float32, float64), got {query.dtype}.")
-    if not (query.device == key.device == value.device):
+    device = query.device
+    if key.device != device or value.device != device:
         raise RuntimeError(
             "bob_compile.attention: Expected query, key, and value to be on the same device, but got "
             f"query: {query.device} key: {key.device} and value: {value.device} instead.")
-    if min(query.dim(), key.dim(), value.dim()) < 2:
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(qs) < 2 or len(ks) < 2 or len(vs) < 2:
         raise RuntimeError(
             "bob_compile.attention: Expected query, key, and value to all be at least 2 dimensional, "
             f"but got query.dim: {query.dim()} key.dim: {key.dim()} and value.dim: {value.dim()} instead.")
-    if query.shape[-1] != key.shape[-1]:
+    if qs[-1] != ks[-1]:
         raise RuntimeError(
             f"bob_compile.attention: query and key must have the same embedding (last) dimension, "
-            f"got query {tuple(query.shape)} and key {tuple(key.shape)}.")
-    if key.shape[-2] != value.shape[-2]:
+            f"got query {tuple(qs)} and key {tuple(ks)}.")
+    if ks[-2] != vs[-2]:
         raise RuntimeError(
             f"bob_compile.attention: key and value must have the same sequence length (dim -2), "
-            f"got key {tuple(key.shape)} and value {tuple(value.shape)}.")
+            f"got key {tuple(ks)} and value {tuple(vs)}.")
     if enable_gqa:
-        if min(query.dim(), key.dim(), value.dim()) < 3:
+        if len(qs) < 3 or len(ks) < 3 or len(vs) < 3:
             raise RuntimeError("bob_compile.attention: enable_gqa=True needs a head dimension "
                                "(dim -3) on query, key and value.")
-        hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+        hq, hk, hv = qs[-3], ks[-3], vs[-3]
         if hk != hv or hq % hk != 0:
             raise RuntimeError(
                 "bob_compile.attention: Number of heads in key and value must divide the number of "
