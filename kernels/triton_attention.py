@@ -94,8 +94,8 @@ def _native_backend(q, k, v, causal):
 
 
 # The forwards through torch's generated Python bindings (a direct C++ call; torch.ops.aten
-# goes through the boxed dispatcher from Python, ~10 us more per call on the H200's host);
-# the backwards have no such binding, so their overloads are looked up once.
+# goes through the boxed dispatcher from Python); the backwards have no such binding, so
+# their overloads are looked up once.
 _cudnn_forward = getattr(torch, "_scaled_dot_product_cudnn_attention",
                          torch.ops.aten._scaled_dot_product_cudnn_attention)
 _flash_forward = getattr(torch, "_scaled_dot_product_flash_attention",
