@@ -128,15 +128,6 @@ class _Fused(torch.autograd.Function):
             _apply_state.plain = outer
 
 
-def _with_kernel_choices(choices, fn, *args):
-    """fn(*args) under a compiled graph's kernel choices, saved at forward time (the
-    backward runs later, on the autograd engine's thread; kernels/settings.py)."""
-    if choices is None:
-        return fn(*args)
-    with kernel_settings.using(choices):
-        return fn(*args)
-
-
 def _forward_mode_possible():
     """Whether this node's jvp may run: only under a forward-AD level or a torch.func
     transform active while the node is made (then setup_context saves for it)."""
@@ -307,7 +298,9 @@ class AttnBwdFn(_Fused):
             return (None,) * 9
         q, k, v, o, lse, do, dlse = ctx.saved_tensors
         bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
-        gq, gk, gv, go, glse, gdo, gdlse = _with_kernel_choices(
+        # under the kernel choices in force at forward time (this runs later, on the
+        # autograd engine's thread)
+        gq, gk, gv, go, glse, gdo, gdlse = kernel_settings.run_with(
             ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, ctx.scale,
             ctx.causal)
         return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None
@@ -350,8 +343,8 @@ class AttnFn(_Fused):
             return None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else AttnBwdFn.apply
-        dq, dk, dv = _with_kernel_choices(ctx.kernel_choices, backward, q, k, v, o, lse,
-                                          _zeros_if_none(do, o), dlse, ctx.scale, ctx.causal)
+        dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, backward, q, k, v, o, lse,
+                                              _zeros_if_none(do, o), dlse, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None
 
     @staticmethod

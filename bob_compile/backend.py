@@ -25,6 +25,7 @@ wrong result (options["fallback"]=False raises instead).
 """
 import collections
 import copy
+import functools
 import logging
 import warnings
 
@@ -157,13 +158,9 @@ def _compile(report, gm, example_inputs, opts):
 def _with_kernel_choices(compiled, choices):
     """`compiled`, run under the compile's kernel choices (options `kernels`, ...; the
     autograd nodes it makes keep them for their backward: bob_compile/autograd.py)."""
-    if not choices:
+    if choices is None:
         return compiled
-
-    def run(*args):
-        with kernel_settings.using(choices):
-            return compiled(*args)
-    return run
+    return functools.partial(kernel_settings.run_with, choices, compiled)
 
 
 def _on_compile(report):

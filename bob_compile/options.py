@@ -51,7 +51,7 @@ class Options:
     fallback: bool = True
     # Inductor config patches for torch.compile's `mode` (not an option key).
     inductor_config: tuple = ()
-    kernel_choices: kernel_settings.KernelChoices = kernel_settings.KernelChoices()
+    kernel_choices: Optional[kernel_settings.KernelChoices] = None   # None: the environment's
 
 
 VALID_KEYS = ("dump_dir", "compiler", "fallback", "kernels", "native_backend", "bwd_dq",
@@ -96,7 +96,7 @@ def parse(options=None, mode=None):
         compiler=compiler,
         fallback=options.get("fallback", True),
         inductor_config=tuple(sorted(inductor_config.items())),
-        kernel_choices=kernel_settings.KernelChoices(
+        kernel_choices=kernel_settings.KernelChoices.of(
             kernels=options.get("kernels"), native_backend=options.get("native_backend"),
             bwd_dq_atomics=schedule["bwd_dq"], bob_row_atomics=schedule["bob_schedule"],
             tune=options.get("tune")),

@@ -64,10 +64,7 @@ def _under_kernel_choices(fn):
     @functools.wraps(fn)
     def run(ctx, *args):
         graph = getattr(ctx, "graph", None) or args[0]
-        if not graph.kernel_choices:
-            return fn(ctx, *args)
-        with kernel_settings.using(graph.kernel_choices):
-            return fn(ctx, *args)
+        return kernel_settings.run_with(graph.kernel_choices, fn, ctx, *args)
     return run
 
 
@@ -441,7 +438,7 @@ class TrainingGraph:
         self._forward_vjp = {}       # (requires-grad mask, shapes) of the primals -> pair
         self._eager_backward = None
         self._eager_forward = None
-        self.kernel_choices = kernel_choices   # the compile's options (kernels/settings.py)
+        self.kernel_choices = kernel_choices   # the compile's options, or None (kernels/settings.py)
         self.dynamic = any(_is_symbolic(p.meta.get("val"))
                            for p in pair.forward_graph.graph.nodes if p.op == "placeholder")
         if self.dynamic:

@@ -102,8 +102,12 @@ class KernelChoices:
     bob_row_atomics: Optional[bool] = None
     tune: Optional[bool] = None
 
-    def __bool__(self):
-        return any(v is not None for v in dataclasses.astuple(self))
+    @classmethod
+    def of(cls, **choices):
+        """KernelChoices of the choices made, or None when none is (then nothing needs to
+        be applied, and callers test `is None`, which costs nothing on the hot path)."""
+        made = {name: value for name, value in choices.items() if value is not None}
+        return cls(**made) if made else None
 
 
 _current: Optional[Settings] = None
@@ -143,8 +147,8 @@ def overridden():
 
 @contextlib.contextmanager
 def using(choices):
-    """Run a compiled graph's code with its kernel choices (None or empty: no change)."""
-    if not choices:
+    """Run a compiled graph's code with its kernel choices (None: no change)."""
+    if choices is None:
         yield
         return
     token = _choices.set(choices)
@@ -152,6 +156,14 @@ def using(choices):
         yield
     finally:
         _choices.reset(token)
+
+
+def run_with(choices, fn, *args):
+    """fn(*args) under these kernel choices; with None (the usual case), just fn(*args)."""
+    if choices is None:
+        return fn(*args)
+    with using(choices):
+        return fn(*args)
 
 
 def reload() -> Settings:

@@ -7,6 +7,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bob_compile import attention
 from bob_compile import kernels
 from bob_compile.kernels import blockwise, reference, settings
+from models import CASES, SDPABlock, loss_of
 
 
 _reference_forward = reference.forward
@@ -82,19 +83,9 @@ def test_a_refused_native_configuration_falls_back_for_that_configuration_only(m
 # --------------------------------------------------------------------------------------
 # Kernel choices per compile (flashbob options), in every order
 # --------------------------------------------------------------------------------------
-class Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 12, dtype=torch.float64)
-
-    def forward(self, x):
-        q, k, v = self.proj(x).view(1, 5, 3, 1, 4).permute(2, 0, 3, 1, 4)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
-
-
 def hvp(model, x):
     params = list(model.parameters())
-    grads = torch.autograd.grad(model(x), params, create_graph=True)
+    grads = torch.autograd.grad(loss_of(model(x)), params, create_graph=True)
     return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
 
 
@@ -116,8 +107,8 @@ def selections(monkeypatch):
 def test_options_choose_the_kernels_of_every_order(selections, compiler):
     from bob_compile.backend import flashbob
     torch._dynamo.reset()
-    model = Attention()
-    x = torch.randn(5, 4, dtype=torch.float64)
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
     with sdpa_kernel(SDPBackend.MATH):          # the only SDPA with a double backward
         expected = hvp(model, x)
     selections.clear()
@@ -128,7 +119,7 @@ def test_options_choose_the_kernels_of_every_order(selections, compiler):
     # forward, backward (create_graph), BoB, second backward: all forced
     assert len(selections) >= 4 and set(selections) == {"reference"}, selections
     selections.clear()
-    other = torch.compile(Attention(), backend=flashbob, options={"compiler": compiler})
+    other = torch.compile(SDPABlock().double(), backend=flashbob, options={"compiler": compiler})
     hvp(other, x)                       # another compile, without the option
     assert len(selections) >= 4 and set(selections) == {"blockwise"}, selections
     selections.clear()
@@ -157,3 +148,12 @@ def test_choices_apply_over_the_environment(monkeypatch):
         assert settings.overridden() is choices
     assert (inside.kernels, inside.tune, inside.bwd_dq_atomics) == ("reference", False, True)
     assert settings.current() is base and settings.overridden() is None
+
+
+def test_no_kernel_option_means_nothing_to_apply():
+    """Without kernel options a compile carries None, which the runtime tests with `is`
+    on every step (no per-step work for a feature that is not used)."""
+    from bob_compile import options as options_module
+    assert options_module.parse({}).kernel_choices is None
+    assert options_module.parse({"compiler": "aot_eager"}).kernel_choices is None
+    assert options_module.parse({"tune": False}).kernel_choices == settings.KernelChoices(tune=False)
