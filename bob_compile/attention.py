@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .autograd import attention_with_lse
+from .autograd import attention_output
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
@@ -129,5 +129,4 @@ def attention(query, key, value, *, is_causal=False, scale=None, enable_gqa=Fals
         raise TypeError(f"bob_compile.attention: is_causal must be a bool, got {type(is_causal).__name__}")
     scale = _scale_value(scale, query.shape[-1])
     query, key, value = _broadcast_leading(query, key, value, enable_gqa)
-    o, _ = attention_with_lse(query, key, value, scale, is_causal)
-    return o
+    return attention_output(query, key, value, scale, is_causal)

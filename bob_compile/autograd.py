@@ -128,6 +128,21 @@ class _Fused(torch.autograd.Function):
             _apply_state.plain = outer
 
 
+def attention_output(q, k, v, scale, causal):
+    """o of the attention op. Where nothing can differentiate it (plain eager, no grad
+    needed, no forward-mode AD) the implementation's forward_output runs, without an lse
+    (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
+    everywhere else, the op through AttnFn (attention_with_lse)."""
+    if (_forward_ad._current_level < 0 and not _functorch_active()
+            and (not torch.is_grad_enabled() or not _any_requires_grad(q, k, v))
+            and _plain_eager((q, k, v))):
+        if _profiling():
+            with torch.profiler.record_function("bob_compile::attn_fwd"):
+                return ops.call_forward_output(kernels.select, q, k, v, scale, causal)
+        return ops.call_forward_output(kernels.select, q, k, v, scale, causal)
+    return attention_with_lse(q, k, v, scale, causal)[0]
+
+
 def _forward_mode_possible():
     """Whether this node's jvp may run: only under a forward-AD level or a torch.func
     transform active while the node is made (then setup_context saves for it)."""

@@ -18,7 +18,9 @@ For each graph Dynamo captures:
    - "aot": the graph differentiates itself (torch.func.grad/jvp/vmap inside the compiled
      function) and nothing outside can differentiate it: AOTAutograd traces the op's
      derivatives into the graph and `compiler` (inductor) compiles all of it;
-   - "inference": no gradient can flow: `compiler` compiles the rewritten graph.
+   - "inference": no gradient can flow: `compiler` compiles the rewritten graph, its
+     attention as PyTorch's fused SDPA (passes/inference.py) unless kernel options ask
+     for ours.
 3. report and dump (dump.py), the compiled graphs of every order included.
 A failure inside the backend warns and runs the untouched graph: never a crash, never a
 wrong result (options["fallback"]=False raises instead).
@@ -36,6 +38,8 @@ from . import _compat, dump, static_inputs, training_runtime
 from . import options as options_module
 from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
+from .passes.causal_mask import failing_guards
+from .passes.inference import use_native_sdpa
 from .passes.report import compiled_text, count, counters  # noqa: F401  (counters: re-exported for users)
 
 log = logging.getLogger(__name__)
@@ -148,6 +152,13 @@ def _compile(report, gm, example_inputs, opts):
             return _with_kernel_choices(gm.forward, opts.kernel_choices)
     if route == "eager":
         return _with_kernel_choices(gm.forward, opts.kernel_choices)
+    if route == "inference" and opts.kernel_choices is None \
+            and kernel_settings.current().kernels is None:
+        native = use_native_sdpa(gm)
+        if native:
+            count("inference_native_sdpa", native)
+            report.route_reason += (f"; its {native} attention site(s) run PyTorch's fused SDPA, "
+                                    f"as nothing differentiates this graph")
     if opts.compiler == "aot_eager":
         compiled = _compat.compile_with_aot_eager(gm, example_inputs)
     else:
@@ -183,7 +194,7 @@ def _with_guards(compiled, untouched, guards):
     warned = []
 
     def masks_changed(args):
-        failing = [g for g in guards if not g.holds(args)]
+        failing = failing_guards(guards, args)
         if failing and not warned:
             warned.append(True)
             warnings.warn(f"flashbob: {', '.join(g.name for g in failing)} no longer holds the "

@@ -75,6 +75,13 @@ def call_forward(pick, q, k, v, scale, causal):
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
+def call_forward_output(pick, q, k, v, scale, causal):
+    """o of call_forward, from the implementation's forward_output (no lse to compute)."""
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    o = pick(qf, kf, vf).forward_output(qf, kf, vf, AttentionParams(scale=scale, causal=causal))
+    return _unflat(o, (*q.shape[:-1], v.shape[-1]), q)
+
+
 def call_backward(pick, q, k, v, o, lse, do, dlse, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),

@@ -13,6 +13,7 @@ Contract shared by every implementation (`reference`, `blockwise`, `triton_atten
 Functions (names and argument order are the same in every implementation; `params` is an
 AttentionParams (params.py): scale, causal, and whatever a future kernel takes):
     forward(q, k, v, params) -> (o, lse)
+    forward_output(q, k, v, params) -> o             for calls nothing will differentiate
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
     bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)         the VJP of `backward`
@@ -21,7 +22,7 @@ AttentionParams (params.py): scale, causal, and whatever a future kernel takes):
         -> (tdq, tdk, tdv)
 
 Adding an attention parameter (a window, a mask): a field of AttentionParams (params.py);
-its read in each implementation's five functions (reference, blockwise, triton_attention);
+its read in each implementation's six functions (reference, blockwise, triton_attention);
 in Triton, a kernel parameter passed by name at each launch site (and, for a tensor, its
 stride group in the kernel's `strides_of` declaration: triton_common.py); in
 bob_compile/ops.py the ops' arguments and `call_*`'s AttentionParams; in

@@ -1,6 +1,7 @@
 """The Triton implementation of the kernel contract (see `kernels/__init__.py`).
 
     forward(q, k, v, params) -> (o, lse)
+    forward_output(q, k, v, params) -> o
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
     bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)
@@ -116,6 +117,14 @@ def _native_forward(backend, q, k, v, scale, causal):
     return o, lse.reshape(B, H, L).float().contiguous()
 
 
+def _native_forward_output(backend, q, k, v, scale, causal):
+    """o alone: cuDNN then neither computes nor writes the lse (what native SDPA runs
+    without grad); FA2's forward always returns one."""
+    if backend == "cudnn":
+        return _cudnn_forward(q, k, v, None, False, 0.0, causal, False, scale=scale)[0]
+    return _flash_forward(q, k, v, 0.0, causal, False, scale=scale)[0]
+
+
 _empty_seeds = {}
 
 
@@ -175,6 +184,16 @@ def forward(q, k, v, params):
         if out is not None:
             return out
     return attention_forward(q, k, v, params)
+
+
+def forward_output(q, k, v, params):
+    if k.shape[2] and q.shape[2]:
+        backend = _native_backend(q, k, v, params.causal)
+        if backend is not None:
+            o = _try_native(backend, _native_forward_output, q, k, v, params.scale, params.causal)
+            if o is not None:
+                return o
+    return forward(q, k, v, params)[0]
 
 
 def backward(q, k, v, o, lse, do, dlse, params):

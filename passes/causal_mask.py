@@ -81,18 +81,20 @@ def band_matches(t, lower, upper):
 class CausalTensorGuard:
     """The run-time half of a proof that reads a mask from a graph input (e.g. a buffer).
 
-    `holds(args)` compares the input's contents with the causal pattern on every call.
-    Cheaper signals (tensor identity, version counter, data pointer) can all be bypassed:
-    `buf.data[...] = x` or `buf.data.fill_(x)` writes through a tensor with its own
-    version counter and changes no pointer. The comparison reads the mask once (one
-    elementwise kernel and a host synchronization on CUDA); the pattern it compares with
-    is cached per shape, dtype and device."""
+    The input's contents are compared with the causal pattern on every call (`holds(args)`,
+    or `failing_guards` for all the guards of a graph at once). Cheaper signals (tensor
+    identity, version counter, data pointer) can all be bypassed: `buf.data[...] = x` or
+    `buf.data.fill_(x)` writes through a tensor with its own version counter and changes
+    no pointer. The comparison is one elementwise kernel per mask; on CUDA reading its
+    result synchronizes the host, once per call for all the graph's masks. The pattern it
+    compares with is cached per shape, dtype and device."""
 
     def __init__(self, arg_index, name, lower, upper):
         self.arg_index, self.name, self.lower, self.upper = arg_index, name, lower, upper
         self._pattern = None
 
-    def holds(self, args):
+    def matches(self, args):
+        """False, or a 0-d bool tensor on the mask's device (not yet read back)."""
         t = args[self.arg_index]
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             return False
@@ -100,10 +102,34 @@ class CausalTensorGuard:
         if pattern is None or (pattern.shape, pattern.dtype, pattern.device) != (t.shape, t.dtype, t.device):
             pattern = self._pattern = band_pattern(t, self.lower, self.upper)
         with torch.no_grad():
-            return torch.equal(t.detach(), pattern)
+            return torch.eq(t.detach(), pattern).all()
+
+    def holds(self, args):
+        return not failing_guards([self], args)
 
     def __repr__(self):
         return f"CausalTensorGuard({self.name}: lower-triangular {self.lower!r}/{self.upper!r})"
+
+
+def failing_guards(guards, args):
+    """The guards that do not hold for `args`. Each mask is compared on its device and the
+    results are read back together: on an accelerator one host synchronization per call,
+    whatever the number of masks (a 12-layer model with a mask buffer per layer paid 12).
+    A mask guarded twice (one buffer shared by layers) is compared once."""
+    results, pending = [], {}
+    seen = {}
+    for guard in guards:
+        t = args[guard.arg_index]
+        key = (id(t), guard.lower, guard.upper)
+        if key not in seen:
+            seen[key] = guard.matches(args)
+            if isinstance(seen[key], torch.Tensor):
+                pending.setdefault(seen[key].device, []).append(key)
+        results.append((guard, key))
+    for keys in pending.values():
+        for key, value in zip(keys, torch.stack([seen[k] for k in keys]).tolist()):
+            seen[key] = value
+    return [guard for guard, key in results if not seen[key]]
 
 
 @dataclasses.dataclass

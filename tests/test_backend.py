@@ -1,5 +1,6 @@
 """The flashbob backend: options, registration, routing, fallbacks, dumps, logs, counters,
 recompilation. Numerics of the model × scenario matrix are in test_backend_scenarios.py."""
+import collections
 import os
 import re
 import subprocess
@@ -20,7 +21,7 @@ from bob_compile import ops, options
 from bob_compile.backend import flashbob, recent_reports
 from bob_compile.passes import counters
 from bob_compile.passes.patterns import PATTERNS
-from models import CASES, NanoGPTBlock, loss_of
+from models import CASES, NanoGPTBlock, exact_twin, loss_of
 
 FAST = {"compiler": "aot_eager", "fallback": False}
 
@@ -132,6 +133,60 @@ def test_inductor_inference_and_in_graph_grad_of_grad():
     torch.testing.assert_close(out, grad_of_grad(q), atol=1e-9, rtol=0)
     assert [(r.route, len(r.replaced)) for r in recent_reports] == [("inference", 1), ("aot", 1)]
     assert all("inductor" in r.route_reason for r in recent_reports)
+
+
+def _count_op_calls(monkeypatch):
+    """How often the fused ops' implementations run (through the op or the eager fast path)."""
+    calls = collections.Counter()
+    for name in ("call_forward", "call_forward_output", "call_backward"):
+        real = getattr(ops, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(ops, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["sdpa", "hf_eager", "checkpointed_sdpa"])
+def test_inference_graphs_run_native_sdpa(case, monkeypatch):
+    """Nothing differentiates an inference graph: its attention, SDPA or hand-written,
+    runs PyTorch's fused SDPA (as stock compile does), the same function."""
+    counters.clear()
+    calls = _count_op_calls(monkeypatch)
+    model = CASES[case].model()
+    x, = CASES[case].batch(0)
+    with torch.no_grad():
+        out = torch.compile(model, backend=flashbob, options={"fallback": False})(x)
+        expected = exact_twin(model)(x)
+    torch.testing.assert_close(out, expected, atol=1e-9, rtol=0)
+    report = recent_reports[-1]
+    assert report.route == "inference" and len(report.replaced) == 1
+    assert "run PyTorch's fused SDPA" in report.route_reason
+    assert counters["inference_native_sdpa"] == 1 and not calls
+
+
+def test_inference_graphs_keep_our_kernels_when_options_choose_them(monkeypatch):
+    counters.clear()
+    calls = _count_op_calls(monkeypatch)
+    model = CASES["sdpa"].model()
+    x, = CASES["sdpa"].batch(0)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=flashbob,
+                                 options={"fallback": False, "kernels": "blockwise"})
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-9, rtol=0)
+    assert counters["inference_native_sdpa"] == 0 and calls["call_forward"] == 1
+
+
+def test_training_graphs_keep_the_op(monkeypatch):
+    """Must not swap: a graph whose outputs may be differentiated (twice)."""
+    counters.clear()
+    calls = _count_op_calls(monkeypatch)
+    model = CASES["sdpa"].model()
+    x, = CASES["sdpa"].batch(0)
+    torch.compile(model, backend=flashbob, options=FAST)(x)
+    assert recent_reports[-1].route == "training"
+    assert counters["inference_native_sdpa"] == 0 and calls["call_forward"] == 1
 
 
 # ---------------------------------------------------------------------------- fallbacks

@@ -121,6 +121,29 @@ def test_no_graph_is_recorded_where_none_is_needed():
     assert o.requires_grad and type(o.grad_fn).__name__ == "AttnFnBackward"
 
 
+def test_calls_nothing_differentiates_skip_the_lse(monkeypatch):
+    """Without grad the implementation's forward_output runs (PyTorch's fused forward then
+    computes no lse); wherever a graph may be needed, the full forward."""
+    from bob_compile.kernels import blockwise
+    ran = []
+    for name in ("forward", "forward_output"):
+        real = getattr(blockwise, name)
+        monkeypatch.setattr(blockwise, name,
+                            lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    plain = bob_compile.attention(q, k, v, is_causal=True)
+    q.requires_grad_()
+    with torch.no_grad():
+        no_grad = bob_compile.attention(q, k, v, is_causal=True)
+    assert ran == ["forward_output", "forward", "forward_output", "forward"]
+    ran.clear()
+    with_graph = bob_compile.attention(q, k, v, is_causal=True)
+    with PassThrough():
+        bob_compile.attention(q.detach(), k, v, is_causal=True)   # through the op
+    assert ran == ["forward", "forward"]
+    assert torch.equal(plain, no_grad) and torch.equal(plain, with_graph)
+
+
 def test_forward_mode_ad_still_gets_its_tangents():
     import torch.autograd.forward_ad as fwAD
     q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))

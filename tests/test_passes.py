@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bob_compile.attention import attention
 from bob_compile.passes import rewrite_attention
-from bob_compile.passes.causal_mask import CausalTensorGuard
+from bob_compile.passes.causal_mask import CausalTensorGuard, failing_guards
 from bob_compile.passes.patterns import MUST_NOT_MATCH, PATTERNS
 
 B, H, L, E = 2, 2, 8, 4
@@ -346,6 +346,16 @@ def test_causal_buffer_guard():
     swapped = list(inputs)
     swapped[next(i for i, t in enumerate(inputs) if t is bias)] = torch.ones_like(bias)
     assert not guard.holds(swapped)
+
+
+def test_guards_of_a_graph_are_checked_together():
+    bias, other = nanogpt_bias(), nanogpt_bias()
+    guards = [CausalTensorGuard(0, "a", 1.0, 0.0), CausalTensorGuard(1, "b", 1.0, 0.0),
+              CausalTensorGuard(0, "a again", 1.0, 0.0), CausalTensorGuard(2, "not a tensor", 1.0, 0.0)]
+    assert failing_guards(guards, (bias, other, None)) == guards[3:]
+    other[..., 0, 1] = 1.0
+    assert failing_guards(guards, (bias, other, None)) == [guards[1], guards[3]]
+    assert failing_guards(guards[:1], (other,)) == guards[:1]
 
 
 def test_buffer_that_is_not_causal_is_rejected():

@@ -1,0 +1,29 @@
+"""Graphs nothing differentiates: run their attention as PyTorch's own fused SDPA.
+
+On the inference route (grad mode off, or no input requiring grad) no derivative of the
+graph can be taken, so what flashbob adds, exact derivatives of every order, is never
+used; the forward alone is the same function in PyTorch's fused SDPA, which inductor
+lowers as stock torch.compile does (no custom-op call on the host, no log-sum-exp
+output). Hand-written attention found by the passes then also runs fused.
+"""
+import torch.nn.functional as F
+from torch import fx
+
+from ..attention import attention
+
+
+def use_native_sdpa(gm):
+    """Point every bob_compile.attention call of `gm` (and of its submodules' graphs, e.g.
+    checkpointed bodies) at F.scaled_dot_product_attention, in place; the arguments are
+    the same (query, key, value, is_causal, scale, enable_gqa). Returns how many."""
+    changed = 0
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        calls = [n for n in module.graph.nodes if n.op == "call_function" and n.target is attention]
+        for node in calls:
+            node.target = F.scaled_dot_product_attention
+        if calls:
+            module.recompile()
+            changed += len(calls)
+    return changed
