@@ -1,7 +1,7 @@
 """`bob_compile.attention`: softmax attention with exact, fused derivatives of every order.
 
 A drop-in for `torch.nn.functional.scaled_dot_product_attention(query, key, value,
-is_causal=..., scale=..., enable_gqa=...)` without `attn_mask` and dropout. The flashbob
+attn_mask=..., is_causal=..., scale=..., enable_gqa=...)` without dropout. The flashbob
 backend inserts calls of this function into captured graphs; users may also call it in
 their own code, compiled (with any backend) or not.
 """
@@ -86,6 +86,38 @@ def _scale_value(scale, head_dim):
                     f"1/sqrt(E)), got {type(scale).__name__}.")
 
 
+def _checked_mask(attn_mask, query, key, value):
+    """attn_mask as SDPA takes it (bool: True = visible; floating: added to the scaled
+    scores), checked: a mask that requires grad is refused, as its gradient would be lost."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"bob_compile.attention: attn_mask must be a Tensor or None, got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise RuntimeError(f"bob_compile.attention: attn_mask must be bool (True: attend) or "
+                           f"floating (added to the scores), got {attn_mask.dtype}")
+    if attn_mask.requires_grad:
+        raise TypeError(
+            "bob_compile.attention: attn_mask requires grad; a learned additive bias (ALiBi "
+            "slopes, relative positions) is not supported, its gradient would be lost. Pass "
+            "attn_mask.detach() if it is a constant, or compute that attention without "
+            "bob_compile.")
+    if attn_mask.device != query.device:
+        raise RuntimeError(f"bob_compile.attention: attn_mask is on {attn_mask.device}, query "
+                           f"on {query.device}")
+    out = (*query.shape[:-1], key.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, out) == out
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(f"bob_compile.attention: attn_mask of shape {tuple(attn_mask.shape)} "
+                           f"does not broadcast to the scores' shape {out} (..., heads, query "
+                           f"length, key length)")
+    return attn_mask
+
+
 def _broadcast_leading(query, key, value, enable_gqa):
     """Broadcast leading dims like SDPA's math path; with GQA the head dim is exempt."""
     split = -3 if enable_gqa else -2
@@ -109,18 +141,24 @@ def _broadcast_leading(query, key, value, enable_gqa):
 
 
 @torch.compiler.allow_in_graph
-def attention(query, key, value, *, is_causal=False, scale=None, enable_gqa=False):
-    """Softmax attention, `softmax(query @ key^T * scale) @ value`.
+def attention(query, key, value, attn_mask=None, *, is_causal=False, scale=None,
+              enable_gqa=False):
+    """Softmax attention, `softmax(query @ key^T * scale + mask) @ value`.
 
     Args:
         query: (..., Hq, L, E); key: (..., Hkv, S, E); value: (..., Hkv, S, Ev).
+        attn_mask: None, or a tensor broadcastable to (..., Hq, L, S), as in SDPA: bool
+            (True: the query attends to the key) or floating (added to the scaled scores;
+            -inf hides a key). Never differentiated: a mask that requires grad is refused.
+            Unlike SDPA it may be combined with is_causal (both apply).
         is_causal: mask aligned top-left, as in PyTorch: query i attends to keys j <= i.
         scale: a float (or what SDPA takes for one: int, numpy number, 0-d tensor without
             grad); defaults to 1/sqrt(E). Not differentiated, as in SDPA.
         enable_gqa: grouped-query attention; Hkv must divide Hq (query head h uses key/value
             head h // (Hq // Hkv)). Without it, leading dims (heads included) broadcast.
 
-    Returns (..., Hq, L, Ev), in query's dtype. Rows that see no key (S == 0) are zeros.
+    Returns (..., Hq, L, Ev), in query's dtype. Rows that see no key (S == 0, or every key
+    masked) are zeros, as in SDPA.
     Differentiable to any order, by autograd and torch.func; first and second order run
     fused kernels (Triton on CUDA, a memory-efficient blockwise path elsewhere).
     """
@@ -129,4 +167,5 @@ def attention(query, key, value, *, is_causal=False, scale=None, enable_gqa=Fals
         raise TypeError(f"bob_compile.attention: is_causal must be a bool, got {type(is_causal).__name__}")
     scale = _scale_value(scale, query.shape[-1])
     query, key, value = _broadcast_leading(query, key, value, enable_gqa)
-    return attention_output(query, key, value, scale, is_causal)
+    mask = _checked_mask(attn_mask, query, key, value)
+    return attention_output(query, key, value, mask, scale, is_causal)

@@ -96,7 +96,8 @@ _apply_state = threading.local()
 
 def _run(op_overload, call, name, args):
     """op_overload(*args), or its implementation `call(kernels.select, *args)` directly
-    where nothing could observe the op (args: the op's arguments, scale and causal last)."""
+    where nothing could observe the op (args: the op's arguments, mask, scale and causal
+    last)."""
     if not getattr(_apply_state, "plain", False):
         return op_overload(*args)
     if _profiling():
@@ -128,7 +129,7 @@ class _Fused(torch.autograd.Function):
             _apply_state.plain = outer
 
 
-def attention_output(q, k, v, scale, causal):
+def attention_output(q, k, v, mask, scale, causal):
     """o of the attention op. Where nothing can differentiate it (plain eager, no grad
     needed, no forward-mode AD) the implementation's forward_output runs, without an lse
     (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
@@ -138,9 +139,9 @@ def attention_output(q, k, v, scale, causal):
             and _plain_eager((q, k, v))):
         if _profiling():
             with torch.profiler.record_function("bob_compile::attn_fwd"):
-                return ops.call_forward_output(kernels.select, q, k, v, scale, causal)
-        return ops.call_forward_output(kernels.select, q, k, v, scale, causal)
-    return attention_with_lse(q, k, v, scale, causal)[0]
+                return ops.call_forward_output(kernels.select, q, k, v, mask, scale, causal)
+        return ops.call_forward_output(kernels.select, q, k, v, mask, scale, causal)
+    return attention_with_lse(q, k, v, mask, scale, causal)[0]
 
 
 def _forward_mode_possible():
@@ -195,30 +196,33 @@ def _needs_twin_under_legacy_vmap(*tensors):
     return True
 
 
-def attention_with_lse(q, k, v, scale, causal):
+def attention_with_lse(q, k, v, mask, scale, causal):
     """(o, lse) of the attention op, differentiable to any order (AttnFn, or its twin where
     legacy vmap would drop AttnFn's node)."""
     if _needs_twin_under_legacy_vmap(q, k, v):
-        return _forward_twin(q, k, v, scale, causal)
-    return AttnFn.apply(q, k, v, scale, causal)
+        return _forward_twin(q, k, v, mask, scale, causal)
+    return AttnFn.apply(q, k, v, mask, scale, causal)
 
 
 def _third_order(twin, ctx, grads, like):
-    """Cotangents of a fused op's inputs, by differentiating its closed-form twin.
+    """Cotangents of a fused op's inputs, by differentiating its closed-form twin; the mask
+    (saved last, a constant) gets None, as do scale and causal.
 
     A None (optional) input becomes zeros shaped like input like[i]; its gradient is
     dropped again."""
-    saved = ctx.saved_tensors
+    *saved, mask = ctx.saved_tensors
     primals = [torch.zeros_like(saved[like[i]]) if t is None else t for i, t in enumerate(saved)]
-    outputs, pull = torch.func.vjp(lambda *a: twin(*a, ctx.scale, ctx.causal), *primals)
+    outputs, pull = torch.func.vjp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), *primals)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
-    return tuple(g if present else None for g, present in zip(pull(tuple(grads)), ctx.present))
+    cotangents = pull(tuple(grads))
+    return (*(g if present else None for g, present in zip(cotangents, ctx.present)),
+            None, None, None)
 
 
 def _save_all(ctx, inputs):
-    *tensors, scale, causal = inputs
+    *tensors, mask, scale, causal = inputs
     ctx.present = [t is not None for t in tensors]
-    ctx.save_for_backward(*tensors)
+    ctx.save_for_backward(*tensors, mask)
     ctx.scale, ctx.causal = scale, causal
     ctx.set_materialize_grads(False)
 
@@ -241,15 +245,15 @@ class AttnBobFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
         return _run(op.attn_bob, ops.call_bob, "bob_compile::attn_bob",
-                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal))
+                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal))
 
     setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_third_order(_bob_twin, ctx, grads, _BOB_LIKE), None, None)
+        return _third_order(_bob_twin, ctx, grads, _BOB_LIKE)
 
 
 class AttnFwdJvpFn(_Fused):
@@ -257,16 +261,15 @@ class AttnFwdJvpFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, tq, tk, tv, scale, causal):
+    def forward(q, k, v, o, lse, tq, tk, tv, mask, scale, causal):
         return _run(op.attn_fwd_jvp, ops.call_forward_jvp, "bob_compile::attn_fwd_jvp",
-                    (q, k, v, o, lse, tq, tk, tv, scale, causal))
+                    (q, k, v, o, lse, tq, tk, tv, mask, scale, causal))
 
     setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_third_order(_forward_jvp_twin, ctx, grads, _FWD_JVP_LIKE),
-                None, None)
+        return _third_order(_forward_jvp_twin, ctx, grads, _FWD_JVP_LIKE)
 
 
 class AttnBwdJvpFn(_Fused):
@@ -274,16 +277,16 @@ class AttnBwdJvpFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+    def forward(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale, causal):
         return _run(op.attn_bwd_jvp, ops.call_backward_jvp, "bob_compile::attn_bwd_jvp",
-                    (q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal))
+                    (q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale,
+                     causal))
 
     setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_third_order(_backward_jvp_twin, ctx, grads, _BWD_JVP_LIKE),
-                None, None)
+        return _third_order(_backward_jvp_twin, ctx, grads, _BWD_JVP_LIKE)
 
 
 # ----------------------------------------------------------------------------- second order
@@ -292,42 +295,42 @@ class AttnBwdFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, scale, causal):
+    def forward(q, k, v, o, lse, do, dlse, mask, scale, causal):
         return _run(op.attn_bwd, ops.call_backward, "bob_compile::attn_bwd",
-                    (q, k, v, o, lse, do, dlse, scale, causal))
+                    (q, k, v, o, lse, do, dlse, mask, scale, causal))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, o, lse, do, dlse, scale, causal = inputs
+        q, k, v, o, lse, do, dlse, mask, scale, causal = inputs
         ctx.has_dlse = dlse is not None
         ctx.kernel_choices = kernel_settings.overridden()
-        ctx.save_for_backward(q, k, v, o, lse, do, dlse)
+        ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask)
         if _forward_mode_possible():
-            ctx.save_for_forward(q, k, v, o, lse, do, dlse)
+            ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv):
         if gdq is None and gdk is None and gdv is None:
-            return (None,) * 9
-        q, k, v, o, lse, do, dlse = ctx.saved_tensors
+            return (None,) * 10
+        q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
         bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
         # under the kernel choices in force at forward time (this runs later, on the
         # autograd engine's thread)
         gq, gk, gv, go, glse, gdo, gdlse = kernel_settings.run_with(
-            ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, ctx.scale,
+            ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, ctx.scale,
             ctx.causal)
-        return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None
+        return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, _scale, _causal):
-        q, k, v, o, lse, do, dlse = ctx.saved_tensors
+    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, _tmask, _scale, _causal):
+        q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
         if dlse is None:
             tdlse = None
         tangents = (tq, tk, tv, to, tlse, tdo, tdlse)
         jvp = _backward_jvp_twin if _needs_twin_under_legacy_vmap(*tangents) else AttnBwdJvpFn.apply
-        return jvp(q, k, v, o, lse, do, dlse, *tangents, ctx.scale, ctx.causal)
+        return jvp(q, k, v, o, lse, do, dlse, *tangents, mask, ctx.scale, ctx.causal)
 
 
 # ----------------------------------------------------------------------------- first order
@@ -337,33 +340,34 @@ class AttnFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, scale, causal):
+    def forward(q, k, v, mask, scale, causal):
         return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
-                    (q, k, v, scale, causal))
+                    (q, k, v, mask, scale, causal))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, scale, causal = inputs
+        q, k, v, mask, scale, causal = inputs
         o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, mask)
         ctx.kernel_choices = kernel_settings.overridden()
         if _forward_mode_possible():
-            ctx.save_for_forward(q, k, v, o, lse)
+            ctx.save_for_forward(q, k, v, o, lse, mask)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
 
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None and dlse is None:
-            return None, None, None, None, None
-        q, k, v, o, lse = ctx.saved_tensors
+            return None, None, None, None, None, None
+        q, k, v, o, lse, mask = ctx.saved_tensors
         backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else AttnBwdFn.apply
         dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, backward, q, k, v, o, lse,
-                                              _zeros_if_none(do, o), dlse, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None
+                                              _zeros_if_none(do, o), dlse, mask, ctx.scale,
+                                              ctx.causal)
+        return dq, dk, dv, None, None, None
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, _scale, _causal):
-        q, k, v, o, lse = ctx.saved_tensors
+    def jvp(ctx, tq, tk, tv, _tmask, _scale, _causal):
+        q, k, v, o, lse, mask = ctx.saved_tensors
         jvp = _forward_jvp_twin if _needs_twin_under_legacy_vmap(tq, tk, tv) else AttnFwdJvpFn.apply
-        return jvp(q, k, v, o, lse, tq, tk, tv, ctx.scale, ctx.causal)
+        return jvp(q, k, v, o, lse, tq, tk, tv, mask, ctx.scale, ctx.causal)

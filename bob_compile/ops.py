@@ -1,16 +1,17 @@
 """The attention custom ops: the opaque kernel boundary that graphs and AOTAutograd see.
 
-    attn_fwd(q, k, v, scale, causal)                          -> (o, lse)
-    attn_bwd(q, k, v, o, lse, do, dlse?, scale, causal)       -> (dq, dk, dv)
-    attn_bob(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, scale, causal)
+    attn_fwd(q, k, v, mask?, scale, causal)                   -> (o, lse)
+    attn_bwd(q, k, v, o, lse, do, dlse?, mask?, scale, causal) -> (dq, dk, dv)
+    attn_bob(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, mask?, scale, causal)
                                    -> (gq, gk, gv, go, glse, gdo, gdlse)   VJP of attn_bwd
-    attn_fwd_jvp(q, k, v, o, lse, tq?, tk?, tv?, scale, causal) -> (to, tlse)
-    attn_bwd_jvp(q, k, v, o, lse, do, dlse?, tq?, tk?, tv?, to?, tlse?, tdo?, tdlse?, scale, causal)
-                                   -> (tdq, tdk, tdv)                       JVP of attn_bwd
+    attn_fwd_jvp(q, k, v, o, lse, tq?, tk?, tv?, mask?, scale, causal) -> (to, tlse)
+    attn_bwd_jvp(q, k, v, o, lse, do, dlse?, tq?, tk?, tv?, to?, tlse?, tdo?, tdlse?, mask?,
+                 scale, causal)    -> (tdq, tdk, tdv)                       JVP of attn_bwd
 
 Shapes: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev) with equal leading dims
 and Hkv dividing Hq (rank-2 inputs have one implicit head); lse and other row vectors are
-(..., Hq, L). The ops flatten leading dims to the 4-D layout of `bob_compile.kernels` and
+(..., Hq, L). mask (optional, never differentiated) broadcasts to (..., Hq, L, S): bool
+(True: visible) or floating (added to the scaled scores); see kernels/params.py. The ops flatten leading dims to the 4-D layout of `bob_compile.kernels` and
 pick an implementation there. Each output is dense, in the memory order of the input it is
 shaped like (row vectors contiguous: kernels/layout.py); the fake implementations say the
 same, through the same functions, so compiled graphs see the strides they were traced with.
@@ -58,6 +59,22 @@ def _flat_rows(r: Optional[Tensor], qf: Tensor):
     return r if r.shape == shape else r.reshape(shape)
 
 
+def _flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
+    """The mask as the kernels take it, (B, Hq, L, S), broadcast dims as stride-0 views."""
+    if mask is None:
+        return None
+    full = (*q.shape[:-1], k.shape[-2])
+    if mask.shape != full:
+        mask = mask.expand(full)
+    if mask.dim() == 4:
+        return mask
+    return mask.reshape(-1, *full[-3:]) if mask.dim() > 2 else mask.view(1, 1, *full)
+
+
+def _params(q, k, mask, scale, causal):
+    return AttentionParams(scale=scale, causal=causal, mask=_flat_mask(mask, q, k))
+
+
 def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     """t (from an implementation) in the caller's shape, laid out like `like` (a row vector,
     like=None: contiguous); see kernels/layout.py."""
@@ -66,55 +83,55 @@ def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     return t.contiguous() if like is None else layout.in_order_of(t, like)
 
 
-def call_forward(pick, q, k, v, scale, causal):
+def call_forward(pick, q, k, v, mask, scale, causal):
     """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
     restore the leading dims and the output layout. The call_* functions below do the same
     for each op."""
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, AttentionParams(scale=scale, causal=causal))
+    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, _params(q, k, mask, scale, causal))
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
-def call_forward_output(pick, q, k, v, scale, causal):
+def call_forward_output(pick, q, k, v, mask, scale, causal):
     """o of call_forward, from the implementation's forward_output (no lse to compute)."""
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    o = pick(qf, kf, vf).forward_output(qf, kf, vf, AttentionParams(scale=scale, causal=causal))
+    o = pick(qf, kf, vf).forward_output(qf, kf, vf, _params(q, k, mask, scale, causal))
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q)
 
 
-def call_backward(pick, q, k, v, o, lse, do, dlse, scale, causal):
+def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                            _flat_rows(dlse, qf),
-                                           AttentionParams(scale=scale, causal=causal))
+                                           _params(q, k, mask, scale, causal))
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
-def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                 _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv),
-                                AttentionParams(scale=scale, causal=causal))
+                                _params(q, k, mask, scale, causal))
     likes = (q, k, v, o, None, do, None)
     return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                  for t, like in zip(outs, likes))
 
 
-def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, scale, causal):
+def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq),
                                             _flat(tk), _flat(tv),
-                                            AttentionParams(scale=scale, causal=causal))
+                                            _params(q, k, mask, scale, causal))
     return _unflat(to, o.shape, o), _unflat(tlse, lse.shape, None)
 
 
 def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
-                      scale, causal):
+                      mask, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).backward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
         _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
-        AttentionParams(scale=scale, causal=causal))
+        _params(q, k, mask, scale, causal))
     return tuple(_unflat(t, like.shape, like) for t, like in zip(outs, (q, k, v)))
 
 
@@ -130,24 +147,26 @@ def _rows(t: Tensor, dtype=None):
 
 # ----------------------------------------------------------------------------- forward
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd", mutates_args=(), tags=_TAGS)
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    return call_forward(kernels.select, q, k, v, scale, causal)
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+             causal: bool) -> tuple[Tensor, Tensor]:
+    return call_forward(kernels.select, q, k, v, mask, scale, causal)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, scale, causal):
+def _(q, k, v, mask, scale, causal):
     return _like(q, (*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
 # ----------------------------------------------------------------------------- backward
 @torch.library.custom_op(f"{NAMESPACE}::attn_bwd", mutates_args=(), tags=_TAGS)
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-             dlse: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return call_backward(kernels.select, q, k, v, o, lse, do, dlse, scale, causal)
+             dlse: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    return call_backward(kernels.select, q, k, v, o, lse, do, dlse, mask, scale, causal)
 
 
 @attn_bwd.register_fake
-def _(q, k, v, o, lse, do, dlse, scale, causal):
+def _(q, k, v, o, lse, do, dlse, mask, scale, causal):
     return _like(q), _like(k), _like(v)
 
 
@@ -155,26 +174,27 @@ def _(q, k, v, o, lse, do, dlse, scale, causal):
 @torch.library.custom_op(f"{NAMESPACE}::attn_bob", mutates_args=(), tags=_TAGS)
 def attn_bob(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
              dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
-             gdv: Optional[Tensor], scale: float, causal: bool
+             gdv: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return call_bob(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+    return call_bob(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale,
+                    causal)
 
 
 @attn_bob.register_fake
-def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
     return _like(q), _like(k), _like(v), _like(o), _rows(lse), _like(do), _rows(lse)
 
 
 # ----------------------------------------------------------------------------- forward mode
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=(), tags=_TAGS)
 def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
-                 tk: Optional[Tensor], tv: Optional[Tensor], scale: float, causal: bool
-                 ) -> tuple[Tensor, Tensor]:
-    return call_forward_jvp(kernels.select, q, k, v, o, lse, tq, tk, tv, scale, causal)
+                 tk: Optional[Tensor], tv: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                 causal: bool) -> tuple[Tensor, Tensor]:
+    return call_forward_jvp(kernels.select, q, k, v, o, lse, tq, tk, tv, mask, scale, causal)
 
 
 @attn_fwd_jvp.register_fake
-def _(q, k, v, o, lse, tq, tk, tv, scale, causal):
+def _(q, k, v, o, lse, tq, tk, tv, mask, scale, causal):
     return _like(o), _rows(lse)
 
 
@@ -182,14 +202,14 @@ def _(q, k, v, o, lse, tq, tk, tv, scale, causal):
 def attn_bwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                  dlse: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
                  tv: Optional[Tensor], to: Optional[Tensor], tlse: Optional[Tensor],
-                 tdo: Optional[Tensor], tdlse: Optional[Tensor], scale: float, causal: bool
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+                 tdo: Optional[Tensor], tdlse: Optional[Tensor], mask: Optional[Tensor],
+                 scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     return call_backward_jvp(kernels.select, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse,
-                             tdo, tdlse, scale, causal)
+                             tdo, tdlse, mask, scale, causal)
 
 
 @attn_bwd_jvp.register_fake
-def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal):
+def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale, causal):
     return _like(q), _like(k), _like(v)
 
 
@@ -197,13 +217,25 @@ def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, scale, causal
 def _vmap_rule(op, n_out):
     """Batch by moving the vmapped dim to the front: the ops accept any leading dims.
 
-    Unbatched tensors are expanded (a view) so that every operand has the batch dim;
-    None stays None."""
+    Unbatched tensors are expanded (a view) so that every operand has the batch dim; None
+    stays None. The mask only broadcasts: unbatched it stays as it is, batched it gets unit
+    dims after the batch dim, so that it lines up with the (now batched) query."""
+    names = [a.name for a in op._opoverload._schema.arguments]
+    mask_at, query_at = names.index("mask"), names.index("q")
+
     def rule(info, in_dims, *args):
         moved = []
-        for a, d in zip(args, in_dims):
+        for i, (a, d) in enumerate(zip(args, in_dims)):
             if isinstance(a, Tensor):
-                a = a.movedim(d, 0) if d is not None else a.expand(info.batch_size, *a.shape)
+                if i == mask_at:
+                    if d is not None:
+                        a = a.movedim(d, 0)
+                        missing = (args[query_at].dim() - (in_dims[query_at] is not None)) - (a.dim() - 1)
+                        a = a.reshape(a.shape[0], *([1] * max(missing, 0)), *a.shape[1:])
+                elif d is not None:
+                    a = a.movedim(d, 0)
+                else:
+                    a = a.expand(info.batch_size, *a.shape)
             moved.append(a)
         return op(*moved), (0,) * n_out
     return rule

@@ -40,6 +40,7 @@ import logging
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch import fx
 
 from . import _compat
@@ -142,7 +143,11 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
                 captured["metadata"] = meta = getattr(context, "fw_metadata", None)
                 _check_simple(meta, what)
                 captured["num_random"] = _return_random_values(graph)
-            captured[key] = copy.deepcopy(graph)
+            # outside the fake mode AOTAutograd compiles under: a tensor constant of the
+            # graph (Mistral's sliding window as a 0-d tensor) would otherwise be copied onto
+            # the meta device and fail
+            with unset_fake_temporarily():
+                captured[key] = copy.deepcopy(graph)
             compiled = inner(graph, inputs, **kwargs)
             captured[key + "_compiled"] = compiled
             return compiled

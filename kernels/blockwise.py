@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .reference import acc_dtype, expand_kv, lse_for_probabilities, reduce_kv
+from .reference import acc_dtype, apply_mask, expand_kv, lse_for_probabilities, reduce_kv
 
 # Tile edge lengths (query rows, key columns). 256 keeps Python overhead low on CPU while
 # one tile stays far below an L·S tensor; tests shrink them (`tiles`) so short sequences
@@ -59,18 +59,22 @@ def _visible_tiles(L, S, causal):
             yield rows, cols, masked
 
 
-def _scores(q_tile, k_tile, scale, rows, cols, masked):
-    s = scale * q_tile @ k_tile.transpose(-2, -1)
+def _scores(q_tile, k_tile, params, rows, cols, masked):
+    """Scaled scores of one tile; `masked`: the tile crosses the causal diagonal. The
+    params' mask tile applies as reference.masked applies the whole mask."""
+    s = params.scale * q_tile @ k_tile.transpose(-2, -1)
     if masked:
         qi = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
         kj = torch.arange(cols.start, cols.stop, device=s.device)[None, :]
         s = s.masked_fill(kj > qi, float("-inf"))
+    if params.mask is not None:
+        s = apply_mask(s, params.mask[:, :, rows, cols])
     return s
 
 
-def _probs(q_tile, k_tile, lse_rows, scale, rows, cols, masked):
+def _probs(q_tile, k_tile, lse_rows, params, rows, cols, masked):
     """P tile from the saved lse (0 where masked and on rows that see no key)."""
-    s = _scores(q_tile, k_tile, scale, rows, cols, masked)
+    s = _scores(q_tile, k_tile, params, rows, cols, masked)
     return torch.exp(s - lse_for_probabilities(lse_rows).unsqueeze(-1))
 
 
@@ -108,7 +112,7 @@ def forward(q, k, v, params):
         denom = torch.zeros(B, H, n, dtype=q.dtype, device=q.device)
         acc = torch.zeros(B, H, n, Ev, dtype=q.dtype, device=q.device)
         for cols, masked in _key_tiles(rows, S, causal):
-            s = _scores(q[:, :, rows], k[:, :, cols], scale, rows, cols, masked)
+            s = _scores(q[:, :, rows], k[:, :, cols], params, rows, cols, masked)
             m_new = torch.maximum(m, s.amax(-1))
             # rows with every score -inf so far keep a finite reference point (no inf - inf);
             # a +inf score makes the row NaN, as softmax does
@@ -144,7 +148,7 @@ def backward(q, k, v, o, lse, do, dlse, params):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
         ds = p * (do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1))
         dq[:, :, rows] += scale * ds @ k_j
         dk[:, :, cols] += scale * ds.transpose(-2, -1) @ q_i
@@ -166,7 +170,7 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     has_f = gdq is not None or gdk is not None      # F = 0 (so A = 0) when both are None
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
         dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
         ds = p * dp_shifted
         p_bar = torch.zeros_like(p)                 # cotangent of P (lse held fixed)
@@ -208,7 +212,7 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     to = torch.zeros_like(o)
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, k_j = q[:, :, rows], k[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
         if tq is not None or tk is not None:
             ts = torch.zeros_like(p)
             if tq is not None:
@@ -242,7 +246,7 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     tdq, tdk, tdv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], scale, rows, cols, masked)
+        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
         dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
         ds = p * dp_shifted
         ts = torch.zeros_like(p)                    # tangent of the scores minus tangent of lse

@@ -5,26 +5,45 @@ after their tensors, and read the fields they need by name, so that a new parame
 sliding window, a mask) is one field here and one read per implementation, and passing
 scale where causal belongs (or the reverse) is an error at once, not a wrong kernel.
 """
+import torch
+
+# A floating mask value at or below this hides its key, as -inf does. Masks filled with a
+# large finite value (HF eager's finfo(dtype).min, the common -1e9) mean "hidden", but a
+# row whose every key is so filled would otherwise come out as a uniform average of all its
+# values: plain softmax rounds the scores away next to the fill, and an lse-based kernel
+# (ours, PyTorch's fused ones) cannot even represent that row's lse (fill + log S rounds to
+# the fill), so its derivatives would be wrong. With this rule such rows see no key and are
+# zeros, as SDPA gives for -inf masks. exp(-1e4) is 0 in every dtype, so nothing else changes.
+HIDDEN_AT_OR_BELOW = -1e4
 
 
 class AttentionParams:
     """scale: the factor of the scores q·k (a float; SymFloat while tracing);
-    causal: top-left causal mask (query i sees keys j <= i). Keyword-only, checked."""
-    __slots__ = ("scale", "causal")
+    causal: top-left causal mask (query i sees keys j <= i);
+    mask: None, or a tensor of shape (B, Hq, L, S) (broadcast dims may have stride 0) that
+    no derivative flows into: bool (True: the key is visible, SDPA's convention) or
+    floating (added to the scaled scores; -inf, or any value <= HIDDEN_AT_OR_BELOW, hides
+    a key). It applies on top of causal.
+    Keyword-only, checked."""
+    __slots__ = ("scale", "causal", "mask")
 
-    def __init__(self, *, scale, causal):
+    def __init__(self, *, scale, causal, mask=None):
         if causal is not True and causal is not False:
             raise TypeError(f"AttentionParams: causal must be a bool, got {causal!r}")
         if scale is True or scale is False:
             raise TypeError(f"AttentionParams: scale must be a number, got {scale!r}")
-        self.scale, self.causal = scale, causal
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+            raise TypeError(f"AttentionParams: mask must be None or a 4-D tensor, got "
+                            f"{type(mask).__name__}{tuple(getattr(mask, 'shape', ()))}")
+        self.scale, self.causal, self.mask = scale, causal, mask
 
     def __repr__(self):
-        return f"AttentionParams(scale={self.scale!r}, causal={self.causal!r})"
+        mask = "None" if self.mask is None else f"<{self.mask.dtype} {tuple(self.mask.shape)}>"
+        return f"AttentionParams(scale={self.scale!r}, causal={self.causal!r}, mask={mask})"
 
     def __eq__(self, other):
         return isinstance(other, AttentionParams) and \
-            (self.scale, self.causal) == (other.scale, other.causal)
+            (self.scale, self.causal) == (other.scale, other.causal) and self.mask is other.mask
 
     def __hash__(self):
-        return hash((self.scale, self.causal))
+        return hash((self.scale, self.causal, id(self.mask)))

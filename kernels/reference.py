@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from .params import HIDDEN_AT_OR_BELOW
+
 # Cotangent names of `bob` outputs, in order: the VJP of `backward` w.r.t. all its tensors.
 BOB_OUTPUTS = ("gq", "gk", "gv", "go", "glse", "gdo", "gdlse")
 
@@ -53,11 +55,28 @@ def lse_for_probabilities(lse):
     return torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
 
 
-def probabilities(q, k, lse, scale, causal):
-    """P = exp(scale * q k^T - lse), exactly 0 where masked or where the row sees no key."""
-    s = scale * q @ k.transpose(-2, -1)
-    if causal:
+def masked(s, params):
+    """Scaled scores s with the masks of `params` applied: the causal and boolean masks set
+    hidden scores to -inf; an additive mask is added (in s's dtype), its values at or below
+    HIDDEN_AT_OR_BELOW hide their key (params.py)."""
+    if params.causal:
         s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    if params.mask is not None:
+        s = apply_mask(s, params.mask)
+    return s
+
+
+def apply_mask(s, mask):
+    """s with a mask tensor (broadcastable to it) applied, as AttentionParams defines it."""
+    if mask.dtype == torch.bool:
+        return s.masked_fill(~mask, float("-inf"))
+    return (s + mask.to(s.dtype)).masked_fill(mask <= HIDDEN_AT_OR_BELOW, float("-inf"))
+
+
+def probabilities(q, k, lse, params):
+    """P = exp(scale * q k^T (masked) - lse), exactly 0 where masked or where the row sees
+    no key."""
+    s = masked(params.scale * q @ k.transpose(-2, -1), params)
     return torch.exp(s - lse_for_probabilities(lse).unsqueeze(-1))
 
 
@@ -73,24 +92,21 @@ def _upcast(*ts):
 # precision baseline that the GPU tests hold the fused kernels to (a small multiple of its
 # error against float64). upcast=True (the default) computes in float32 for half inputs.
 # --------------------------------------------------------------------------------------
-def _scores_in_dtype(q, k, scale, causal):
-    s = (q @ k.transpose(-2, -1)) * scale
-    if causal:
-        s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
-    return s
+def _scores_in_dtype(q, k, params):
+    return masked((q @ k.transpose(-2, -1)) * params.scale, params)
 
 
-def _forward_in_dtype(q, k, v, scale, causal):
+def _forward_in_dtype(q, k, v, params):
     k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
-    s = _scores_in_dtype(q, k, scale, causal)
+    s = _scores_in_dtype(q, k, params)
     return torch.softmax(s, -1) @ v, torch.logsumexp(s.to(acc_dtype(s.dtype)), -1)
 
 
-def _backward_in_dtype(q, k, v, o, lse, do, dlse, scale, causal):
-    hkv = k.shape[-3]
+def _backward_in_dtype(q, k, v, o, lse, do, dlse, params):
+    hkv, scale = k.shape[-3], params.scale
     ke, ve = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     acc = acc_dtype(q.dtype)
-    s = _scores_in_dtype(q, ke, 1.0, causal).to(acc) * scale
+    s = masked((q @ ke.transpose(-2, -1)).to(acc) * scale, params)
     p = torch.exp(s - lse_for_probabilities(lse).unsqueeze(-1))
     dp = (do @ ve.transpose(-2, -1)).to(acc)
     D = (do.to(acc) * o.to(acc)).sum(-1)
@@ -103,13 +119,13 @@ def _backward_in_dtype(q, k, v, o, lse, do, dlse, scale, causal):
     return dq, dk, dv
 
 
-def _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
+def _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     """The VJP of _backward_in_dtype, by autograd (every rounding of it differentiated).
     A missing dlse counts as zeros, so that gdlse is returned as the closed form returns it."""
     dlse = torch.zeros_like(lse) if dlse is None else dlse
     inputs = [t.detach().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
     with torch.enable_grad():
-        grads = _backward_in_dtype(*inputs, scale, causal)
+        grads = _backward_in_dtype(*inputs, params)
         given = [(g, c) for g, c in zip(grads, (gdq, gdk, gdv)) if c is not None]
         outs = torch.autograd.grad([g for g, _ in given], inputs, [c for _, c in given],
                                    allow_unused=True)
@@ -121,19 +137,16 @@ def _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal):
 # --------------------------------------------------------------------------------------
 def forward(q, k, v, params, upcast=True):
     """Returns (o, lse); lse is -inf for rows that see no key, and o is 0 there."""
-    scale, causal = params.scale, params.causal
     if not upcast:
-        return _forward_in_dtype(q, k, v, scale, causal)
+        return _forward_in_dtype(q, k, v, params)
     out_dtype = q.dtype
     q, k, v = _upcast(q, k, v)
     k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
-    s = scale * q @ k.transpose(-2, -1)
-    if causal:
-        s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    s = masked(params.scale * q @ k.transpose(-2, -1), params)
     lse = torch.logsumexp(s, dim=-1)
     # a +inf score leaves the row's softmax undefined (NaN in SDPA's math path), its lse too
     lse = torch.where(lse == float("inf"), float("nan"), lse)
-    p = probabilities(q, k, lse, scale, causal)
+    p = probabilities(q, k, lse, params)
     return (p @ v).to(out_dtype), lse
 
 
@@ -144,14 +157,14 @@ def forward_output(q, k, v, params):
 
 def backward(q, k, v, o, lse, do, dlse, params, upcast=True):
     """FA2 backward with an incoming lse cotangent: D = rowsum(dO * O) - dlse."""
-    scale, causal = params.scale, params.causal
+    scale = params.scale
     if not upcast:
-        return _backward_in_dtype(q, k, v, o, lse, do, dlse, scale, causal)
+        return _backward_in_dtype(q, k, v, o, lse, do, dlse, params)
     dts = (q.dtype, k.dtype, v.dtype)
     hkv = k.shape[-3]
     q, k, v, o, lse, do, dlse = _upcast(q, k, v, o, lse, do, dlse)
     k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
-    p = probabilities(q, k, lse, scale, causal)
+    p = probabilities(q, k, lse, params)
     dp = do @ v.transpose(-2, -1)
     D = (do * o).sum(-1)
     if dlse is not None:
@@ -169,16 +182,16 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
     gdq/gdk/gdv are the cotangents of dq/dk/dv; any may be None (zero). Returns the seven
     cotangents named in BOB_OUTPUTS, each in its primal's dtype (gdlse like lse).
     """
-    scale, causal = params.scale, params.causal
+    scale = params.scale
     if not upcast:
-        return _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, scale, causal)
+        return _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
     dts = [t.dtype for t in (q, k, v, o, lse, do)]
     hkv = k.shape[-3]
     q, k, v, o, lse, do, dlse, gdq, gdk, gdv = _upcast(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
     k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     gdk = None if gdk is None else expand_kv(gdk, q.shape[-3])
     gdv = None if gdv is None else expand_kv(gdv, q.shape[-3])
-    p = probabilities(q, k, lse, scale, causal)
+    p = probabilities(q, k, lse, params)
     dp = do @ v.transpose(-2, -1)
     D = (do * o).sum(-1)
     if dlse is not None:
@@ -214,12 +227,12 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
 
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     """Tangents (to, tlse) of forward() along (tq, tk, tv); None tangents are zero."""
-    scale, causal = params.scale, params.causal
+    scale = params.scale
     out_dtype = o.dtype
     q, k, v, o, lse, tq, tk, tv = _upcast(q, k, v, o, lse, tq, tk, tv)
     H = q.shape[-3]
     k, v = expand_kv(k, H), expand_kv(v, H)
-    p = probabilities(q, k, lse, scale, causal)
+    p = probabilities(q, k, lse, params)
     ts = torch.zeros_like(p)
     if tq is not None:
         ts = ts + scale * tq @ k.transpose(-2, -1)
@@ -234,7 +247,7 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
 
 def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params):
     """Tangents (tdq, tdk, tdv) of backward() along all seven tangents (None = zero)."""
-    scale, causal = params.scale, params.causal
+    scale = params.scale
     dts = (q.dtype, k.dtype, v.dtype)
     hkv, H = k.shape[-3], q.shape[-3]
     q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse = _upcast(
@@ -242,7 +255,7 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     k, v = expand_kv(k, H), expand_kv(v, H)
     tk = None if tk is None else expand_kv(tk, H)
     tv = None if tv is None else expand_kv(tv, H)
-    p = probabilities(q, k, lse, scale, causal)
+    p = probabilities(q, k, lse, params)
     dp = do @ v.transpose(-2, -1)
     D = (do * o).sum(-1)
     if dlse is not None:
@@ -282,13 +295,20 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     return tuple(t.to(dt) for t, dt in zip(outs, dts))
 
 
-def sdpa_math(q, k, v, is_causal=False, scale=None, enable_gqa=False):
-    """softmax(q kᵀ · scale, top-left causal mask) v with ordinary ops, SDPA's signature
-    (any leading dims): what the tests differentiate with autograd for their answers."""
+def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """softmax(q kᵀ · scale, top-left causal mask, attn_mask) v with ordinary ops, SDPA's
+    signature (any leading dims): what the tests differentiate with autograd for their
+    answers. Rows that see no key are 0, as in SDPA (a plain softmax gives NaN there); mask
+    values <= HIDDEN_AT_OR_BELOW hide their key (kernels/params.py)."""
     if enable_gqa:
         k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = q @ k.transpose(-2, -1) * scale
     if is_causal:
         s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    if attn_mask is not None:
+        s = apply_mask(s, attn_mask)
+    if attn_mask is None:
+        return torch.softmax(s, dim=-1) @ v
+    empty = (s == float("-inf")).all(-1, keepdim=True)
+    return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0) @ v

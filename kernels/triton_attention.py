@@ -67,11 +67,13 @@ def _native_key(backend, q, v, causal):
     return backend, q.dtype, q.shape[3], v.shape[3], causal
 
 
-def _native_backend(q, k, v, causal):
-    """'cudnn' or 'flash' when PyTorch's fused kernel computes exactly this op, else None."""
+def _native_backend(q, k, v, params):
+    """'cudnn' or 'flash' when PyTorch's fused kernel computes exactly this op, else None
+    (never with a mask tensor: our kernels read it as AttentionParams defines it)."""
     s = settings.current()
-    if not s.native_sdpa or not q.is_cuda:
+    if not s.native_sdpa or not q.is_cuda or params.mask is not None:
         return None
+    causal = params.causal
     if q.dtype not in (torch.float16, torch.bfloat16):
         return None
     qs = q.shape
@@ -178,7 +180,7 @@ def forward(q, k, v, params):
     if S == 0 or L == 0:
         o = torch.zeros((B, Hq, L, Ev), device=q.device, dtype=q.dtype)
         return o, torch.full((B, Hq, L), float("-inf"), device=q.device, dtype=torch.float32)
-    backend = _native_backend(q, k, v, causal)
+    backend = _native_backend(q, k, v, params)
     if backend is not None:
         out = _try_native(backend, _native_forward, q, k, v, scale, causal)
         if out is not None:
@@ -188,7 +190,7 @@ def forward(q, k, v, params):
 
 def forward_output(q, k, v, params):
     if k.shape[2] and q.shape[2]:
-        backend = _native_backend(q, k, v, params.causal)
+        backend = _native_backend(q, k, v, params)
         if backend is not None:
             o = _try_native(backend, _native_forward_output, q, k, v, params.scale, params.causal)
             if o is not None:
@@ -204,7 +206,7 @@ def backward(q, k, v, o, lse, do, dlse, params):
             torch.zeros_like(k, memory_format=torch.contiguous_format), \
             torch.zeros_like(v, memory_format=torch.contiguous_format)
     if dlse is None:
-        backend = _native_backend(q, k, v, causal)
+        backend = _native_backend(q, k, v, params)
         if backend is not None:
             out = _try_native(backend, _native_backward, q, k, v, o, lse, do, scale, causal)
             if out is not None:

@@ -16,11 +16,11 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, dot_precision, fixed_plan, interpreting,
+from .triton_common import (LOG2E, apply_mask_tile, dot_precision, fixed_plan, interpreting,
                             key_blocks_of_row_block, launch_plan, load_lse2, load_row_vector,
-                            load_tile, padded_dim, row_block_program, row_blocks_of_key_block,
-                            row_bytes, store_tile, strides_of, visibility_mask,
-                            wide_candidates)
+                            load_tile, mask_flags, mask_kind_and_tensor, padded_dim,
+                            row_block_program, row_blocks_of_key_block, row_bytes, store_tile,
+                            strides_of, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -78,13 +78,13 @@ def row_dot(do, o, dlse):
 # dk, dv (and optionally dq by atomics): key-block major
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base,
-                  sql, sqe, sdl, sde, sql_acc, m_lo, m_hi, n0, L, S, qk_scale_log2, scale,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
+                  sql, sqe, sdl, sde, sql_acc, sml, sme, m_lo, m_hi, n0, L, S, qk_scale_log2,
+                  scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, DQ_ATOMICS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                  DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -100,6 +100,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base,
         s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
+        if MASK_KIND != 0:
+            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, True)
         pt = tl.math.exp2(s2t - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -114,14 +116,16 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base,
 
 
 @triton.jit
-def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC,
+def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sdkb, sdkh, sdkn, sdke, sdvb, sdvh, sdvn, sdve,
+                   smb, smh, sml, sme,
                    num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   MASK_KIND: tl.constexpr, DQ_ATOMICS: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     pid_bh = tl.program_id(1)
@@ -147,32 +151,35 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC,
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
         dq_base = DQ_ACC + row * HEAD_DIM
+        mask_base = MASK + b * smb + h * smh
         dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               sql, sqe, sdl, sde, HEAD_DIM, m_first, m_unmasked, n0, L, S,
-                               qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                               BLOCK_M, BLOCK_N, True, CAUSAL, DQ_ATOMICS, DOT_PRECISION)
+                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_first,
+                               m_unmasked, n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
+                               DQ_ATOMICS, DOT_PRECISION)
         dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               sql, sqe, sdl, sde, HEAD_DIM, m_unmasked, L, n0, L, S,
-                               qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                               BLOCK_M, BLOCK_N, False, CAUSAL, DQ_ATOMICS, DOT_PRECISION)
+                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_unmasked, L,
+                               n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
+                               BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
+                               DOT_PRECISION)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
                sdvn, sdve, S, HEAD_DIM_V, PAD_EV)
 
 
-strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv")
+strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", MASK="sm")
 
 
 # --------------------------------------------------------------------------------------
 # dq: query-block major (deterministic)
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve,
-              offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2,
+def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
+              offs_m, offs_e, offs_ev, n_lo, n_hi, L, S, qk_scale_log2,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_E: tl.constexpr,
-              PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+              PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -180,6 +187,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve,
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
+        if MASK_KIND != 0:
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, False)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = (p * (dp - d[:, None])).to(k.dtype)
@@ -188,14 +197,14 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, D, DQ,
+def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK,
                sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
-               sdb, sdh, sdl, sde, sdqb, sdqh, sdql, sdqe,
+               sdb, sdh, sdl, sde, sdqb, sdqh, sdql, sdqe, smb, smh, sml, sme,
                num_q_heads, kv_group, L, S, qk_scale_log2, scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -206,19 +215,21 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ,
     d = load_row_vector(D + row, offs_m, L)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    mask_base = MASK + b * smb + h * smh
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, offs_m, offs_e,
-                   offs_ev, 0, full_end, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                   False, CAUSAL, PAD_E, PAD_EV, DOT_PRECISION)
-    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, offs_m, offs_e,
-                   offs_ev, full_end, visible_end, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
-                   BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, DOT_PRECISION)
+    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
+                   offs_m, offs_e, offs_ev, 0, full_end, L, S, qk_scale_log2, HEAD_DIM,
+                   HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION)
+    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
+                   offs_m, offs_e, offs_ev, full_end, visible_end, L, S, qk_scale_log2,
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
+                   DOT_PRECISION)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 
 
-strides_of(_dq_kernel, Q="sq", K="sk", V="sv", DO="sd", DQ="sdq")
+strides_of(_dq_kernel, Q="sq", K="sk", V="sv", DO="sd", DQ="sdq", MASK="sm")
 
 
 # --------------------------------------------------------------------------------------
@@ -258,21 +269,22 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     dv = empty_like_order(v.shape, v)
     dq_acc = (torch.zeros((B, Hq, L, E), device=q.device, dtype=torch.float32)
               if dq_atomics else dk)
+    mask_kind, mask = mask_kind_and_tensor(params, q)
 
     def common():
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                    CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype))
+                    CAUSAL=causal, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype))
 
     def launch_columns(plan):
         if dq_atomics:
             dq_acc.zero_()
         plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc,
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
              num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
     launch_columns(launch_plan(
-        "bwd_columns", q, k, v, causal, (dq_atomics,),
+        "bwd_columns", q, k, v, causal, (dq_atomics, *mask_flags(mask_kind)),
         lambda: column_candidates(q.dtype, E, Ev, dq_atomics),
         lambda: dict(common(), DQ_ATOMICS=dq_atomics), launch_columns, pairs=L * S))
     if dq_atomics:
@@ -282,11 +294,11 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
 
     def launch_rows(plan):
         plan(_dq_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq,
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq, MASK=mask,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
     launch_rows(launch_plan(
-        "bwd_dq", q, k, v, causal, (), lambda: dq_candidates(q.dtype, E, Ev), common,
+        "bwd_dq", q, k, v, causal, mask_flags(mask_kind), lambda: dq_candidates(q.dtype, E, Ev), common,
         launch_rows, pairs=L * S))
     return dq, dk, dv

@@ -25,10 +25,11 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, dot_precision, fixed_plan, interpreting,
+from .triton_common import (LOG2E, apply_mask_tile, dot_precision, fixed_plan, interpreting,
                             key_blocks_of_row_block, launch_plan, load_row_vector, load_tile,
-                            padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
-                            store_tile, strides_of, visibility_mask, wide_candidates)
+                            mask_flags, mask_kind_and_tensor, padded_dim, row_block_program,
+                            row_blocks_of_key_block, row_bytes, store_tile, strides_of,
+                            visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -56,9 +57,10 @@ def _store_row_outputs(gq, gdo_sum, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev
 @triton.jit
 def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
-               offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2, scale,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_E: tl.constexpr,
+               mask_base, sml, sme, offs_m, offs_e, offs_ev, n_lo, n_hi, L, S, qk_scale_log2,
+               scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+               PAD_E: tl.constexpr,
                PAD_EV: tl.constexpr, HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr,
                HAS_GDV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
@@ -69,6 +71,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
+        if MASK_KIND != 0:
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, False)
         p = tl.math.exp2(s2 - lse2[:, None])
         delta = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - d[:, None]
         if HAS_GDV:
@@ -100,14 +104,15 @@ def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
 
 
 @triton.jit
-def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
+def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE, MASK,
                 sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                 sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
-                sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve,
+                sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
                 num_q_heads, kv_group, L, S, qk_scale_log2, scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                MASK_KIND: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
@@ -131,17 +136,19 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
     v_base = V + b * svb + hk * svh
     gdk_base = GDK + b * sgkb + hk * sgkh
     gdv_base = GDV + b * sgvb + hk * sgvh
+    mask_base = MASK + b * smb + h * smh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     gq, gdo, dg, sbar_sum = _row_steps(
         gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
-        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, offs_m, offs_e, offs_ev, 0, full_end, S,
-        qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV,
-        HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
+        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, offs_m, offs_e,
+        offs_ev, 0, full_end, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
     gq, gdo, dg, sbar_sum = _row_steps(
         gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
-        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, offs_m, offs_e, offs_ev, full_end,
-        visible_end, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-        PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
+        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, offs_m, offs_e,
+        offs_ev, full_end, visible_end, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+        BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
+        DOT_PRECISION)
 
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
@@ -152,7 +159,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
 
 
 strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv")
+           GDV="sgv", MASK="sm")
 
 
 # --------------------------------------------------------------------------------------
@@ -160,12 +167,12 @@ strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK=
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
-                  row_acc, sql, sqe, sdl, sde, sgql, sgqe, m_lo, m_hi, n0, L, S,
-                  qk_scale_log2, scale, GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC,
+                  row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme, m_lo, m_hi, n0,
+                  L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                   ROW_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
@@ -184,6 +191,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
+        if MASK_KIND != 0:
+            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, True)
         pt = tl.math.exp2(s2t - lse2[None, :])
         deltat = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - d[None, :]
         if HAS_GDV:
@@ -238,14 +247,15 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
 
 @triton.jit
 def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
-                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC,
+                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
-                   sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve,
+                   sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
                    num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   MASK_KIND: tl.constexpr,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                    ROW_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
@@ -281,17 +291,18 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
         gdq_base = GDQ + b * sgqb + h * sgqh
+        mask_base = MASK + b * smb + h * smh
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
-                               D + row, row, sql, sqe, sdl, sde, sgql, sgqe, m_first,
-                               m_unmasked, n0, L, S, qk_scale_log2, scale,
+                               D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
+                               m_first, m_unmasked, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL,
+                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
-                               D + row, row, sql, sqe, sdl, sde, sgql, sgqe, m_unmasked, L,
-                               n0, L, S, qk_scale_log2, scale,
+                               D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
+                               m_unmasked, L, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL,
+                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
@@ -300,7 +311,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
 
 
 strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv")
+           GDV="sgv", MASK="sm")
 
 
 # --------------------------------------------------------------------------------------
@@ -390,12 +401,13 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     gdq_arg = gdq if has_gdq else q
     gdk_arg = gdk if has_gdk else k
     gdv_arg = gdv if has_gdv else v
-    flag_key = (int(has_gdq), int(has_gdk), int(has_gdv))
+    mask_kind, mask = mask_kind_and_tensor(params, q)
+    flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind))
 
     def common():
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                    CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype), HAS_GDQ=has_gdq,
-                    HAS_GDK=has_gdk, HAS_GDV=has_gdv)
+                    CAUSAL=causal, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
+                    HAS_GDQ=has_gdq, HAS_GDK=has_gdk, HAS_GDV=has_gdv)
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)
@@ -412,7 +424,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
         plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
              GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc, DG_ACC=dg_acc, SBAR_ACC=sbar_acc,
-             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             MASK=mask, num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
     launch_columns(launch_plan(
@@ -433,7 +445,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def launch_rows(plan):
         plan(_row_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
-             GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse,
+             GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse, MASK=mask,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 

@@ -159,6 +159,47 @@ def visibility_mask(offs_m, offs_n, S, CAUSAL: tl.constexpr, TRANSPOSED: tl.cons
 
 
 # --------------------------------------------------------------------------------------
+# Mask tensors (kernels/params.py): read per tile where the scores are formed
+# --------------------------------------------------------------------------------------
+NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
+
+
+def mask_kind_and_tensor(params, fallback):
+    """(MASK_KIND, the tensor to pass as MASK): `fallback` (never read) without a mask."""
+    mask = params.mask
+    if mask is None:
+        return NO_MASK, fallback
+    return (BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK), mask
+
+
+def mask_flags(kind):
+    """The tuning-key flags of a mask kind (none without a mask: unmasked keys unchanged)."""
+    return () if kind == NO_MASK else (f"mask{kind}",)
+
+
+@triton.jit
+def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND: tl.constexpr,
+                    TRANSPOSED: tl.constexpr):
+    """Base-2 scores s2 ([M, N], or [N, M] when TRANSPOSED) with the mask tile applied as
+    AttentionParams defines it: bool False hides the pair; an additive value is added
+    (times log2 e), and one at or below -1e4 (HIDDEN_AT_OR_BELOW) hides the pair.
+    Pairs outside [0, L) x [0, S) read as hidden."""
+    if TRANSPOSED:
+        ptrs = mask_base + offs_n[:, None] * sms + offs_m[None, :] * sml
+        inside = (offs_n[:, None] < S) & (offs_m[None, :] < L)
+    else:
+        ptrs = mask_base + offs_m[:, None] * sml + offs_n[None, :] * sms
+        inside = (offs_m[:, None] < L) & (offs_n[None, :] < S)
+    if MASK_KIND == 1:
+        visible = tl.load(ptrs, mask=inside, other=0) != 0
+        s2 = tl.where(visible, s2, float("-inf"))
+    if MASK_KIND == 2:
+        bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
+        s2 = tl.where(bias <= -1e4, float("-inf"), s2 + bias * 1.4426950408889634)
+    return s2
+
+
+# --------------------------------------------------------------------------------------
 # Launch configurations: a few candidates per kernel, timed once per shape bucket and
 # remembered in a JSON file so that later processes skip the timing.
 # --------------------------------------------------------------------------------------

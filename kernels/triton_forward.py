@@ -3,15 +3,16 @@
 One program per (block of BLOCK_M query rows, batch x query head); it streams the key/value
 blocks its rows can see with the online softmax (running max m, running sum l, both in base
 2). Interior key blocks run without any mask; only the causal diagonal and the partial last
-key block are masked.
+key block are masked. A mask tensor (MASK_KIND != 0) is read in every block.
 """
 import torch
 import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, dot_precision, interpreting, key_blocks_of_row_block,
-                            launch_plan, load_tile, padded_dim, row_block_program, row_bytes,
+from .triton_common import (LOG2E, apply_mask_tile, dot_precision, interpreting,
+                            key_blocks_of_row_block, launch_plan, load_tile, mask_flags,
+                            mask_kind_and_tensor, padded_dim, row_block_program, row_bytes,
                             store_tile, strides_of, visibility_mask, wide_candidates)
 
 
@@ -24,10 +25,11 @@ def _max_keeping_nan(a, b):
 
 @triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                   offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   mask_base, sml, sme, offs_m, offs_e, offs_ev, n_lo, n_hi, L, S,
+                   qk_scale_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                   PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -35,6 +37,8 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
+        if MASK_KIND != 0:
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, False)
         m_new = _max_keeping_nan(m_i, tl.reduce(s2, 1, _max_keeping_nan))
         # rows whose scores are all -inf so far keep a finite reference point (no inf - inf)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -47,14 +51,14 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE,
+def _forward_kernel(Q, K, V, O, LSE, MASK,
                     sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
-                    sob, soh, sol, soe,
+                    sob, soh, sol, soe, smb, smh, sml, sme,
                     num_q_heads, kv_group, L, S, qk_scale_log2,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -63,23 +67,25 @@ def _forward_kernel(Q, K, V, O, LSE,
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    mask_base = MASK + b * smb + h * smh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   offs_m, offs_e, offs_ev, 0, full_end, S, qk_scale_log2,
-                                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV,
-                                   DOT_PRECISION)
+                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, 0, full_end,
+                                   L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+                                   CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION)
     acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   offs_m, offs_e, offs_ev, full_end, visible_end, S,
-                                   qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                                   PAD_E, PAD_EV, DOT_PRECISION)
+                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, full_end,
+                                   visible_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
+                                   BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
+                                   DOT_PRECISION)
 
-    # Every row in range sees key 0 (S > 0 is checked on the host). A running max still -inf
-    # means all its scores are -inf (infinite inputs): o = acc = 0 and lse = -inf, like SDPA's
-    # math path. A NaN score made the max NaN, so NaN rows stay NaN.
+    # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running
+    # max still -inf means all its scores are -inf (infinite inputs, or a mask hiding every
+    # key): o = acc = 0 and lse = -inf, like SDPA's math path. A NaN score made the max NaN, so NaN rows stay NaN.
     l_i = tl.where(m_i == float("-inf"), 1.0, l_i)
     o = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453   # ln 2: base 2 -> natural log
@@ -88,7 +94,7 @@ def _forward_kernel(Q, K, V, O, LSE,
     tl.store(LSE + row + offs_m, lse, mask=offs_m < L)
 
 
-strides_of(_forward_kernel, Q="sq", K="sk", V="sv", O="so")
+strides_of(_forward_kernel, Q="sq", K="sk", V="sv", O="so", MASK="sm")
 
 
 # Candidate launch configs, best measured default first (see benchmarks/README.md).
@@ -114,15 +120,17 @@ def attention_forward(q, k, v, params):
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     o = empty_like_order((B, Hq, L, Ev), q)
     lse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
+    mask_kind, mask = mask_kind_and_tensor(params, q)
 
     def launch(plan):
         plan(_forward_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             Q=q, K=k, V=v, O=o, LSE=lse,
+             Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E)
 
     launch(launch_plan(
-        "forward", q, k, v, causal, (), lambda: forward_candidates(q.dtype, E, Ev),
+        "forward", q, k, v, causal, mask_flags(mask_kind),
+        lambda: forward_candidates(q.dtype, E, Ev),
         lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                     CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype)),
+                     CAUSAL=causal, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype)),
         launch, pairs=L * S))
     return o, lse

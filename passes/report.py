@@ -37,6 +37,7 @@ class Site:
     is_causal: bool = False
     enable_gqa: bool = False
     causal_proof: str = ""       # how the mask was proven causal, when there was one
+    mask: str = ""               # the mask tensor passed on to attention, when there is one
 
     def line(self):
         where = f"{self.kind} at {self.node}" + (f" ({self.code})" if self.code else "")
@@ -44,7 +45,8 @@ class Site:
             return f"skipped  {where}: {self.reason}"
         causal = f"causal=True ({self.causal_proof})" if self.causal_proof else f"causal={self.is_causal}"
         gqa = " enable_gqa=True" if self.enable_gqa else ""
-        return f"replaced {where}: {self.shapes} scale={self.scale} {causal}{gqa}"
+        mask = f" mask={self.mask}" if self.mask else ""
+        return f"replaced {where}: {self.shapes} scale={self.scale} {causal}{gqa}{mask}"
 
 
 @dataclasses.dataclass

@@ -8,10 +8,13 @@ with the user's args and kwargs as written, on torch 2.11 and 2.13:
                                        scale=self.scaling, is_causal=True)  # HF sdpa_attention_forward
     y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)            # HF with GQA
 
-Supported: attn_mask None, or a mask proven causal (causal_mask.py; the site then becomes
-is_causal=True); dropout_p 0 (HF passes 0.0 outside training); is_causal and enable_gqa
+Supported: attn_mask None; a mask proven causal (causal_mask.py; the site then becomes
+is_causal=True, the cheapest kernels); any other bool or floating mask that does not
+require grad (HF padding, sliding windows, ...: passed on as attention's attn_mask, exact
+whatever it holds); dropout_p 0 (HF passes 0.0 outside training); is_causal and enable_gqa
 given as Python bools; scale None, a constant, or a number computed in the graph (dynamic
-shapes). Anything else stays SDPA and the report says why.
+shapes). Anything else (a mask that requires grad: a learned bias) stays SDPA and the
+report says why.
 """
 import torch
 import torch.nn.functional as F
@@ -50,23 +53,25 @@ def rewrite_sdpa(gm, prover, report):
         q, k, v = a["query"], a["key"], a["value"]
         site = Site("sdpa", node.name, user_code(node),
                     shapes=f"q{shape_text(q)} k{shape_text(k)} v{shape_text(v)}")
-        proof = None
+        proof = mask = None
         reason = _unsupported_argument(a)
         if reason is None and a["attn_mask"] is not None:
             try:
                 proof = _causal_mask_proof(prover, a)
             except NotProven as e:
-                reason = f"attn_mask is not provably causal: {e}"
+                mask, reason = a["attn_mask"], _unsupported_mask(a["attn_mask"])
+                site.mask = f"attn_mask {describe(mask)} (not causal: {e})"
         if reason is not None:
             site.reason = reason
             report.add(site)
             continue
 
         is_causal = a["is_causal"] or proof is not None
+        kwargs = {"is_causal": is_causal, "scale": a["scale"], "enable_gqa": a["enable_gqa"]}
+        if mask is not None:
+            kwargs["attn_mask"] = mask
         with gm.graph.inserting_before(node):
-            replacement = gm.graph.call_function(
-                attention, (q, k, v),
-                {"is_causal": is_causal, "scale": a["scale"], "enable_gqa": a["enable_gqa"]})
+            replacement = gm.graph.call_function(attention, (q, k, v), kwargs)
         replacement.meta = dict(node.meta)
         node.replace_all_uses_with(replacement)
         erase_unused(gm.graph, [node] + (proof.nodes if proof else []))
@@ -92,6 +97,19 @@ def _unsupported_argument(a):
         return f"scale is {describe(scale)}, not a number"
     if a["attn_mask"] is not None and a["is_causal"]:
         return "attn_mask and is_causal=True are both set (SDPA rejects this)"
+    return None
+
+
+def _unsupported_mask(mask):
+    """Why this attn_mask cannot be passed on as attention's mask, or None."""
+    value = example_tensor(mask)
+    if value is None:
+        return f"attn_mask {describe(mask)} has no recorded tensor value"
+    if value.requires_grad:
+        return (f"attn_mask {describe(mask)} requires grad (a learned bias): its gradient "
+                f"would be lost")
+    if value.dtype != torch.bool and not value.dtype.is_floating_point:
+        return f"attn_mask {describe(mask)} is {value.dtype}, neither bool nor floating"
     return None
 
 

@@ -41,9 +41,9 @@ def second_order_step(attn, q, k, v, do, gq, gk, gv):
     return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
 
 
-def chain_step(q, k, v, do, gq, gk, gv, scale, causal, impl):
+def chain_step(q, k, v, do, gq, gk, gv, scale, causal, impl, mask=None):
     """The same step assembled from the kernel contract (chain form)."""
-    params = AttentionParams(scale=scale, causal=causal)
+    params = AttentionParams(scale=scale, causal=causal, mask=mask)
     o, lse = impl.forward(q, k, v, params)
     impl.backward(q, k, v, o, lse, do, None, params)
     bq, bk, bv, go, glse, gdo, _ = impl.bob(q, k, v, o, lse, do, None, gq, gk, gv, params)
@@ -83,6 +83,37 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
     monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
     settings.reload()
+    check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal)
+
+
+def padding_mask(kind, B, Hq, L, S, dtype):
+    """HF-style key padding (B, 1, 1, S) broadcast to (B, Hq, L, S): batch b keeps its first
+    lengths[b] keys; additive masks use HF eager's finfo.min fill."""
+    lengths = torch.linspace(S // 3, S, B, device="cuda").long()
+    visible = torch.arange(S, device="cuda")[None, :] < lengths[:, None]
+    visible = visible[:, None, None, :]
+    if kind == "bool":
+        return visible.expand(B, Hq, L, S)
+    fill = torch.zeros(visible.shape, device="cuda", dtype=dtype)
+    return fill.masked_fill(~visible, torch.finfo(dtype).min).expand(B, Hq, L, S)
+
+
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype,B,Hq,Hkv,L,S,E,Ev,causal", [
+    pytest.param(torch.bfloat16, 3, 4, 4, 1024, 1024, 64, 64, True, id="bf16-1024-causal-d64"),
+    pytest.param(torch.bfloat16, 2, 4, 2, 777, 1000, 128, 128, False, id="bf16-gqa-L<S-d128"),
+])
+def test_masks_against_float64(monkeypatch, schedule, kind, dtype, B, Hq, Hkv, L, S, E, Ev,
+                               causal):
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    settings.reload()
+    check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal,
+                       padding_mask(kind, B, Hq, L, S, dtype))
+
+
+def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     dev = "cuda"
     scale = 1.0 / math.sqrt(E)
     q = torch.randn(B, Hq, L, E, device=dev, dtype=dtype)
@@ -93,7 +124,7 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
     report = []
 
     # first order: forward
-    params = AttentionParams(scale=scale, causal=causal)
+    params = AttentionParams(scale=scale, causal=causal, mask=mask)
     o, lse = triton_attention.forward(q, k, v, params)
     ro, rlse = reference.forward(*f64(q, k, v), params)
     mo, mlse = reference.forward(q, k, v, params, upcast=False)   # precision baseline
@@ -123,12 +154,19 @@ def test_every_output_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, 
 
     # the full second-order step (what a user's double backward computes)
     if Hq == Hkv and E == Ev:
-        ours = chain_step(q, k, v, do, *cot, scale, causal, triton_attention)
-        exact = chain_step(*f64(q, k, v, do, *cot), scale, causal, reference)
+        ours = chain_step(q, k, v, do, *cot, scale, causal, triton_attention, mask)
+        exact = chain_step(*f64(q, k, v, do, *cot), scale, causal, reference, mask)
+        sdpa_mask, sdpa_causal = mask, causal
+        if mask is not None and causal:     # SDPA takes one of them: the causal mask folded in
+            above = ~torch.ones(L, S, dtype=torch.bool, device=dev).tril()
+            sdpa_mask = mask & ~above if mask.dtype == torch.bool else \
+                mask.masked_fill(above, float("-inf"))
+            sdpa_causal = False
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
             lowp = second_order_step(
                 lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
-                    a, b, c, is_causal=causal, scale=scale), q, k, v, do, *cot)
+                    a, b, c, attn_mask=sdpa_mask, is_causal=sdpa_causal, scale=scale),
+                q, k, v, do, *cot)
         for name, a, m, e in zip(("step.gq", "step.gk", "step.gv", "step.gdo"), ours, lowp, exact):
             check_against(name, a, m, e, report)
     print("\n".join(report))

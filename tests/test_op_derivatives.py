@@ -5,7 +5,9 @@ Paths: autograd HVP (create_graph then a second grad), a MAML inner step, torch.
 grad(grad), vjp, jvp, jvp(grad), vmap, vmap(grad), hessian and jacrev(jacrev).
 Cases: causal and not, L != S both ways, Ev != E, a non-default scale, leading dims
 (B, H) / (B,) / none, GQA, lengths that are no multiple of the (tiny) tiles, permuted
-inputs, and rows that see no key.
+inputs, rows that see no key, and masks (attn_mask: key padding, general boolean,
+additive with -inf and HF's finfo.min fill, broadcast in every leading dim; each also
+combined with causal).
 """
 import functools
 from typing import Callable, NamedTuple
@@ -30,7 +32,30 @@ CASES = {
     "scale": ((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4), {"scale": 0.77}),
     "permuted": ((2, 3, 6, 4), (2, 3, 7, 4), (2, 3, 7, 4), {"permuted": True}),
     "no_visible_key": ((1, 2, 5, 4), (1, 2, 0, 4), (1, 2, 0, 3), {}),
+    # masks: (kind, shape); padding hides the last keys of batch 1, all keys of batch 2
+    "key_padding_mask": ((3, 2, 6, 4), (3, 2, 8, 4), (3, 2, 8, 4), {"mask": ("padding", (3, 1, 1, 8))}),
+    "bool_mask": ((2, 3, 7, 5), (2, 3, 9, 5), (2, 3, 9, 5), {"mask": ("bool", (2, 3, 7, 9))}),
+    "additive_mask": ((2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {"mask": ("additive", (6, 7))}),
+    "finfo_min_mask": ((2, 2, 6, 4), (2, 2, 6, 4), (2, 2, 6, 4), {"mask": ("finfo_min", (2, 1, 6, 6))}),
+    "gqa_mask": ((2, 4, 6, 4), (2, 2, 7, 4), (2, 2, 7, 3), {"enable_gqa": True, "mask": ("bool", (2, 1, 6, 7))}),
+    "no_leading_dims_mask": ((7, 4), (9, 4), (9, 4), {"mask": ("bool", (7, 9))}),
 }
+
+
+def make_mask(kind, shape):
+    """A mask of SDPA's kinds, with a row (or batch) that sees no key where it can."""
+    g = torch.Generator().manual_seed(7)
+    if kind == "padding":        # an HF attention_mask as SDPA sees it: (B, 1, 1, S), True = token
+        lengths = torch.tensor([shape[-1], shape[-1] - 3, 0])
+        return (torch.arange(shape[-1]) < lengths[:, None]).view(shape)
+    visible = torch.rand(shape, generator=g) > 0.35
+    visible[..., 1, :] = False   # a row that sees no key
+    if kind == "bool":
+        return visible
+    if kind == "additive":
+        return torch.randn(shape, generator=g, dtype=torch.float64).masked_fill(~visible, -torch.inf)
+    fill = torch.finfo(torch.float64).min   # HF eager: scores + mask, hidden keys at finfo.min
+    return torch.zeros(shape, dtype=torch.float64).masked_fill(~visible, fill)
 
 
 def make_inputs(case, causal):
@@ -46,6 +71,8 @@ def make_inputs(case, causal):
     q, k, v = rand(qs), rand(ks), rand(vs)
     if permuted:
         assert not q.is_contiguous()
+    if "mask" in opts:
+        opts["attn_mask"] = make_mask(*opts.pop("mask"))
     return (q, k, v), dict(opts, is_causal=causal)
 
 

@@ -19,7 +19,7 @@ def permuted(b, h, n, e):
 def first_order_state(causal, gqa=False):
     hkv = 1 if gqa else 3
     q, k, v = permuted(2, 3, 5, 4), permuted(2, hkv, 6, 4), permuted(2, hkv, 6, 2)
-    o, lse = op.attn_fwd(q, k, v, 0.5, causal)
+    o, lse = op.attn_fwd(q, k, v, None, 0.5, causal)
     do = permuted(2, 3, 5, 2)
     return q, k, v, o, lse, do
 
@@ -28,24 +28,37 @@ CAUSAL = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"]
 GQA = pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
 
 
+def make_mask(kind):
+    """None, or a (B, 1, L, S) mask for first_order_state's shapes, broadcast over heads."""
+    g = torch.Generator().manual_seed(1)
+    if kind is None:
+        return None
+    visible = torch.rand(2, 1, 5, 6, generator=g) > 0.3
+    if kind == "bool":
+        return visible
+    return torch.randn(2, 1, 5, 6, generator=g, dtype=torch.float64).masked_fill(~visible, -torch.inf)
+
+
 @CAUSAL
 @GQA
-def test_opcheck_every_op_with_permuted_inputs(causal, gqa):
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+def test_opcheck_every_op_with_permuted_inputs(causal, gqa, mask_kind):
     """opcheck compares fake and real outputs (strides too) on non-contiguous inputs."""
+    mask = make_mask(mask_kind)
     q, k, v, o, lse, do = first_order_state(causal, gqa)
     dlse = torch.randn_like(lse)
     g = [torch.randn_like(t) for t in (q, k, v)]
     t = [torch.randn_like(x) for x in (q, k, v, o, lse, do, dlse)]
     calls = [
-        (op.attn_fwd, (q, k, v, 0.5, causal)),
-        (op.attn_bwd, (q, k, v, o, lse, do, None, 0.5, causal)),
-        (op.attn_bwd, (q, k, v, o, lse, do, dlse, 0.5, causal)),
-        (op.attn_bob, (q, k, v, o, lse, do, dlse, *g, 0.5, causal)),
-        (op.attn_bob, (q, k, v, o, lse, do, None, None, g[1], None, 0.5, causal)),
-        (op.attn_fwd_jvp, (q, k, v, o, lse, *t[:3], 0.5, causal)),
-        (op.attn_bwd_jvp, (q, k, v, o, lse, do, dlse, *t, 0.5, causal)),
+        (op.attn_fwd, (q, k, v, mask, 0.5, causal)),
+        (op.attn_bwd, (q, k, v, o, lse, do, None, mask, 0.5, causal)),
+        (op.attn_bwd, (q, k, v, o, lse, do, dlse, mask, 0.5, causal)),
+        (op.attn_bob, (q, k, v, o, lse, do, dlse, *g, mask, 0.5, causal)),
+        (op.attn_bob, (q, k, v, o, lse, do, None, None, g[1], None, mask, 0.5, causal)),
+        (op.attn_fwd_jvp, (q, k, v, o, lse, *t[:3], mask, 0.5, causal)),
+        (op.attn_bwd_jvp, (q, k, v, o, lse, do, dlse, *t, mask, 0.5, causal)),
         (op.attn_bwd_jvp, (q, k, v, o, lse, do, None, None, t[1], None, None, t[4], None, None,
-                           0.5, causal)),
+                           mask, 0.5, causal)),
     ]
     for fn, args in calls:
         result = torch.library.opcheck(fn, args)
@@ -64,11 +77,12 @@ def test_outputs_are_dense_in_the_order_of_their_input_fake_and_real(make):
     fake implementations say exactly that."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     q, k, v, do = make(2, 3, 5, 4), make(2, 3, 6, 4), make(2, 3, 6, 2), make(2, 3, 5, 2)
-    o, lse = op.attn_fwd(q, k, v, 0.5, True)
+    o, lse = op.attn_fwd(q, k, v, None, 0.5, True)
     g = (make(2, 3, 5, 4), make(2, 3, 6, 4), make(2, 3, 6, 2))
-    calls = [(op.attn_fwd, (q, k, v, 0.5, True), (q, None)),
-             (op.attn_bwd, (q, k, v, o, lse, do, None, 0.5, True), (q, k, v)),
-             (op.attn_bob, (q, k, v, o, lse, do, lse, *g, 0.5, True), (q, k, v, o, None, do, None))]
+    calls = [(op.attn_fwd, (q, k, v, None, 0.5, True), (q, None)),
+             (op.attn_bwd, (q, k, v, o, lse, do, None, None, 0.5, True), (q, k, v)),
+             (op.attn_bob, (q, k, v, o, lse, do, lse, *g, None, 0.5, True),
+              (q, k, v, o, None, do, None))]
     for fn, args, likes in calls:
         real = fn(*args)
         with FakeTensorMode() as mode:
@@ -86,7 +100,7 @@ def test_outputs_are_dense_in_the_order_of_their_input_fake_and_real(make):
 def test_raw_op_has_no_autograd_and_says_so():
     """Autograd lives in bob_compile.autograd; differentiating the bare op is a clear error."""
     q, k, v = (torch.randn(1, 1, 3, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    o, _ = op.attn_fwd(q, k, v, 1.0, False)
+    o, _ = op.attn_fwd(q, k, v, None, 1.0, False)
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         o.sum().backward()
 
@@ -106,12 +120,15 @@ def test_gradcheck_and_gradgradcheck(causal, gqa):
 
 
 @CAUSAL
-def test_gradcheck_first_backward_over_all_seven_inputs(causal):
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+def test_gradcheck_first_backward_over_all_seven_inputs(causal, mask_kind):
     """attn_bob is the VJP of attn_bwd w.r.t. q, k, v, o, lse, do and dlse."""
-    q, k, v, o, lse, do = first_order_state(causal, gqa=True)
-    dlse = torch.randn_like(lse)
+    mask = make_mask(mask_kind)
+    q, k, v, = first_order_state(causal, gqa=True)[:3]
+    o, lse = op.attn_fwd(q, k, v, mask, 0.5, causal)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
-    assert torch.autograd.gradcheck(lambda *a: AttnBwdFn.apply(*a, 0.5, causal), inputs)
+    assert torch.autograd.gradcheck(lambda *a: AttnBwdFn.apply(*a, mask, 0.5, causal), inputs)
 
 
 def test_first_order_keeps_lse_cotangent_none():
@@ -125,6 +142,6 @@ def test_first_order_keeps_lse_cotangent_none():
             return func(*args, **(kwargs or {}))
     q, k, v = (torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
     with Spy():
-        o, _ = AttnFn.apply(q, k, v, 1.0, True)
+        o, _ = AttnFn.apply(q, k, v, None, 1.0, True)
         o.sum().backward()
     assert seen == [None]

@@ -137,11 +137,25 @@ def test_sdpa_causal_attn_mask_becomes_is_causal():
         torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
 
 
+def test_sdpa_arbitrary_mask_is_passed_on():
+    """A mask that is not causal (here a graph input) becomes attention's attn_mask."""
+    q, k, v = qkv()
+    mask = torch.rand(L, L, dtype=torch.float64) > 0.5
+    gm, inputs = capture(sdpa_with(mask=True), q, k, v, mask)
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert site.replaced and "mask=attn_mask" in site.line() and "not causal: graph input" in site.line()
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("kwargs,reason", [
-    (dict(mask=True), "attn_mask is not provably causal: graph input"),
     (dict(dropout_p=0.1), "dropout is active"),
     (dict(mask=True, is_causal=True), "attn_mask and is_causal=True are both set"),
-], ids=["arbitrary_mask", "dropout", "mask_and_is_causal"])
+], ids=["dropout", "mask_and_is_causal"])
 def test_sdpa_unsupported_stays(kwargs, reason):
     q, k, v = qkv()
     mask = torch.rand(L, L, dtype=torch.float64) > 0.5
@@ -428,8 +442,13 @@ def test_mask_written_in_place_is_not_causal(name, where):
     gm, inputs = capture(f, q, k, v)
     report = rewrite_attention(gm, inputs)
     (site,) = report.sites
-    assert not site.replaced and "writes in place to" in site.reason, site.reason
-    assert not attention_nodes(gm)
+    if where == "sdpa":      # not causal, so passed on as a mask: exact whatever was written
+        assert site.replaced and "writes in place to" in site.mask, site.line()
+        (node,) = attention_nodes(gm)
+        assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
+    else:
+        assert not site.replaced and "writes in place to" in site.reason, site.reason
+        assert not attention_nodes(gm)
     with sdpa_kernel(SDPBackend.MATH):
         torch.testing.assert_close(run_graph(gm, inputs), f(q, k, v), atol=1e-12, rtol=0, equal_nan=True)
 

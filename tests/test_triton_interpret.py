@@ -4,8 +4,8 @@ Every output of forward, backward and bob is compared, on the same inputs, with
 kernels/reference.py evaluated in float64, by relative L2 error. Shapes are tiny but cross
 the interpreter's 16/32-wide tiles: odd lengths, L < S and L > S, causal and not, E != Ev,
 head dims that are not powers of two, GQA, strided inputs, None cotangents, S == 0 and
-L == 0, NaN and infinite inputs, and both BoB/backward schedules (deterministic two-pass and
-fp32 atomics).
+L == 0, NaN and infinite inputs, masks (boolean and additive, broadcast, with rows that see
+no key), and both BoB/backward schedules (deterministic two-pass and fp32 atomics).
 fp32 and fp16 only: the interpreter mishandles bf16.
 """
 import math
@@ -91,10 +91,10 @@ def cast_like(expected, actual):
     return [e.to(a.dtype) if e.dtype != a.dtype else e for e, a in zip(expected, actual)]
 
 
-def run_all_orders(q, k, v, causal, present, with_dlse, dtype):
+def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None):
     scale = 1.0 / math.sqrt(q.shape[-1])
     # forward
-    params = AttentionParams(scale=scale, causal=causal)
+    params = AttentionParams(scale=scale, causal=causal, mask=mask)
     o, lse = triton_attention.forward(q, k, v, params)
     ro, rlse = reference.forward(*f64(q, k, v), params)
     assert o.dtype == q.dtype and lse.dtype == torch.float32
@@ -164,6 +164,40 @@ def test_none_cotangents(monkeypatch, schedule, present):
     settings.reload()
     q, k, v = make_inputs(1, 2, 1, 21, 34, 16, 16, torch.float32)
     run_all_orders(q, k, v, True, present, False, torch.float32)
+
+
+def make_mask(kind, B, Hq, L, S):
+    """A (B, Hq, L, S) mask view (broadcast over heads, stride 0) with an empty row and an
+    HF-style finite fill."""
+    g = torch.Generator().manual_seed(3)
+    visible = torch.rand(B, 1, L, S, generator=g) > 0.3
+    visible[:, :, 5] = False
+    if kind == "bool":
+        mask = visible
+    else:
+        mask = torch.randn(B, 1, L, S, generator=g).masked_fill(~visible, torch.finfo(torch.float32).min)
+        mask[:, :, 7, ::2] = -torch.inf
+    return mask.expand(B, Hq, L, S)
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_masks_every_output(monkeypatch, schedule, kind, causal):
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    settings.reload()
+    q, k, v = make_inputs(2, 4, 2, 37, 45, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32,
+                   mask=make_mask(kind, 2, 4, 37, 45))
+
+
+@in_interpreter
+def test_masks_fp16_strided():
+    q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)
+    mask = make_mask("additive", 1, 2, 33, 47).half()
+    run_all_orders(q, k, v, True, (True, False, True), False, torch.float16, mask=mask)
 
 
 @in_interpreter

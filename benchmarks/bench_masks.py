@@ -1,0 +1,119 @@
+"""Second-order steps with a padding mask (issue 12): a padded batch against the unmasked
+op on the same visible pairs.
+
+Problem (the issue's): B sequences with lengths uniform in [--min-len, --max-len], padded to
+--max-len, causal, H heads, head dim d, bf16. Each row times one full second-order step
+through `bob_compile.attention` and autograd (forward, grad(create_graph=True), second grad
+w.r.t. q, k, v, dO):
+- `padded, bool mask`: the batch with an HF-style key-padding mask (B, 1, 1, S), is_causal;
+- `padded, general mask`: the same pattern as a materialized (B, 1, L, S) boolean mask;
+- `padded, additive mask`: the same pattern as an additive (B, 1, 1, S) mask, finfo.min fill;
+- `padded, no mask`: the padded batch without a mask (the work a mask-blind kernel does);
+- `per sequence, no mask`: the sum over sequences of the unmasked step at each own length
+  (B = 1): the time for exactly the visible pairs, the issue's reference.
+CUDA-event medians after warm-up. Checks the masked steps against per-sequence unmasked
+steps on the real tokens (the padded rows' outputs are excluded).
+
+    python benchmarks/bench_masks.py --out results/
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import bob_compile  # noqa: E402
+
+
+def step(q, k, v, do, g, mask, causal):
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    o = bob_compile.attention(q, k, v, attn_mask=mask, is_causal=causal)
+    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    return torch.autograd.grad(grads, (q, k, v, do), g)
+
+
+def median_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="results")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_masks.py needs a CUDA device")
+        return
+    dev, dtype, causal = "cuda", torch.bfloat16, True
+    B, H, S, d = args.batch, args.heads, args.max_len, args.d
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.min_len, args.max_len + 1, (B,), generator=g).tolist()
+    visible = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
+    key_mask = visible[:, None, None, :].to(dev)
+    general = key_mask.expand(B, 1, S, S).contiguous()
+    additive = torch.zeros(B, 1, 1, S, device=dev, dtype=dtype).masked_fill(
+        ~key_mask, torch.finfo(dtype).min)
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, S, d, device=dev, dtype=dtype) for _ in range(4))
+    cot = tuple(torch.randn(B, H, S, d, device=dev, dtype=dtype) for _ in range(3))
+
+    rows = {}
+    for name, mask in (("padded, bool mask", key_mask), ("padded, general mask", general),
+                       ("padded, additive mask", additive), ("padded, no mask", None)):
+        rows[name] = median_ms(lambda: step(q, k, v, do, cot, mask, causal), args.reps)
+
+    def per_sequence():
+        for b, n in enumerate(lengths):
+            sl = (slice(b, b + 1), slice(None), slice(0, n))
+            step(q[sl], k[sl], v[sl], do[sl], tuple(c[sl] for c in cot), None, causal)
+    rows["per sequence, no mask"] = median_ms(per_sequence, args.reps)
+
+    # correctness: the masked step on each sequence's real tokens equals the unmasked step there
+    worst = 0.0
+    real = visible[:, None, :, None].to(dev)      # padded rows send no cotangent anywhere
+    masked = step(q, k, v, do * real, tuple(c * real for c in cot), key_mask, causal)
+    for b, n in enumerate(lengths):
+        sl = (slice(b, b + 1), slice(None), slice(0, n))
+        alone = step(q[sl], k[sl], v[sl], do[sl], tuple(c[sl] for c in cot), None, causal)
+        for ours, ref in zip(masked, alone):
+            a, r = ours[sl].double(), ref.double()
+            worst = max(worst, ((a - r).norm() / r.norm()).item())
+
+    pairs = sum(n * (n + 1) // 2 for n in lengths) * H
+    reference = rows["per sequence, no mask"]
+    result = dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__, B=B,
+                            H=H, S=S, d=d, lengths=lengths, causal=causal, dtype=str(dtype),
+                            visible_pairs=pairs, reps=args.reps),
+                  rows=[dict(row=name, ms=ms, ratio_to_per_sequence=ms / reference)
+                        for name, ms in rows.items()],
+                  masked_vs_per_sequence_rel_l2=worst)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_masks.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"B={B} H={H} S={S} d={d} lengths={lengths} visible pairs={pairs:,}")
+    print(f"masked step vs per-sequence unmasked on real tokens: rel L2 {worst:.2e}")
+    print(f"{'row':28s} {'ms':>9s} {'vs per-seq':>10s}")
+    for name, ms in rows.items():
+        print(f"{name:28s} {ms:9.3f} {ms / reference:9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
