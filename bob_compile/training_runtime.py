@@ -410,11 +410,18 @@ def _convert_element_type(x, dtype):
     return torch.ops.aten._to_copy.default(x, dtype=dtype)
 
 
+def _fma(a, b, c):
+    # inductor's prims.fma (its softmax-backward decomposition, torch 2.11) has no
+    # derivative; a * b + c is the same up to the fused rounding and has one
+    return torch.ops.aten.add.Tensor(torch.ops.aten.mul.Tensor(a, b), c)
+
+
 def differentiable_copy(graph_module):
     """A copy of an aten-level graph in which every attention op is called through its
-    autograd.Function, and prims casts through aten, so that autograd and AOTAutograd can
-    differentiate it again."""
+    autograd.Function, and prims without derivatives through aten equivalents, so that
+    autograd and AOTAutograd can differentiate it again."""
     gm = copy.deepcopy(graph_module)
+    fma = getattr(getattr(torch.ops.prims, "fma", None), "default", None)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -422,6 +429,8 @@ def differentiable_copy(graph_module):
             node.target = _DIFFERENTIABLE[node.target]
         elif node.target is torch.ops.prims.convert_element_type.default:
             node.target = _convert_element_type
+        elif fma is not None and node.target is fma:
+            node.target = _fma
     gm.recompile()
     return gm
 

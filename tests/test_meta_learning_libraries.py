@@ -58,13 +58,14 @@ def torchopt_meta_sgd(model, compile_fn, x):
 
 def torchopt_func_optimizer(model, compile_fn, x):
     torchopt = pytest.importorskip("torchopt")
-    params = dict(model.named_parameters())
-    f = compile_fn(lambda p, x: functional_call(model, p, (x,)))
+    names, params = zip(*model.named_parameters())
+    # the weights as a tuple (torch 2.11's autograd.grad, which FuncOptimizer calls, takes no dict)
+    f = compile_fn(lambda p, x: functional_call(model, dict(zip(names, p)), (x,)))
     inner_opt = torchopt.FuncOptimizer(torchopt.sgd(lr=0.1))
-    fast = dict(params)
+    fast = params
     for _ in range(INNER_STEPS):
         fast = inner_opt.step(loss_of(f(fast, x[:1])), fast)
-    return torch.autograd.grad(loss_of(f(fast, x[1:])), list(params.values()))
+    return torch.autograd.grad(loss_of(f(fast, x[1:])), list(params))
 
 
 @pytest.mark.parametrize("recipe", [higher_maml, torchopt_meta_sgd, torchopt_func_optimizer],

@@ -417,3 +417,19 @@ def test_report_and_dump_name_the_compiled_graphs_of_every_order(tmp_path):
     assert "attn_bob" in (folder / "double_backward.backward.py").read_text()
     report_text = recent_reports[-1].text()
     assert "double backward" in report_text and "residual cotangents" in report_text
+
+
+def test_differentiable_copy_replaces_prims_without_derivatives():
+    """inductor's softmax-backward decomposition emits prims.fma (torch 2.11), which autograd
+    cannot differentiate; the double backward needs it as mul + add."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
+    graph = torch.fx.Graph()
+    a, b, c = (graph.placeholder(n) for n in "abc")
+    graph.output(graph.call_function(torch.ops.prims.fma.default, (a, b, c)))
+    gm = training_runtime.differentiable_copy(torch.fx.GraphModule({}, graph))
+    assert torch.ops.prims.fma.default not in {n.target for n in gm.graph.nodes}
+    x, y, z = (torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    (gx,) = torch.autograd.grad(gm(x, y, z).sum(), x, create_graph=True)
+    torch.testing.assert_close(gx, y)
+    (gy,) = torch.autograd.grad(gx.sum(), y)
+    torch.testing.assert_close(gy, torch.ones(3, dtype=torch.float64))
