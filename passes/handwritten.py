@@ -8,8 +8,11 @@ The matcher starts at each softmax and walks the graph both ways:
 
 - scales: constants, numbers computed in the graph (1/sqrt(head_dim) under dynamic shapes)
   or 0-d constant tensors (GPT-2), on the scores or on q/k; several multiply;
-- causal mask: masked_fill(mask, -inf), `+ additive_mask` or where(mask, scores, min),
-  with the mask proven causal by causal_mask.py;
+- mask: masked_fill(mask, -inf), `+ additive_mask` or where(mask, scores, min); a mask
+  proven causal by causal_mask.py makes the site causal, any other mask that does not
+  require grad (HF eager's padding and sliding-window masks) is passed on as attention's
+  attn_mask (an additive one only when no scale multiplies it, and not through einsum
+  layouts);
 - the transpose of k in any spelling (transpose/swapaxes/permute/.mT); without one, the
   op gets `k_transposed.transpose(-2, -1)`;
 - the products as matmul/bmm, `torch.baddbmm(_, q, kᵀ, beta=0, alpha=scale)` (Megatron,
@@ -49,6 +52,7 @@ class _Chain:
         self.nodes = []          # matched nodes, erased when the rewrite leaves them unused
         self.factors = []        # (number or SymFloat node, divides: bool)
         self.proof = None
+        self.mask = None         # (attn_mask node, or (node, negate), text) for a general mask
         self.q = self.k = self.k_transposed = self.v = self.output = None
         # einsum layouts: permutations to the op's (batch..., N, E) and back, None = as is
         self.q_perm = self.k_perm = self.v_perm = self.out_perm = None
@@ -78,6 +82,8 @@ def _match(softmax, prover):
     qk = _match_scores(scores, chain, prover)
     _match_operands(qk, chain, prover)
     _check_operands(chain)
+    if chain.mask is not None and (chain.q_perm or chain.k_perm or chain.v_perm or chain.out_perm):
+        raise _Skip(f"the mask is {chain.mask[2]}, and the einsum layouts would need it permuted")
     return chain
 
 
@@ -145,7 +151,7 @@ def _match_scores(x, chain, prover):
             chain.nodes.extend(constant_nodes)
             node_next = operand
         elif not masked and is_op(node, "masked_fill", "add", "where"):
-            node_next = _match_mask(node, chain, prover)
+            node_next = _match_mask(node, chain, prover, scaled_after=bool(scales_after_mask))
             masked = True
             _check_positive(scales_after_mask)
         elif is_op(node, "matmul") and len(node.args) == 2 or is_op(node, "einsum"):
@@ -170,8 +176,9 @@ def _check_positive(scales_after_mask):
                         f"{describe(value)}, which is not positive")
 
 
-def _match_mask(node, chain, prover):
-    """The scores operand of a masking node, after proving its mask causal."""
+def _match_mask(node, chain, prover, scaled_after):
+    """The scores operand of a masking node, after proving its mask causal, or else taking
+    it as a general mask (chain.mask)."""
     if is_op(node, "masked_fill"):
         scores, mask, fill, kind = node.args[0], arg(node, 1, "mask"), arg(node, 2, "value"), "masked"
     elif is_op(node, "add"):
@@ -197,11 +204,37 @@ def _match_mask(node, chain, prover):
             prover.masking_value(fill)
             if isinstance(fill, torch.fx.Node):
                 chain.nodes.append(fill)
-        chain.proof = prover.prove(mask, kind, scores_value.shape[-2:])
     except NotProven as e:
         raise _Skip(f"the mask is not provably causal: {e}") from None
+    try:
+        chain.proof = prover.prove(mask, kind, scores_value.shape[-2:])
+    except NotProven as e:
+        chain.mask = _general_mask(mask, kind, scaled_after, f"not causal: {e}")
+        return scores
     chain.nodes.extend(chain.proof.nodes)
     return scores
+
+
+def _general_mask(mask, kind, scaled_after, why):
+    """(mask node, whether it must be negated, report text) for a mask passed on as
+    attn_mask, or _Skip with the reason it cannot be."""
+    value = example_tensor(mask)
+    if value is None:
+        raise _Skip(f"the mask is not provably causal ({why}) and {describe(mask)} has no "
+                    f"recorded tensor value")
+    if value.requires_grad:
+        raise _Skip(f"the mask {describe(mask)} requires grad (a learned bias): its gradient "
+                    f"would be lost")
+    if kind == "additive":
+        if not value.dtype.is_floating_point:
+            raise _Skip(f"the additive mask {describe(mask)} is {value.dtype}")
+        if scaled_after:
+            raise _Skip(f"the additive mask {describe(mask)} is scaled with the scores after "
+                        f"it is added ({why})")
+    elif value.dtype != torch.bool:
+        raise _Skip(f"the mask {describe(mask)} is {value.dtype}, not bool ({why})")
+    # masked_fill(m, fill) and where(m, fill, scores) hide where m is True: attn_mask = ~m
+    return mask, kind == "masked", f"{kind} {describe(mask)} ({why})"
 
 
 def _scores_and_other(node, a, b):
@@ -454,8 +487,11 @@ def _replace(gm, chain, site):
                    ((chain.q, chain.q_perm), (k, chain.k_perm), (chain.v, chain.v_perm)))
         scale, scale_text = _scale(graph, chain.factors)
         causal = chain.proof is not None
-        replacement = graph.call_function(
-            attention, (q, k, v), {"is_causal": causal, "scale": scale, "enable_gqa": False})
+        kwargs = {"is_causal": causal, "scale": scale, "enable_gqa": False}
+        if chain.mask is not None:
+            mask, negate, site.mask = chain.mask
+            kwargs["attn_mask"] = graph.call_function(torch.logical_not, (mask,)) if negate else mask
+        replacement = graph.call_function(attention, (q, k, v), kwargs)
         result = _permuted(graph, replacement, chain.out_perm)
     replacement.meta = dict(chain.output.meta)
     if result is not replacement:

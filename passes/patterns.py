@@ -5,8 +5,9 @@ Each function is the attention core of one model family, copied in spirit from i
 v (B, H, S, Ev) and `bias`, nanoGPT's causal buffer `torch.tril(torch.ones(n, n)).view(1, 1, n, n)`
 with n >= L (patterns that build their mask in the graph ignore it). The tests compile
 every entry of PATTERNS with flashbob and check that it is replaced and matches SDPA;
-the MUST_NOT_MATCH entries look similar but are not softmax attention, or not causal, and
-must stay untouched.
+MASKED_PATTERNS are replaced with their (not causal) mask passed on, and match the written
+code at every order; the MUST_NOT_MATCH entries look similar but are not softmax attention
+(or have a learned bias), and must stay untouched.
 """
 import math
 
@@ -183,7 +184,8 @@ def active_dropout(q, k, v, bias):
 
 
 def padding_mask(q, k, v, bias):
-    # a mask that depends on the data (here: the input itself), not on positions.
+    # a mask that depends on the data (here: the input itself), not on positions: a boolean
+    # key-padding mask as BERT-style encoders build it.
     keep = v[..., :1].transpose(-2, -1) > 0
     scores = (q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf"))
     return scores.softmax(-1) @ v
@@ -220,13 +222,31 @@ def einsum_over_queries(q, k, v, bias):
 
 
 def relative_position_bias(q, k, v, bias):
-    # T5-style learned relative position bias added to the scores: a bias, not a mask.
+    # a fixed (not learned) relative-position bias added to the scores.
     L = q.shape[-2]
     distance = torch.arange(L)[None, :] - torch.arange(L)[:, None]
     position_bias = torch.sin(distance.to(q.dtype))
     scores = q @ k.transpose(-2, -1) + position_bias
     return F.softmax(scores, dim=-1) @ v
 
+
+_POSITION_TABLE = torch.zeros(64, 64, dtype=torch.float64, requires_grad=True)  # a "parameter"
+
+
+def learned_position_bias(q, k, v, bias):
+    # T5-style learned relative-position bias: the additive mask requires grad.
+    table = _POSITION_TABLE[:q.shape[-2], :k.shape[-2]].to(q.dtype)
+    return F.softmax(q @ k.transpose(-2, -1) + table * 0.5, dim=-1) @ v
+
+
+# Spellings whose mask is not causal but is passed on as attention's attn_mask (exact
+# whatever it holds): what the written code computes, at every order.
+MASKED_PATTERNS = {
+    "padding_mask": padding_mask,
+    "soft_additive_mask": soft_additive_mask,
+    "bottom_right_causal": bottom_right_causal,
+    "relative_position_bias": relative_position_bias,
+}
 
 MUST_NOT_MATCH = {
     "linear_attention": (linear_attention, "no softmax"),
@@ -235,10 +255,7 @@ MUST_NOT_MATCH = {
     "scale_after_softmax": (scale_after_softmax, "the probabilities go to"),
     "probabilities_returned": (probabilities_returned, "used 2 times"),
     "active_dropout": (active_dropout, "dropout is active"),
-    "padding_mask": (padding_mask, "not provably causal"),
-    "soft_additive_mask": (soft_additive_mask, "not provably -inf"),
-    "bottom_right_causal": (bottom_right_causal, "offset"),
     "alibi_baddbmm": (alibi_baddbmm, "not provably causal"),
     "einsum_over_queries": (einsum_over_queries, "does not contract the probabilities' key dim"),
-    "relative_position_bias": (relative_position_bias, "not provably causal"),
+    "learned_position_bias": (learned_position_bias, "requires grad (a learned bias)"),
 }

@@ -1,11 +1,15 @@
 """Hugging Face models called with an attention_mask, as HF training code calls them.
 
 transformers builds the mask inside the model (padding ∧ causal, sliding windows for
-Mistral, bidirectional padding for BERT) and hands it to SDPA as a boolean 4-D tensor;
-flashbob passes that mask on to bob_compile.attention (passes/sdpa.py), so the sites are
-replaced whatever the padding, and every order is exact (float64, against eager HF with
-PyTorch's math SDPA). The models' RMSNorm computes in float32 even in a float64 model;
-the tests make it float64 so that only attention's exactness is measured.
+Mistral, bidirectional padding for BERT): a boolean 4-D mask for SDPA
+(attn_implementation="sdpa"), an additive one with finfo.min fills for its hand-written
+`eager` attention. flashbob passes either on to bob_compile.attention (passes/sdpa.py,
+passes/handwritten.py), so the sites are replaced whatever the padding, and every order is
+exact (float64) against the same weights run eagerly through SDPA's math path. (Not
+against HF eager itself: its softmax computes in float32 even in a float64 model, and with
+left padding its fully masked rows are NaN; bob_compile gives those rows zeros, as SDPA
+does.) The models' RMSNorm also computes in float32; the tests make it float64 so that
+only attention's exactness is measured.
 """
 import pytest
 import torch
@@ -50,22 +54,22 @@ def _exact_rms_norms(model):
     return model
 
 
-def build(name):
+def build(name, attn_implementation="sdpa"):
     """A fresh model (the same weights on every call; deepcopy would keep the RMSNorm
     forwards bound to the original's weights)."""
     cls, config = _configs()[name]
     torch.manual_seed(0)
-    return _exact_rms_norms(cls._from_config(config, attn_implementation="sdpa").double())
+    return _exact_rms_norms(
+        cls._from_config(config, attn_implementation=attn_implementation).double())
 
 
-def batch(padding):
+def batch():
+    """Three sequences: unpadded, right-padded and left-padded."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 32, (2, 8), generator=g)
-    mask = torch.ones(2, 8, dtype=torch.long)
-    if padding == "right":
-        mask[1, 5:] = 0
-    elif padding == "left":
-        mask[1, :3] = 0
+    ids = torch.randint(1, 32, (3, 8), generator=g)
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    mask[2, :3] = 0
     return ids, mask
 
 
@@ -98,13 +102,13 @@ def max_error(actual, expected):
     return max((a - e).abs().max().item() for a, e in zip(actual, expected, strict=True))
 
 
-@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "bert"])
-def test_padded_batches_are_replaced_and_exact(name, padding):
-    model = build(name)
-    ids, mask = batch(padding)
+def test_padded_batches_are_replaced_and_exact(name, implementation):
+    model = build(name, implementation)
+    ids, mask = batch()
     with sdpa_kernel(SDPBackend.MATH):
-        grads, hvp = gradients_and_hvp(build(name), ids, mask)
+        grads, hvp = gradients_and_hvp(build(name), ids, mask)       # the sdpa twin
     compiled = torch.compile(model, backend=flashbob,
                              options={"compiler": "aot_eager", "fallback": False})
     actual_grads, actual_hvp = gradients_and_hvp(compiled, ids, mask)
@@ -114,10 +118,25 @@ def test_padded_batches_are_replaced_and_exact(name, padding):
     assert len(sites) == 2 and all(s.replaced for s in sites), [r.text() for r in recent_reports]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_maml_through_a_padded_batch(name):
-    model = build(name)
-    ids, mask = batch("left")
+@pytest.mark.parametrize("name,implementation", [("gpt2", "sdpa"), ("llama", "eager")])
+def test_the_all_ones_mask_a_tokenizer_returns(name, implementation):
+    model = build(name, implementation)
+    ids, mask = batch()
+    mask = torch.ones_like(mask)
+    with sdpa_kernel(SDPBackend.MATH):
+        grads, hvp = gradients_and_hvp(build(name), ids, mask)
+    compiled = torch.compile(model, backend=flashbob,
+                             options={"compiler": "aot_eager", "fallback": False})
+    actual_grads, actual_hvp = gradients_and_hvp(compiled, ids, mask)
+    assert max_error(actual_grads, grads) <= TOL and max_error(actual_hvp, hvp) <= TOL
+    sites = [s for r in recent_reports for s in r.sites]
+    assert len(sites) == 2 and all(s.replaced for s in sites)
+
+
+@pytest.mark.parametrize("name,implementation", [("llama", "sdpa"), ("mistral", "eager")])
+def test_maml_through_a_padded_batch(name, implementation):
+    model = build(name, implementation)
+    ids, mask = batch()
     with sdpa_kernel(SDPBackend.MATH):
         expected = maml_meta_gradient(build(name), ids, mask)
     compiled = torch.compile(model, backend=flashbob,

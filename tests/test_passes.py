@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bob_compile.attention import attention
 from bob_compile.passes import rewrite_attention
 from bob_compile.passes.causal_mask import CausalTensorGuard, failing_guards
-from bob_compile.passes.patterns import MUST_NOT_MATCH, PATTERNS
+from bob_compile.passes.patterns import MASKED_PATTERNS, MUST_NOT_MATCH, PATTERNS
 
 B, H, L, E = 2, 2, 8, 4
 
@@ -69,6 +69,35 @@ def test_pattern_is_replaced_and_exact(name):
     with sdpa_kernel(SDPBackend.MATH):
         expected = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(MASKED_PATTERNS))
+def test_masked_pattern_is_replaced_with_its_mask_and_exact(name):
+    """Not causal, so passed on as attn_mask: the written code's values and gradients
+    (first and second order) whatever the mask holds."""
+    pattern = MASKED_PATTERNS[name]
+    q, k, v = qkv(lq=4) if name == "bottom_right_causal" else qkv()
+    gm, inputs = capture(pattern, q, k, v, nanogpt_bias())
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert site.replaced and "mask=" in site.line(), report.text()
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
+
+    def second_order(fn):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*xs, nanogpt_bias())
+        grads = torch.autograd.grad(out.sin().sum(), xs, create_graph=True)
+        return (out, *torch.autograd.grad(sum(g.square().sum() for g in grads), xs))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(inputs)
+
+    def compiled(q_, k_, v_, bias):
+        # the graph's inputs in capture order, with q, k, v swapped for the differentiable ones
+        swap = {id(q): q_, id(k): k_, id(v): v_}
+        return run_graph(gm, [swap.get(id(t), t) for t in inputs])
+    for ours, expected in zip(second_order(compiled), second_order(pattern)):
+        torch.testing.assert_close(ours, expected, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(MUST_NOT_MATCH))
@@ -303,13 +332,25 @@ def test_causal_mask_built_in_graph_is_proven(name):
 
 @pytest.mark.parametrize("name", sorted(NOT_CAUSAL_MASKS))
 def test_other_masks_are_not_causal(name):
+    """Not proven causal (the report says why), so passed on as a general mask: the written
+    code's values, except rows that see no key (NaN in plain softmax), which are zeros as in
+    SDPA. A fill that does not hide its key (-1.0) leaves the site as written."""
     mask_fn, reason = NOT_CAUSAL_MASKS[name]
     torch.manual_seed(0)
     q, k, v = qkv()
     gm, inputs = capture(masked_attention(mask_fn), q, k, v)
     report = rewrite_attention(gm, inputs)
     (site,) = report.sites
-    assert not site.replaced and reason in site.reason, site.reason
+    if name == "fill_minus_one":
+        assert not site.replaced and reason in site.reason, site.reason
+        return
+    assert site.replaced and not site.is_causal and reason in site.mask, site.line()
+    torch.manual_seed(0)     # the random mask draws again when the graph runs
+    ours = run_graph(gm, inputs)
+    torch.manual_seed(0)
+    written = masked_attention(mask_fn)(q, k, v)
+    empty = written.isnan().all(-1, keepdim=True)
+    torch.testing.assert_close(ours, written.masked_fill(empty, 0.0), atol=1e-12, rtol=0)
 
 
 def test_mask_shared_by_two_layers():
@@ -372,12 +413,19 @@ def test_guards_of_a_graph_are_checked_together():
     assert failing_guards(guards[:1], (other,)) == guards[:1]
 
 
-def test_buffer_that_is_not_causal_is_rejected():
+def test_buffer_that_is_not_causal_is_passed_on():
+    """No causal kernels and no guard: the buffer is read as a mask on every call."""
     q, k, v = qkv()
-    gm, inputs = capture(PATTERNS["nanogpt"][0], q, k, v, torch.ones(1, 1, 16, 16))
+    buffer = torch.ones(1, 1, 16, 16)
+    gm, inputs = capture(PATTERNS["nanogpt"][0], q, k, v, buffer)
     report = rewrite_attention(gm, inputs)
     (site,) = report.sites
-    assert not site.replaced and "is not a lower-triangular mask" in site.reason
+    assert site.replaced and "is not a lower-triangular mask" in site.mask and not report.guards
+    torch.testing.assert_close(run_graph(gm, inputs), PATTERNS["nanogpt"][0](q, k, v, buffer),
+                               atol=1e-12, rtol=0)
+    buffer[..., 3] = 0       # read at run time: still what the written code gives
+    torch.testing.assert_close(run_graph(gm, inputs), PATTERNS["nanogpt"][0](q, k, v, buffer),
+                               atol=1e-12, rtol=0)
 
 
 # ---------------------------------------------------------------------------- masks written in place
@@ -442,15 +490,15 @@ def test_mask_written_in_place_is_not_causal(name, where):
     gm, inputs = capture(f, q, k, v)
     report = rewrite_attention(gm, inputs)
     (site,) = report.sites
-    if where == "sdpa":      # not causal, so passed on as a mask: exact whatever was written
-        assert site.replaced and "writes in place to" in site.mask, site.line()
-        (node,) = attention_nodes(gm)
-        assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
-    else:
-        assert not site.replaced and "writes in place to" in site.reason, site.reason
-        assert not attention_nodes(gm)
+    # not provably causal, so passed on as a mask: exact whatever was written
+    assert site.replaced and "writes in place to" in site.mask, site.line()
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
     with sdpa_kernel(SDPBackend.MATH):
-        torch.testing.assert_close(run_graph(gm, inputs), f(q, k, v), atol=1e-12, rtol=0, equal_nan=True)
+        written = f(q, k, v)
+    empty = written.isnan().all(-1, keepdim=True)     # rows that see no key: zeros, as SDPA
+    torch.testing.assert_close(run_graph(gm, inputs), written.masked_fill(empty, 0.0),
+                               atol=1e-12, rtol=0)
 
 
 def test_writes_to_other_tensors_do_not_block_the_proof():
@@ -474,7 +522,8 @@ def test_causal_buffer_written_in_the_graph_is_not_trusted():
     gm, inputs = capture(f, q, k, v, nanogpt_bias())
     report = rewrite_attention(gm, inputs)
     (site,) = report.sites
-    assert not site.replaced and "writes in place to" in site.reason and not report.guards
+    assert site.replaced and not site.is_causal and "writes in place to" in site.mask
+    assert not report.guards     # read as a mask on every call, not trusted as causal
 
 
 # ---------------------------------------------------------------------------- what counts as a site
