@@ -99,7 +99,7 @@ def _row_delta(do, o, dlse):
 
 # ----------------------------------------------------------------------------- forward
 def forward(q, k, v, params):
-    scale, causal = params.scale, params.causal
+    causal = params.causal
     out_dtype = q.dtype
     q, k, v = _prepare(q, k, v)
     B, H, L, _ = q.shape

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, dot_precision, fixed_plan, interpreting,
+from .triton_common import (LOG2E, apply_mask_tile, clip_key_loop, dot_precision, fixed_plan,
+                            interpreting, load_key_range,
                             key_blocks_of_row_block, launch_plan, load_lse2, load_row_vector,
                             load_tile, mask_flags, mask_kind_and_tensor, padded_dim,
                             row_block_program, row_blocks_of_key_block, row_bytes, store_tile,
@@ -116,10 +117,10 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
 
 
 @triton.jit
-def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK,
+def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sdkb, sdkh, sdkn, sdke, sdvb, sdvh, sdvn, sdve,
-                   smb, smh, sml, sme,
+                   smb, smh, sml, sme, srb, srh, srl, sre,
                    num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -152,13 +153,19 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK,
         do_base = DO + b * sdb + h * sdh
         dq_base = DQ_ACC + row * HEAD_DIM
         mask_base = MASK + b * smb + h * smh
+        m_lo, m_mid, m_hi = m_first, m_unmasked, L
+        if MASK_KIND != 0:      # a key block this (b, h) never sees: no query block at all
+            first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
+            unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
+            m_mid = tl.where(unseen, m_lo, m_mid)
+            m_hi = tl.where(unseen, m_lo, m_hi)
         dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_first,
-                               m_unmasked, n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_lo,
+                               m_mid, n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
                                DQ_ATOMICS, DOT_PRECISION)
         dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_unmasked, L,
+                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_mid, m_hi,
                                n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
                                BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
                                DOT_PRECISION)
@@ -168,7 +175,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK,
                sdvn, sdve, S, HEAD_DIM_V, PAD_EV)
 
 
-strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", MASK="sm")
+strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", MASK="sm",
+           KEY_RANGE="sr")
 
 
 # --------------------------------------------------------------------------------------
@@ -197,9 +205,10 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK,
+def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
                sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                sdb, sdh, sdl, sde, sdqb, sdqh, sdql, sdqe, smb, smh, sml, sme,
+               srb, srh, srl, sre,
                num_q_heads, kv_group, L, S, qk_scale_log2, scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -218,18 +227,23 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK,
     mask_base = MASK + b * smb + h * smh
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
+    lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
+    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
+        first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
+        lo1, hi1 = clip_key_loop(lo1, hi1, first, end, BLOCK_N)
+        lo2, hi2 = clip_key_loop(lo2, hi2, first, end, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-                   offs_m, offs_e, offs_ev, 0, full_end, L, S, qk_scale_log2, HEAD_DIM,
+                   offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
                    HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION)
     dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-                   offs_m, offs_e, offs_ev, full_end, visible_end, L, S, qk_scale_log2,
+                   offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2,
                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
                    DOT_PRECISION)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 
 
-strides_of(_dq_kernel, Q="sq", K="sk", V="sv", DO="sd", DQ="sdq", MASK="sm")
+strides_of(_dq_kernel, Q="sq", K="sk", V="sv", DO="sd", DQ="sdq", MASK="sm", KEY_RANGE="sr")
 
 
 # --------------------------------------------------------------------------------------
@@ -269,7 +283,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     dv = empty_like_order(v.shape, v)
     dq_acc = (torch.zeros((B, Hq, L, E), device=q.device, dtype=torch.float32)
               if dq_atomics else dk)
-    mask_kind, mask = mask_kind_and_tensor(params, q)
+    mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
 
     def common():
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
@@ -280,6 +294,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
             dq_acc.zero_()
         plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
+             KEY_RANGE=key_range,
              num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
@@ -294,7 +309,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
 
     def launch_rows(plan):
         plan(_dq_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq, MASK=mask,
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, apply_mask_tile, dot_precision, fixed_plan, interpreting,
+from .triton_common import (LOG2E, apply_mask_tile, clip_key_loop, dot_precision, fixed_plan,
+                            interpreting, load_key_range,
                             key_blocks_of_row_block, launch_plan, load_row_vector, load_tile,
                             mask_flags, mask_kind_and_tensor, padded_dim, row_block_program,
                             row_blocks_of_key_block, row_bytes, store_tile, strides_of,
@@ -105,9 +106,11 @@ def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
 
 @triton.jit
 def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE, MASK,
+                KEY_RANGE,
                 sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                 sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                 sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
+                srb, srh, srl, sre,
                 num_q_heads, kv_group, L, S, qk_scale_log2, scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -138,15 +141,20 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
     gdv_base = GDV + b * sgvb + hk * sgvh
     mask_base = MASK + b * smb + h * smh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
+    lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
+    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
+        first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
+        lo1, hi1 = clip_key_loop(lo1, hi1, first, end, BLOCK_N)
+        lo2, hi2 = clip_key_loop(lo2, hi2, first, end, BLOCK_N)
     gq, gdo, dg, sbar_sum = _row_steps(
         gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
         skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, offs_m, offs_e,
-        offs_ev, 0, full_end, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+        offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
         CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
     gq, gdo, dg, sbar_sum = _row_steps(
         gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
         skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, offs_m, offs_e,
-        offs_ev, full_end, visible_end, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+        offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
         DOT_PRECISION)
 
@@ -159,7 +167,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
 
 
 strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv", MASK="sm")
+           GDV="sgv", MASK="sm", KEY_RANGE="sr")
 
 
 # --------------------------------------------------------------------------------------
@@ -247,10 +255,11 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
 
 @triton.jit
 def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
-                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK,
+                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK, KEY_RANGE,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                    sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
+                   srb, srh, srl, sre,
                    num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -292,15 +301,21 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
         do_base = DO + b * sdb + h * sdh
         gdq_base = GDQ + b * sgqb + h * sgqh
         mask_base = MASK + b * smb + h * smh
+        m_lo, m_mid, m_hi = m_first, m_unmasked, L
+        if MASK_KIND != 0:      # a key block this (b, h) never sees: no query block at all
+            first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
+            unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
+            m_mid = tl.where(unseen, m_lo, m_mid)
+            m_hi = tl.where(unseen, m_lo, m_hi)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
                                D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
-                               m_first, m_unmasked, n0, L, S, qk_scale_log2, scale,
+                               m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
                                D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
-                               m_unmasked, L, n0, L, S, qk_scale_log2, scale,
+                               m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
@@ -311,7 +326,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
 
 
 strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv", MASK="sm")
+           GDV="sgv", MASK="sm", KEY_RANGE="sr")
 
 
 # --------------------------------------------------------------------------------------
@@ -401,7 +416,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     gdq_arg = gdq if has_gdq else q
     gdk_arg = gdk if has_gdk else k
     gdv_arg = gdv if has_gdv else v
-    mask_kind, mask = mask_kind_and_tensor(params, q)
+    mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
     flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind))
 
     def common():
@@ -424,7 +439,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
         plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
              GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc, DG_ACC=dg_acc, SBAR_ACC=sbar_acc,
-             MASK=mask, num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             MASK=mask, KEY_RANGE=key_range, num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
     launch_columns(launch_plan(
@@ -445,7 +460,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def launch_rows(plan):
         plan(_row_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
-             GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse, MASK=mask,
+             GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 

@@ -165,11 +165,45 @@ NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
 
 
 def mask_kind_and_tensor(params, fallback):
-    """(MASK_KIND, the tensor to pass as MASK): `fallback` (never read) without a mask."""
+    """(MASK_KIND, the tensor to pass as MASK, the (B, Hq, 1, 2) int32 KEY_RANGE): `fallback`
+    (never read) for both without a mask."""
     mask = params.mask
     if mask is None:
-        return NO_MASK, fallback
-    return (BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK), mask
+        return NO_MASK, fallback, fallback
+    kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
+    return kind, mask, visible_key_range(mask)
+
+
+def visible_key_range(mask):
+    """[first, last + 1) of the keys any query of each (batch, head) sees, (B, Hq, 1, 2) int32
+    (broadcast heads as stride 0): the kernels skip key blocks outside it, so a padded
+    batch costs its visible keys (right or left padding), not the padded length. Computed
+    on the device from the mask's own (un-broadcast) elements; [0, 0) where none is seen."""
+    base = mask
+    for dim in (1, 2):                   # read broadcast heads and rows once
+        if base.stride(dim) == 0:
+            base = base.narrow(dim, 0, 1)
+    visible = base if base.dtype == torch.bool else base > -1e4
+    seen = visible.any(dim=2)                                    # (B, Hm, S)
+    S = seen.shape[-1]
+    keys = torch.arange(S, device=mask.device, dtype=torch.int32)
+    first = torch.where(seen, keys, S).amin(-1)
+    end = torch.where(seen, keys + 1, 0).amax(-1)
+    ranges = torch.stack((torch.minimum(first, end), end), -1).to(torch.int32)
+    return ranges[:, :, None, :].expand(mask.shape[0], mask.shape[1], 1, 2)
+
+
+@triton.jit
+def load_key_range(key_range_ptr, sre):
+    """(first, end) of the visible keys of one (batch, head), from KEY_RANGE."""
+    return tl.load(key_range_ptr), tl.load(key_range_ptr + sre)
+
+
+@triton.jit
+def clip_key_loop(n_lo, n_hi, first, end, BLOCK_N: tl.constexpr):
+    """A loop over key blocks [n_lo, n_hi) (n_lo a multiple of BLOCK_N) restricted to the
+    blocks that hold keys in [first, end)."""
+    return tl.maximum(n_lo, (first // BLOCK_N) * BLOCK_N), tl.minimum(n_hi, end)
 
 
 def mask_flags(kind):

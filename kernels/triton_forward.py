@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, dot_precision, interpreting,
+from .triton_common import (LOG2E, apply_mask_tile, clip_key_loop, dot_precision, interpreting,
+                            load_key_range,
                             key_blocks_of_row_block, launch_plan, load_tile, mask_flags,
                             mask_kind_and_tensor, padded_dim, row_block_program, row_bytes,
                             store_tile, strides_of, visibility_mask, wide_candidates)
@@ -51,9 +52,9 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE, MASK,
+def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
                     sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
-                    sob, soh, sol, soe, smb, smh, sml, sme,
+                    sob, soh, sol, soe, smb, smh, sml, sme, srb, srh, srl, sre,
                     num_q_heads, kv_group, L, S, qk_scale_log2,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -73,19 +74,25 @@ def _forward_kernel(Q, K, V, O, LSE, MASK,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
+    lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
+    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
+        first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
+        lo1, hi1 = clip_key_loop(lo1, hi1, first, end, BLOCK_N)
+        lo2, hi2 = clip_key_loop(lo2, hi2, first, end, BLOCK_N)
     acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, 0, full_end,
+                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, lo1, hi1,
                                    L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
                                    CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION)
     acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, full_end,
-                                   visible_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
+                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, lo2, hi2,
+                                   L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
                                    BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
                                    DOT_PRECISION)
 
     # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running
     # max still -inf means all its scores are -inf (infinite inputs, or a mask hiding every
-    # key): o = acc = 0 and lse = -inf, like SDPA's math path. A NaN score made the max NaN, so NaN rows stay NaN.
+    # key): o = acc = 0 and lse = -inf, like SDPA's math path. A NaN score made the max
+    # NaN, so NaN rows stay NaN.
     l_i = tl.where(m_i == float("-inf"), 1.0, l_i)
     o = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453   # ln 2: base 2 -> natural log
@@ -94,7 +101,7 @@ def _forward_kernel(Q, K, V, O, LSE, MASK,
     tl.store(LSE + row + offs_m, lse, mask=offs_m < L)
 
 
-strides_of(_forward_kernel, Q="sq", K="sk", V="sv", O="so", MASK="sm")
+strides_of(_forward_kernel, Q="sq", K="sk", V="sv", O="so", MASK="sm", KEY_RANGE="sr")
 
 
 # Candidate launch configs, best measured default first (see benchmarks/README.md).
@@ -120,11 +127,11 @@ def attention_forward(q, k, v, params):
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     o = empty_like_order((B, Hq, L, Ev), q)
     lse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
-    mask_kind, mask = mask_kind_and_tensor(params, q)
+    mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
 
     def launch(plan):
         plan(_forward_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask,
+             Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E)
 
     launch(launch_plan(

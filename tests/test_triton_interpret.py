@@ -194,6 +194,23 @@ def test_masks_every_output(monkeypatch, schedule, kind, causal):
 
 
 @in_interpreter
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_masks_skip_unseen_key_blocks(kind, causal):
+    """Key padding as HF builds it: batch 0 left-padded, batch 1 right-padded, batch 2 sees
+    no key at all; the kernels skip the key blocks outside each batch's visible range."""
+    B, Hq, L, S = 3, 4, 37, 70
+    visible = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    visible[0, ..., 40:] = True
+    visible[1, ..., :21] = True
+    mask = visible if kind == "bool" else \
+        torch.zeros(B, 1, 1, S).masked_fill(~visible, torch.finfo(torch.float32).min)
+    q, k, v = make_inputs(B, Hq, 2, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32,
+                   mask=mask.expand(B, Hq, L, S))
+
+
+@in_interpreter
 def test_masks_fp16_strided():
     q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)
     mask = make_mask("additive", 1, 2, 33, 47).half()
