@@ -5,6 +5,7 @@ Dynamo cache or tile setting of this test process leaks in."""
 import importlib.util
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -43,6 +44,26 @@ def test_sophia_h():
     assert out.count("(with Hessian estimate)") >= 2
     assert "check Hessian-vector product (trained weights)" in out
     assert "all checks passed" in out
+
+
+def test_distributed_sophia_h():
+    """torchrun with 2 CPU processes (gloo): DDP around the compiled model, the Hessian step
+    averaged over the ranks, checked against one process on the concatenated batch."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    out = run_example("distributed_sophia_h.py", python_prefix=(
+        "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+        f"--master-port={port}"))
+    assert out.count("all checks passed") == 2
+    assert "rank 1 Hessian-vector product (trained weights)" in out
+    assert "samples/s" in out
+
+
+def test_distributed_sophia_h_says_how_to_launch():
+    result = subprocess.run([sys.executable, str(EXAMPLES / "distributed_sophia_h.py")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "launch with torchrun" in result.stderr
 
 
 def test_func_hvp():

@@ -1,0 +1,94 @@
+"""One rank of tests/test_distributed.py (run as a script: it spawns the ranks itself).
+
+    python tests/distributed_worker.py OUT_DIR PORT WORLD
+
+Every rank computes, with torch.compile(backend=flashbob) on CPU (gloo, float64), on its
+own slice of one global batch: a DDP first-order step (`.backward()`: DDP averages), a
+Hessian-vector product and a MAML meta-gradient averaged with bob_compile.distributed, and
+an FSDP2 (`fully_shard`) first-order step; and saves them to OUT_DIR/rank<r>.pt.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.func import functional_call
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bob_compile import distributed  # noqa: E402
+from bob_compile.backend import counters, flashbob  # noqa: E402
+from models import SDPABlock, loss_of  # noqa: E402
+
+OPTIONS = {"compiler": "aot_eager", "fallback": False}
+GLOBAL_BATCH = 4
+INNER_LR = 0.1
+
+
+def make_model():
+    torch.manual_seed(0)
+    return SDPABlock().double()
+
+
+def global_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(GLOBAL_BATCH, 8, 16, generator=g, dtype=torch.float64)
+
+
+def hvp_vectors(params):
+    g = torch.Generator().manual_seed(2)     # the same on every rank
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+
+def maml_meta_gradient(model, run, support, query):
+    """One inner SGD step on the support half, the outer loss on the query half."""
+    names, params = zip(*model.named_parameters())
+    grads = torch.autograd.grad(loss_of(run(dict(zip(names, params)), support)), params,
+                                create_graph=True)
+    fast = {n: p - INNER_LR * g for n, p, g in zip(names, params, grads)}
+    return loss_of(run(fast, query)), params
+
+
+def rank_main(rank, world, out_dir, port):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x = global_batch().chunk(world)[rank]
+    result = {}
+
+    # DDP, first order: DDP's reducer averages the gradients in .backward()
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    compiled = torch.compile(ddp, backend=flashbob, options=OPTIONS)
+    loss_of(compiled(x)).backward()
+    result["ddp_grad"] = [p.grad.clone() for p in model.parameters()]
+
+    # DDP, Hessian-vector product: each rank's own double backward, then averaged
+    with ddp.no_sync():
+        params = list(model.parameters())
+        result["ddp_hvp"] = distributed.hessian_vector_product(
+            loss_of(compiled(x)), params, hvp_vectors(params))
+
+    # MAML: each rank adapts to its own task (its slice) and the meta-gradients are averaged
+    def run(weights, inputs):
+        return functional_call(model, weights, (inputs,))
+    run = torch.compile(run, backend=flashbob, options=OPTIONS)
+    support, query = x[:1], x[1:]
+    outer, params = maml_meta_gradient(model, run, support, query)
+    result["maml"] = distributed.gradient(outer, params)
+
+    # FSDP2, first order
+    from torch.distributed.fsdp import fully_shard
+    sharded = make_model()
+    fully_shard(sharded)
+    loss_of(torch.compile(sharded, backend=flashbob, options=OPTIONS)(x)).backward()
+    result["fsdp2_grad"] = [p.grad.full_tensor() for p in sharded.parameters()]
+
+    result["sites_replaced"] = counters["sdpa_replaced"]
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out_dir, port, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    mp.spawn(rank_main, args=(world, out_dir, port), nprocs=world)
