@@ -69,6 +69,24 @@ def rank_main(rank, world, out_dir, port):
         result["ddp_hvp"] = distributed.hessian_vector_product(
             loss_of(compiled(x)), params, hvp_vectors(params))
 
+    # DDP with tiny buckets: DDPOptimizer splits the graph at bucket boundaries, and each
+    # piece is compiled (and differentiated twice) on its own
+    split_model = make_model()
+    # DDPOptimizer wants the first bucket no larger than the others; its default (1 MiB)
+    # exceeds this tiny model, so both caps are made small (test-only)
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 4096
+    split = DistributedDataParallel(split_model, bucket_cap_mb=0.004)
+    torch._dynamo.reset()                    # else the first DDP's graph is reused as it is
+    graphs_before = counters["graphs"]
+    split_compiled = torch.compile(split, backend=flashbob, options=OPTIONS)
+    loss_of(split_compiled(x)).backward()
+    result["split_grad"] = [p.grad.clone() for p in split_model.parameters()]
+    with split.no_sync():
+        params = list(split_model.parameters())
+        result["split_hvp"] = distributed.hessian_vector_product(
+            loss_of(split_compiled(x)), params, hvp_vectors(params))
+    result["split_graphs"] = counters["graphs"] - graphs_before
+
     # MAML: each rank adapts to its own task (its slice) and the meta-gradients are averaged
     def run(weights, inputs):
         return functional_call(model, weights, (inputs,))

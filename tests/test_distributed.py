@@ -70,13 +70,21 @@ def expected():
 
 def test_ddp_first_order_equals_one_process(ranks, expected):
     for result in ranks:
-        assert result["sites_replaced"] >= 3     # DDP, MAML and FSDP2 graphs: all fused
+        assert result["sites_replaced"] >= 4     # DDP, split DDP, MAML, FSDP2: all fused
         assert max_error(result["ddp_grad"], expected["grad"]) <= TOL
 
 
 def test_averaged_hvp_equals_one_process(ranks, expected):
     for result in ranks:
         assert max_error(result["ddp_hvp"], expected["hvp"]) <= TOL
+
+
+def test_ddp_graph_split_into_buckets_stays_exact(ranks, expected):
+    """DDPOptimizer compiles one graph per gradient bucket; first and second order stay exact."""
+    for result in ranks:
+        assert result["split_graphs"] > 1
+        assert max_error(result["split_grad"], expected["grad"]) <= TOL
+        assert max_error(result["split_hvp"], expected["hvp"]) <= TOL
 
 
 def test_averaged_maml_meta_gradient_equals_one_process(ranks, expected):
