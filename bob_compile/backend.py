@@ -19,8 +19,8 @@ For each graph Dynamo captures:
      function) and nothing outside can differentiate it: AOTAutograd traces the op's
      derivatives into the graph and `compiler` (inductor) compiles all of it;
    - "inference": no gradient can flow: `compiler` compiles the rewritten graph, its
-     attention as PyTorch's fused SDPA (passes/inference.py) unless kernel options ask
-     for ours.
+     attention as PyTorch's fused SDPA where that is the same function
+     (passes/inference.py) unless kernel options ask for ours.
 3. report and dump (dump.py), the compiled graphs of every order included.
 A failure inside the backend warns and runs the untouched graph: never a crash, never a
 wrong result (options["fallback"]=False raises instead).

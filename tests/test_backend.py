@@ -17,7 +17,9 @@ from torch.func import grad
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bob_compile.backend as backend
+import bob_compile
 from bob_compile import ops, options
+from bob_compile.kernels.reference import sdpa_math
 from bob_compile.backend import flashbob, recent_reports
 from bob_compile.passes import counters
 from bob_compile.passes.patterns import PATTERNS
@@ -164,6 +166,28 @@ def test_inference_graphs_run_native_sdpa(case, monkeypatch):
     assert report.route == "inference" and len(report.replaced) == 1
     assert "run PyTorch's fused SDPA" in report.route_reason
     assert counters["inference_native_sdpa"] == 1 and not calls
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "bool_and_causal"])
+def test_inference_graphs_with_masks(kind, monkeypatch):
+    """A boolean mask alone runs SDPA (the same function); an additive mask, or a mask
+    with is_causal (SDPA takes one of them), keeps our op."""
+    counters.clear()
+    calls = _count_op_calls(monkeypatch)
+    q, k, v = (torch.randn(2, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    visible = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask = visible if kind != "additive" else torch.zeros(2, 1, 5, 5, dtype=torch.float64
+                                                          ).masked_fill(~visible, -torch.inf)
+    causal = kind == "bool_and_causal"
+
+    def f(q, k, v, mask):
+        return bob_compile.attention(q, k, v, attn_mask=mask, is_causal=causal)
+    with torch.no_grad():
+        out = torch.compile(f, backend=flashbob, options={"fallback": False})(q, k, v, mask)
+    expected_mask = visible & torch.ones(5, 5, dtype=torch.bool).tril() if causal else visible
+    torch.testing.assert_close(out, sdpa_math(q, k, v, attn_mask=expected_mask), atol=1e-12, rtol=0)
+    native = kind == "bool"
+    assert counters["inference_native_sdpa"] == int(native) and bool(calls) is not native
 
 
 def test_inference_graphs_keep_our_kernels_when_options_choose_them(monkeypatch):
