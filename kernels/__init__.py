@@ -11,7 +11,8 @@ Contract shared by every implementation (`reference`, `blockwise`, `triton_atten
 - optional cotangents/tangents may be None, meaning zero: implementations skip that work.
 
 Functions (names and argument order are the same in every implementation; `params` is an
-AttentionParams (params.py): scale, causal, and whatever a future kernel takes):
+AttentionParams (params.py): scale, causal and an optional mask tensor, never
+differentiated, that every function applies where it forms the scores):
     forward(q, k, v, params) -> (o, lse)
     forward_output(q, k, v, params) -> o             for calls nothing will differentiate
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
@@ -21,9 +22,9 @@ AttentionParams (params.py): scale, causal, and whatever a future kernel takes):
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
 
-Adding an attention parameter (a window, a mask): a field of AttentionParams (params.py);
-its read in each implementation's six functions (reference, blockwise, triton_attention);
-in Triton, a kernel parameter passed by name at each launch site (and, for a tensor, its
+Adding an attention parameter (a sliding window, say; the mask went this way): a field of
+AttentionParams (params.py); its read in each implementation's six functions (reference,
+blockwise, triton_attention); in Triton, a kernel parameter passed by name at each launch site (and, for a tensor, its
 stride group in the kernel's `strides_of` declaration: triton_common.py); in
 bob_compile/ops.py the ops' arguments and `call_*`'s AttentionParams; in
 bob_compile/autograd.py what the Functions save.

@@ -26,7 +26,8 @@ def run_example(name, *args, timeout=300, python_prefix=()):
     return result.stdout
 
 
-@pytest.mark.parametrize("name", ["maml.py", "sophia_h.py", "func_hvp.py", "hf_gpt2.py"])
+@pytest.mark.parametrize("name", ["maml.py", "sophia_h.py", "func_hvp.py", "hf_gpt2.py",
+                                  "distributed_sophia_h.py"])
 def test_help(name):
     assert "--device" in run_example(name, "--help")
 
