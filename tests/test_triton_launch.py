@@ -106,23 +106,25 @@ def test_strides_come_from_the_tensor_they_belong_to():
     k, v, o, lse = torch.empty(2, 3, 7, 8), torch.empty(2, 3, 7, 4), torch.empty(2, 5, 3, 4), \
         torch.empty(2, 5, 3)
     mask = torch.empty(2, 1, 1, 7, dtype=torch.bool).expand(2, 5, 3, 7)   # broadcast: stride 0
+    key_range = torch.empty(2, 1, 1, 2, dtype=torch.int32).expand(2, 5, 1, 2)
     args = triton_common.packer(_forward_kernel)(
-        Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, num_q_heads=5, kv_group=1, L=3, S=7,
-        qk_scale_log2=0.5)
+        Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range, num_q_heads=5,
+        kv_group=1, L=3, S=7, qk_scale_log2=0.5)
     named = dict(zip([p.name for p in _forward_kernel.params], args))
     assert [named[n] for n in ("sqb", "sqh", "sql", "sqe")] == list(q.stride())
     assert [named[n] for n in ("skb", "skh", "skn", "ske")] == list(k.stride())
     assert [named[n] for n in ("svb", "svh", "svn", "sve")] == list(v.stride())
     assert [named[n] for n in ("sob", "soh", "sol", "soe")] == list(o.stride())
     assert [named[n] for n in ("smb", "smh", "sml", "sme")] == [7, 0, 0, 1]
+    assert [named[n] for n in ("srb", "srh", "srl", "sre")] == [2, 0, 2, 1]
 
 
 def test_a_missing_or_misspelled_argument_is_an_error():
     from bob_compile.kernels.triton_forward import _forward_kernel
     pack = triton_common.packer(_forward_kernel)
     t = torch.empty(1, 1, 2, 4)
-    given = dict(Q=t, K=t, V=t, O=t, LSE=t, MASK=t, num_q_heads=1, kv_group=1, L=2, S=2,
-                 qk_scale_log2=1.0)
+    given = dict(Q=t, K=t, V=t, O=t, LSE=t, MASK=t, KEY_RANGE=t, num_q_heads=1, kv_group=1,
+                 L=2, S=2, qk_scale_log2=1.0)
     pack(**given)
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'kv_group'"):
         pack(**{k: v for k, v in given.items() if k != "kv_group"})
