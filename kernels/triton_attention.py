@@ -8,9 +8,10 @@
     forward_jvp / backward_jvp: the blockwise PyTorch path (no fused kernels yet)
 
 Where PyTorch's own fused kernels compute exactly the same thing faster (first order on
-half-precision inputs without GQA, dlse = None), forward and backward call them, so a
-first-order step through the op costs what native SDPA costs. Every other case, and the
-whole second order, runs the kernels in triton_forward / triton_backward / triton_bob.
+half-precision inputs without GQA or a mask tensor, dlse = None), forward and backward
+call them, so a first-order step through the op costs what native SDPA costs. Every other
+case, and the whole second order, runs the kernels in triton_forward / triton_backward /
+triton_bob (a mask tensor included: each reads its tiles where it forms the scores).
 
 Environment switches (for benchmarks and debugging; read once, see settings.py):
 - BOB_COMPILE_NATIVE_SDPA=0: never call PyTorch's fused kernels;
