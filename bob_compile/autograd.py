@@ -94,16 +94,28 @@ def _plain_eager(tensors):
 _apply_state = threading.local()
 
 
-def _run(op_overload, call, name, args):
-    """op_overload(*args), or its implementation `call(kernels.select, *args)` directly
-    where nothing could observe the op (args: the op's arguments, mask, scale and causal
-    last)."""
-    if not getattr(_apply_state, "plain", False):
-        return op_overload(*args)
+def _direct(call, name, args):
+    """The op's implementation `call(kernels.select, *args)`, without the dispatcher;
+    under the profiler recorded under the op's name."""
     if _profiling():
         with torch.profiler.record_function(name):
             return call(kernels.select, *args)
     return call(kernels.select, *args)
+
+
+def _run(op_overload, call, name, args):
+    """op_overload(*args), or its implementation directly (_direct) where nothing could
+    observe the op (args: the op's arguments, mask, scale and causal last)."""
+    if not getattr(_apply_state, "plain", False):
+        return op_overload(*args)
+    return _direct(call, name, args)
+
+
+def _no_graph_needed(args):
+    """Whether no output computed from `args` can need an autograd graph: no forward-AD
+    level, and grad mode off or no input requiring grad."""
+    return _forward_ad._current_level < 0 and (
+        not torch.is_grad_enabled() or not _any_requires_grad(*args))
 
 
 class _Fused(torch.autograd.Function):
@@ -120,8 +132,7 @@ class _Fused(torch.autograd.Function):
             args = unwrap_dead_wrappers(args)
         outer, _apply_state.plain = getattr(_apply_state, "plain", False), plain
         try:
-            if plain and _forward_ad._current_level < 0 and (
-                    not torch.is_grad_enabled() or not _any_requires_grad(*args)):
+            if plain and _no_graph_needed(args):
                 return cls.forward(*args)
             # what Function.apply does from here on, without binding the signature again
             return super(torch.autograd.Function, cls).apply(*args)
@@ -134,13 +145,9 @@ def attention_output(q, k, v, mask, scale, causal):
     needed, no forward-mode AD) the implementation's forward_output runs, without an lse
     (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
     everywhere else, the op through AttnFn (attention_with_lse)."""
-    if (_forward_ad._current_level < 0 and not _functorch_active()
-            and (not torch.is_grad_enabled() or not _any_requires_grad(q, k, v))
-            and _plain_eager((q, k, v))):
-        if _profiling():
-            with torch.profiler.record_function("bob_compile::attn_fwd"):
-                return ops.call_forward_output(kernels.select, q, k, v, mask, scale, causal)
-        return ops.call_forward_output(kernels.select, q, k, v, mask, scale, causal)
+    if not _functorch_active() and _no_graph_needed((q, k, v)) and _plain_eager((q, k, v, mask)):
+        return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
+                       (q, k, v, mask, scale, causal))
     return attention_with_lse(q, k, v, mask, scale, causal)[0]
 
 

@@ -11,8 +11,9 @@
 Shapes: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev) with equal leading dims
 and Hkv dividing Hq (rank-2 inputs have one implicit head); lse and other row vectors are
 (..., Hq, L). mask (optional, never differentiated) broadcasts to (..., Hq, L, S): bool
-(True: visible) or floating (added to the scaled scores); see kernels/params.py. The ops flatten leading dims to the 4-D layout of `bob_compile.kernels` and
-pick an implementation there. Each output is dense, in the memory order of the input it is
+(True: visible) or floating (added to the scaled scores); see kernels/params.py. The ops
+flatten leading dims to the 4-D layout of `bob_compile.kernels` and pick an
+implementation there. Each output is dense, in the memory order of the input it is
 shaped like (row vectors contiguous: kernels/layout.py); the fake implementations say the
 same, through the same functions, so compiled graphs see the strides they were traced with.
 

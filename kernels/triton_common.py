@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import settings
+from .params import HIDDEN_AT_OR_BELOW
 
 # exp(x) = exp2(x * log2(e)); the kernels work in base 2 because EX2 is one instruction.
 LOG2E = 1.4426950408889634
@@ -183,7 +184,7 @@ def visible_key_range(mask):
     for dim in (1, 2):                   # read broadcast heads and rows once
         if base.stride(dim) == 0:
             base = base.narrow(dim, 0, 1)
-    visible = base if base.dtype == torch.bool else base > -1e4
+    visible = base if base.dtype == torch.bool else base > HIDDEN_AT_OR_BELOW
     seen = visible.any(dim=2)                                    # (B, Hm, S)
     S = seen.shape[-1]
     keys = torch.arange(S, device=mask.device, dtype=torch.int32)

@@ -36,8 +36,8 @@ from . import einsum
 from .causal_mask import NotProven
 from .erase import erase_unused
 from .nodes import (arg, describe, dim_index, example, example_tensor, is_number, is_op,
-                    is_positive, is_symbolic_number, is_zero, same_sizes, shape_text,
-                    swaps_last_two_dims, user_code)
+                    is_positive, is_symbolic_number, is_zero, mask_problem, same_sizes,
+                    shape_text, swaps_last_two_dims, user_code)
 from .report import Site
 
 
@@ -52,7 +52,7 @@ class _Chain:
         self.nodes = []          # matched nodes, erased when the rewrite leaves them unused
         self.factors = []        # (number or SymFloat node, divides: bool)
         self.proof = None
-        self.mask = None         # (attn_mask node, or (node, negate), text) for a general mask
+        self.mask = None         # a general mask: (node, negate it, report text)
         self.q = self.k = self.k_transposed = self.v = self.output = None
         # einsum layouts: permutations to the op's (batch..., N, E) and back, None = as is
         self.q_perm = self.k_perm = self.v_perm = self.out_perm = None
@@ -218,21 +218,12 @@ def _match_mask(node, chain, prover, scaled_after):
 def _general_mask(mask, kind, scaled_after, why):
     """(mask node, whether it must be negated, report text) for a mask passed on as
     attn_mask, or _Skip with the reason it cannot be."""
-    value = example_tensor(mask)
-    if value is None:
-        raise _Skip(f"the mask is not provably causal ({why}) and {describe(mask)} has no "
-                    f"recorded tensor value")
-    if value.requires_grad:
-        raise _Skip(f"the mask {describe(mask)} requires grad (a learned bias): its gradient "
-                    f"would be lost")
-    if kind == "additive":
-        if not value.dtype.is_floating_point:
-            raise _Skip(f"the additive mask {describe(mask)} is {value.dtype}")
-        if scaled_after:
-            raise _Skip(f"the additive mask {describe(mask)} is scaled with the scores after "
-                        f"it is added ({why})")
-    elif value.dtype != torch.bool:
-        raise _Skip(f"the mask {describe(mask)} is {value.dtype}, not bool ({why})")
+    problem = mask_problem(mask, bool_ok=kind != "additive", floating_ok=kind == "additive")
+    if problem:
+        raise _Skip(f"the mask {problem} ({why})")
+    if kind == "additive" and scaled_after:
+        raise _Skip(f"the additive mask {describe(mask)} is scaled with the scores after "
+                    f"it is added ({why})")
     # masked_fill(m, fill) and where(m, fill, scores) hide where m is True: attn_mask = ~m
     return mask, kind == "masked", f"{kind} {describe(mask)} ({why})"
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from ..attention import attention
 from .causal_mask import NotProven
 from .erase import erase_unused
-from .nodes import (describe, example_tensor, is_number, is_symbolic_number, is_zero, shape_text,
-                    user_code)
+from .nodes import (describe, example_tensor, is_number, is_symbolic_number, is_zero,
+                    mask_problem, shape_text, user_code)
 from .report import Site
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -59,7 +59,9 @@ def rewrite_sdpa(gm, prover, report):
             try:
                 proof = _causal_mask_proof(prover, a)
             except NotProven as e:
-                mask, reason = a["attn_mask"], _unsupported_mask(a["attn_mask"])
+                mask = a["attn_mask"]
+                problem = mask_problem(mask)
+                reason = f"attn_mask {problem}" if problem else None
                 site.mask = f"attn_mask {describe(mask)} (not causal: {e})"
         if reason is not None:
             site.reason = reason
@@ -97,19 +99,6 @@ def _unsupported_argument(a):
         return f"scale is {describe(scale)}, not a number"
     if a["attn_mask"] is not None and a["is_causal"]:
         return "attn_mask and is_causal=True are both set (SDPA rejects this)"
-    return None
-
-
-def _unsupported_mask(mask):
-    """Why this attn_mask cannot be passed on as attention's mask, or None."""
-    value = example_tensor(mask)
-    if value is None:
-        return f"attn_mask {describe(mask)} has no recorded tensor value"
-    if value.requires_grad:
-        return (f"attn_mask {describe(mask)} requires grad (a learned bias): its gradient "
-                f"would be lost")
-    if value.dtype != torch.bool and not value.dtype.is_floating_point:
-        return f"attn_mask {describe(mask)} is {value.dtype}, neither bool nor floating"
     return None
 
 

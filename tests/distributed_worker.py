@@ -50,24 +50,28 @@ def maml_meta_gradient(model, run, support, query):
     return loss_of(run(fast, query)), params
 
 
+def ddp_grad_and_hvp(model, ddp, x):
+    """A DDP first-order step (`.backward()`: DDP's reducer averages the gradients), then
+    a Hessian-vector product under no_sync: each rank's own double backward, averaged."""
+    compiled = torch.compile(ddp, backend=flashbob, options=OPTIONS)
+    loss_of(compiled(x)).backward()
+    grad = [p.grad.clone() for p in model.parameters()]
+    with ddp.no_sync():
+        params = list(model.parameters())
+        hvp = distributed.hessian_vector_product(loss_of(compiled(x)), params,
+                                                 hvp_vectors(params))
+    return grad, hvp
+
+
 def rank_main(rank, world, out_dir, port):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     x = global_batch().chunk(world)[rank]
     result = {}
 
-    # DDP, first order: DDP's reducer averages the gradients in .backward()
     model = make_model()
-    ddp = DistributedDataParallel(model)
-    compiled = torch.compile(ddp, backend=flashbob, options=OPTIONS)
-    loss_of(compiled(x)).backward()
-    result["ddp_grad"] = [p.grad.clone() for p in model.parameters()]
-
-    # DDP, Hessian-vector product: each rank's own double backward, then averaged
-    with ddp.no_sync():
-        params = list(model.parameters())
-        result["ddp_hvp"] = distributed.hessian_vector_product(
-            loss_of(compiled(x)), params, hvp_vectors(params))
+    result["ddp_grad"], result["ddp_hvp"] = ddp_grad_and_hvp(
+        model, DistributedDataParallel(model), x)
 
     # DDP with tiny buckets: DDPOptimizer splits the graph at bucket boundaries, and each
     # piece is compiled (and differentiated twice) on its own
@@ -78,13 +82,7 @@ def rank_main(rank, world, out_dir, port):
     split = DistributedDataParallel(split_model, bucket_cap_mb=0.004)
     torch._dynamo.reset()                    # else the first DDP's graph is reused as it is
     graphs_before = counters["graphs"]
-    split_compiled = torch.compile(split, backend=flashbob, options=OPTIONS)
-    loss_of(split_compiled(x)).backward()
-    result["split_grad"] = [p.grad.clone() for p in split_model.parameters()]
-    with split.no_sync():
-        params = list(split_model.parameters())
-        result["split_hvp"] = distributed.hessian_vector_product(
-            loss_of(split_compiled(x)), params, hvp_vectors(params))
+    result["split_grad"], result["split_hvp"] = ddp_grad_and_hvp(split_model, split, x)
     result["split_graphs"] = counters["graphs"] - graphs_before
 
     # MAML: each rank adapts to its own task (its slice) and the meta-gradients are averaged
