@@ -151,6 +151,25 @@ def attention_output(q, k, v, mask, scale, causal):
     return attention_with_lse(q, k, v, mask, scale, causal)[0]
 
 
+def _route_of_plain_call(q, k, v, mask, scale, causal):
+    """At setup_context: the implementation's Route for this call (ops.route) where the call
+    was plain eager, else None. Its backward may then run the route's kernels directly."""
+    if not getattr(_apply_state, "plain", False):
+        return None
+    return ops.route(kernels.select, q, k, v, mask, scale, causal)
+
+
+def _route_applies(ctx, cotangents):
+    """Whether a backward may call ctx.route's kernels directly, as the next Function's
+    forward would, minus its layers: nothing will differentiate the result (grad mode off,
+    i.e. no create_graph), the call was plain eager (ctx.route is set), and so is this
+    backward: plain cotangents, no mode, not under the profiler (which should see the op's
+    name) and the kernel choices of the forward are the ones in force (ctx.kernel_choices
+    None: none were made, so the route, decided under the same settings, applies)."""
+    return (ctx.route is not None and ctx.kernel_choices is None
+            and not torch.is_grad_enabled() and not _profiling() and _plain_eager(cotangents))
+
+
 def _forward_mode_possible():
     """Whether this node's jvp may run: only under a forward-AD level or a torch.func
     transform active while the node is made (then setup_context saves for it)."""
@@ -311,6 +330,7 @@ class AttnBwdFn(_Fused):
         q, k, v, o, lse, do, dlse, mask, scale, causal = inputs
         ctx.has_dlse = dlse is not None
         ctx.kernel_choices = kernel_settings.overridden()
+        ctx.route = _route_of_plain_call(q, k, v, mask, scale, causal)
         ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask)
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask)
@@ -322,6 +342,11 @@ class AttnBwdFn(_Fused):
         if gdq is None and gdk is None and gdv is None:
             return (None,) * 10
         q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
+        if _route_applies(ctx, (gdq, gdk, gdv)):
+            outs = ctx.route.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+            if outs is not None:
+                gq, gk, gv, go, glse, gdo, gdlse = outs
+                return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
         bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
         # under the kernel choices in force at forward time (this runs later, on the
         # autograd engine's thread)
@@ -361,12 +386,17 @@ class AttnFn(_Fused):
             ctx.save_for_forward(q, k, v, o, lse, mask)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
+        ctx.route = _route_of_plain_call(q, k, v, mask, scale, causal)
 
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None and dlse is None:
             return None, None, None, None, None, None
         q, k, v, o, lse, mask = ctx.saved_tensors
+        if _route_applies(ctx, (do, dlse)):
+            grads = ctx.route.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
+            if grads is not None:
+                return (*grads, None, None, None)
         backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else AttnBwdFn.apply
         dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, backward, q, k, v, o, lse,
                                               _zeros_if_none(do, o), dlse, mask, ctx.scale,

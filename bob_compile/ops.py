@@ -84,10 +84,25 @@ def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     return t.contiguous() if like is None else layout.in_order_of(t, like)
 
 
+def route(pick, q, k, v, mask, scale, causal):
+    """The Route of a call of the real implementations (pick is kernels.select) on 4-D
+    inputs without a mask (kernels.route): what runs for its signature, decided once, so
+    that such calls skip the flattening and the choice of an implementation."""
+    if pick is kernels.select and mask is None and q.dim() == 4 and k.dim() == 4 \
+            and v.dim() == 4:
+        return kernels.route(q, k, v, scale, causal)
+    return None
+
+
 def call_forward(pick, q, k, v, mask, scale, causal):
     """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
     restore the leading dims and the output layout. The call_* functions below do the same
     for each op."""
+    known = route(pick, q, k, v, mask, scale, causal)
+    if known is not None:
+        out = known.forward(q, k, v)
+        if out is not None:
+            return out
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     o, lse = pick(qf, kf, vf).forward(qf, kf, vf, _params(q, k, mask, scale, causal))
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
@@ -95,12 +110,22 @@ def call_forward(pick, q, k, v, mask, scale, causal):
 
 def call_forward_output(pick, q, k, v, mask, scale, causal):
     """o of call_forward, from the implementation's forward_output (no lse to compute)."""
+    known = route(pick, q, k, v, mask, scale, causal)
+    if known is not None:
+        o = known.forward_output(q, k, v)
+        if o is not None:
+            return o
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     o = pick(qf, kf, vf).forward_output(qf, kf, vf, _params(q, k, mask, scale, causal))
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q)
 
 
 def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal):
+    known = route(pick, q, k, v, mask, scale, causal)
+    if known is not None:
+        grads = known.backward(q, k, v, o, lse, do, dlse)
+        if grads is not None:
+            return grads
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                            _flat_rows(dlse, qf),
@@ -109,6 +134,11 @@ def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal):
 
 
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
+    known = route(pick, q, k, v, mask, scale, causal)
+    if known is not None:
+        outs = known.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+        if outs is not None:
+            return outs
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                 _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv),

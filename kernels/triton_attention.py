@@ -22,10 +22,12 @@ Environment switches (for benchmarks and debugging; read once, see settings.py):
 - BOB_COMPILE_TUNE=0: use the first candidate launch config, no timing.
 """
 import logging
+import sys
 
 import torch
 
 from . import blockwise, layout, settings
+from .params import AttentionParams
 from .triton_backward import attention_backward
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
@@ -165,10 +167,116 @@ def _try_native(backend, fn, q, k, v, *rest):
     except (RuntimeError, TypeError) as e:  # unsupported in this build or for these inputs
         causal = rest[-1]
         _native_failed.add(_native_key(backend, q, v, causal))
+        _routes.clear()
         log.warning("PyTorch fused attention (%s) failed for %s, head dims %d/%d, causal=%s (%s); "
                     "using the Triton kernels for that configuration", backend, q.dtype,
                     q.shape[3], v.shape[3], causal, e)
         return None
+
+
+# --------------------------------------------------------------------------------------
+# Routes: what the contract runs for one call signature, decided once
+# --------------------------------------------------------------------------------------
+# At short lengths a call's host time is what the GPU waits for, and the general path
+# (ops.py, then the contract below) decides on every call what it decided the call before:
+# which implementation (select), whether PyTorch's fused kernels compute this op
+# (_native_backend, a dozen checks), which schedule, and the flattening of ops.py. All of it
+# follows from `_signature`, so a Route per signature keeps the answers. A refusal by
+# PyTorch's kernels, or a reload of the settings, forgets every route.
+class Route:
+    """What forward, forward_output, backward and bob below run for one signature of 4-D
+    inputs without a mask: PyTorch's fused kernels where they compute the op (`native`,
+    first order), the Triton kernels otherwise. Outputs are laid out as the op returns them
+    (each like the input it is shaped like: layout.py). A method returns None where it
+    cannot answer (PyTorch's kernel refused, or no cotangent was given): the caller then
+    takes the general path."""
+    __slots__ = ("native", "params", "dq_atomics", "row_atomics")
+
+    def __init__(self, native, params, current):
+        self.native, self.params = native, params
+        self.dq_atomics, self.row_atomics = current.bwd_dq_atomics, current.bob_row_atomics
+
+    def forward(self, q, k, v):
+        if self.native is None:
+            o, lse = attention_forward(q, k, v, self.params)
+        else:
+            out = _try_native(self.native, _native_forward, q, k, v, self.params.scale,
+                              self.params.causal)
+            if out is None:
+                return None
+            o, lse = out
+        return layout.in_order_of(o, q), lse
+
+    def forward_output(self, q, k, v):
+        if self.native is None:
+            o = attention_forward(q, k, v, self.params)[0]
+        else:
+            o = _try_native(self.native, _native_forward_output, q, k, v, self.params.scale,
+                            self.params.causal)
+            if o is None:
+                return None
+        return layout.in_order_of(o, q)
+
+    def backward(self, q, k, v, o, lse, do, dlse):
+        if dlse is None and self.native is not None:
+            grads = _try_native(self.native, _native_backward, q, k, v, o, lse, do,
+                                self.params.scale, self.params.causal)
+            if grads is None:
+                return None
+        else:
+            grads = attention_backward(q, k, v, o, lse, do, dlse, self.params,
+                                       dq_atomics=self.dq_atomics)
+        dq, dk, dv = grads
+        return layout.in_order_of(dq, q), layout.in_order_of(dk, k), layout.in_order_of(dv, v)
+
+    def bob(self, q, k, v, o, lse, do, dlse, gdq, gdk, gdv):
+        if gdq is None and gdk is None and gdv is None:
+            return None
+        gq, gk, gv, go, glse, gdo, gdlse = attention_bob(
+            q, k, v, o, lse, do, dlse, gdq, gdk, gdv, self.params, row_atomics=self.row_atomics)
+        in_order_of = layout.in_order_of
+        return (in_order_of(gq, q), in_order_of(gk, k), in_order_of(gv, v), in_order_of(go, o),
+                glse, in_order_of(gdo, do), gdlse)
+
+
+_routes = {}        # signature -> Route, or None: not this module, or nothing to run
+_ROUTES_LIMIT = 1024
+
+
+def _signature(q, k, v, scale, causal):
+    s = settings.current()
+    return (q.shape, k.shape, v.shape, q.stride(-1), k.stride(-1), v.stride(-1), q.dtype,
+            k.dtype, v.dtype, q.device, scale, causal, s.kernels, s.native_sdpa,
+            s.native_backend, s.bwd_dq_atomics, s.bob_row_atomics)
+
+
+def route(q, k, v, scale, causal):
+    """The Route of these 4-D inputs (no mask), or None where `kernels.select` does not pick
+    this module or a length is 0 (the general path handles those)."""
+    key = _signature(q, k, v, scale, causal)
+    try:
+        return _routes[key]
+    except KeyError:
+        pass
+    except TypeError:       # symbolic sizes are not hashable: decide without keeping it
+        return _decide_route(q, k, v, scale, causal)
+    if len(_routes) >= _ROUTES_LIMIT:
+        _routes.clear()
+    found = _routes[key] = _decide_route(q, k, v, scale, causal)
+    return found
+
+
+def _decide_route(q, k, v, scale, causal):
+    from . import select
+    if select(q, k, v) is not sys.modules[__name__] or not (q.shape[2] and k.shape[2]):
+        return None
+    params = AttentionParams(scale=scale, causal=causal)
+    return Route(_native_backend(q, k, v, params), params, settings.current())
+
+
+@settings.on_reload
+def _forget_routes(_settings):
+    _routes.clear()
 
 
 # --------------------------------------------------------------------------------------

@@ -16,12 +16,12 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, clip_key_loop, dot_precision, fixed_plan,
-                            interpreting, load_key_range,
-                            key_blocks_of_row_block, launch_plan, load_lse2, load_row_vector,
-                            load_tile, mask_flags, mask_kind_and_tensor, padded_dim,
-                            row_block_program, row_blocks_of_key_block, row_bytes, store_tile,
-                            strides_of, visibility_mask, wide_candidates)
+from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
+                            fixed_plan, interpreting, key_blocks_of_row_block, launch_plan,
+                            load_key_range, load_lse2, load_row_vector, load_tile, mask_flags,
+                            mask_kind_and_tensor, padded_dim, row_block_program,
+                            row_blocks_of_key_block, row_bytes, store_tile, strides_of,
+                            visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def row_dot(do, o, dlse):
     has_dlse = dlse is not None
     plan = fixed_plan(("row_dot", Ev, block_m, has_dlse), lambda: dict(
         HEAD_DIM_V=Ev, BLOCK_EV=padded_dim(Ev), BLOCK_M=block_m, HAS_DLSE=has_dlse, num_warps=4))
-    plan(_row_dot_kernel, (triton.cdiv(L, block_m), B * H),
+    plan(_row_dot_kernel, (blocks(L, block_m), B * H),
          DO=do, O=o, DLSE=dlse_arg, D=d, num_q_heads=H, L=L)
     return d
 
@@ -292,7 +292,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     def launch_columns(plan):
         if dq_atomics:
             dq_acc.zero_()
-        plan(_column_kernel, (triton.cdiv(S, plan.kwargs["BLOCK_N"]), B * Hkv),
+        plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
              KEY_RANGE=key_range,
              num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
@@ -308,7 +308,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     dq = empty_like_order(q.shape, q)
 
     def launch_rows(plan):
-        plan(_dq_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
+        plan(_dq_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)

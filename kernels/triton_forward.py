@@ -10,11 +10,11 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, clip_key_loop, dot_precision, interpreting,
-                            load_key_range,
-                            key_blocks_of_row_block, launch_plan, load_tile, mask_flags,
-                            mask_kind_and_tensor, padded_dim, row_block_program, row_bytes,
-                            store_tile, strides_of, visibility_mask, wide_candidates)
+from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
+                            interpreting, key_blocks_of_row_block, launch_plan, load_key_range,
+                            load_tile, mask_flags, mask_kind_and_tensor, padded_dim,
+                            row_block_program, row_bytes, store_tile, strides_of, visibility_mask,
+                            wide_candidates)
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def attention_forward(q, k, v, params):
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
 
     def launch(plan):
-        plan(_forward_kernel, (triton.cdiv(L, plan.kwargs["BLOCK_M"]), B * Hq),
+        plan(_forward_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E)
 

@@ -1,0 +1,209 @@
+"""Routes: what the Triton implementation runs for one call signature, decided once
+(kernels/triton_attention.py), and the backwards that call a route's kernels directly
+where nothing records a graph (bob_compile/autograd.py).
+
+Routes exist for CUDA inputs. Here a Route's kernels are stood in for by the blockwise path
+(and PyTorch's CPU flash kernels as the "native" first-order kernels), so that what is
+tested on a CPU is which calls take a route, and that they give what the general path
+gives, bit for bit.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import bob_compile
+from bob_compile import autograd, kernels
+from bob_compile.kernels import blockwise, settings
+from bob_compile.kernels.params import AttentionParams
+
+triton_attention = pytest.importorskip("bob_compile.kernels.triton_attention")
+
+
+def cpu_flash_forward(backend, q, k, v, scale, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                       scale=scale)
+
+
+def cpu_flash_forward_output(backend, q, k, v, scale, causal):
+    return cpu_flash_forward(backend, q, k, v, scale, causal)[0]
+
+
+def cpu_flash_backward(backend, q, k, v, o, lse, do, scale, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, o, lse, 0.0, causal, scale=scale)
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Routes for CPU inputs, their kernels blockwise (native=None) or CPU flash (native
+    "cpu"); returns (set_native, calls): the Route methods called, by name, in order."""
+    calls = []
+    native = [None]
+    monkeypatch.setattr(triton_attention, "attention_forward", blockwise.forward)
+    monkeypatch.setattr(triton_attention, "attention_backward",
+                        lambda *a, dq_atomics: blockwise.backward(*a))
+    monkeypatch.setattr(triton_attention, "attention_bob",
+                        lambda *a, row_atomics: blockwise.bob(*a))
+    monkeypatch.setattr(triton_attention, "_native_forward", cpu_flash_forward)
+    monkeypatch.setattr(triton_attention, "_native_forward_output", cpu_flash_forward_output)
+    monkeypatch.setattr(triton_attention, "_native_backward", cpu_flash_backward)
+
+    class CountedRoute(triton_attention.Route):
+        __slots__ = ()
+
+    for name in ("forward", "forward_output", "backward", "bob"):
+        def counted(self, *args, _name=name):
+            calls.append(_name)
+            return getattr(triton_attention.Route, _name)(self, *args)
+        setattr(CountedRoute, name, counted)
+
+    def route(q, k, v, scale, causal):
+        return CountedRoute(native[0], AttentionParams(scale=scale, causal=causal),
+                            settings.current())
+    monkeypatch.setattr(kernels, "route", route)
+    return native, calls
+
+
+@pytest.fixture
+def no_routes(monkeypatch):
+    monkeypatch.setattr(kernels, "route", lambda q, k, v, scale, causal: None)
+
+
+def inputs(causal_length=6, dtype=torch.float64):
+    torch.manual_seed(0)
+    return [torch.randn(2, 3, causal_length, 4, dtype=dtype, requires_grad=True)
+            for _ in range(4)]
+
+
+def second_order_step(q, k, v, do, causal=True):
+    o = bob_compile.attention(q, k, v, is_causal=causal)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    cotangents = [torch.ones_like(t) * (i + 1) for i, t in enumerate((dq, dk, dv))]
+    return (o, dq, dk, dv, *torch.autograd.grad((dq, dk, dv), (q, k, v, do), cotangents))
+
+
+def first_order_step(q, k, v, do, causal=True):
+    o = bob_compile.attention(q, k, v, is_causal=causal)
+    return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+
+def spy(monkeypatch, cls, method="forward"):
+    """The number of calls of cls.method (a staticmethod), in a list."""
+    seen = []
+    original = getattr(cls, method)
+
+    def counted(*args):
+        seen.append(1)
+        return original(*args)
+    monkeypatch.setattr(cls, method, staticmethod(counted))
+    return seen
+
+
+def general_path(step, monkeypatch, *args):
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "route", lambda q, k, v, scale, causal: None)
+        return step(*args)
+
+
+def test_first_order_backward_runs_the_route_without_the_backward_function(routes, monkeypatch):
+    native, calls = routes
+    backward_function = spy(monkeypatch, autograd.AttnBwdFn)
+    ours = first_order_step(*inputs())
+    assert calls == ["forward", "backward"]
+    assert backward_function == []             # no AttnBwdFn: nothing differentiates dq
+    expected = general_path(first_order_step, monkeypatch, *inputs())
+    for a, b in zip(ours, expected):
+        assert torch.equal(a, b)
+
+
+def test_second_order_records_its_graph_then_runs_the_route(routes, monkeypatch):
+    """grad(create_graph=True) needs AttnBwdFn's node (its backward is the BoB); the final
+    backward records nothing, so the BoB and the second backward run the route's kernels
+    directly, without AttnBobFn."""
+    native, calls = routes
+    backward_function = spy(monkeypatch, autograd.AttnBwdFn)
+    bob_function = spy(monkeypatch, autograd.AttnBobFn)
+    ours = second_order_step(*inputs())
+    assert backward_function == [1] and bob_function == []
+    assert calls == ["forward", "backward", "bob", "backward"]
+    expected = general_path(second_order_step, monkeypatch, *inputs())
+    for a, b in zip(ours, expected):
+        assert torch.equal(a, b)
+
+
+def test_native_first_order_and_a_refusal(routes, monkeypatch):
+    """With PyTorch's kernels as the route's first order, results match the general path
+    to rounding; a refusal by them falls back to the general path, exactly."""
+    native, calls = routes
+    native[0] = "cpu"
+    expected = general_path(first_order_step, monkeypatch, *inputs(dtype=torch.float32))
+    ours = first_order_step(*inputs(dtype=torch.float32))
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    def refuses(*args):
+        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+    monkeypatch.setattr(triton_attention, "_native_backward", refuses)
+    monkeypatch.setattr(triton_attention, "_native_failed", set())
+    monkeypatch.setattr(triton_attention, "_routes", {"stale": None})
+    ours = first_order_step(*inputs(dtype=torch.float32))
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert triton_attention._routes == {}        # every route is decided again
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "bob_compile":
+            self.seen.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def test_backwards_under_a_mode_or_the_profiler_call_the_op(routes):
+    """What observes ops sees them: a dispatch mode around the backward sees attn_bwd, and
+    the profiler names it, as without routes."""
+    native, calls = routes
+    q, k, v, do = inputs()
+    o = bob_compile.attention(q, k, v, is_causal=True)
+    with OpLog() as log:
+        torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    assert log.seen == ["attn_bwd"]
+    with torch.profiler.profile() as prof:
+        torch.autograd.grad(o, (q, k, v), do)
+    assert "bob_compile::attn_bwd" in {event.key for event in prof.key_averages()}
+
+
+def test_no_route_for_a_mask_or_other_ranks(routes):
+    native, calls = routes
+    q, k, v, do = inputs()
+    mask = torch.rand(6, 6) > 0.3
+    first = bob_compile.attention(q, k, v, mask)
+    torch.autograd.grad(first, (q, k, v), do)
+    bob_compile.attention(q[0], k[0], v[0])            # rank 3
+    assert calls == []
+
+
+def test_routes_are_decided_once_per_signature(monkeypatch):
+    monkeypatch.setattr(kernels, "select", lambda q, k, v: triton_attention)
+    decided = []
+    real_backend = triton_attention._native_backend
+    monkeypatch.setattr(triton_attention, "_native_backend",
+                        lambda *a: decided.append(1) or real_backend(*a))
+    monkeypatch.setattr(triton_attention, "_routes", {})
+    q = torch.randn(1, 2, 5, 8)
+    first = triton_attention.route(q, q, q, 0.5, True)
+    assert isinstance(first, triton_attention.Route) and first.native is None   # not CUDA
+    assert triton_attention.route(q, q, q, 0.5, True) is first and decided == [1]
+    assert triton_attention.route(q, q, q, 0.5, False) is not first
+    assert triton_attention.route(q[..., :0, :], q, q, 0.5, False) is None      # L = 0
+    settings.reload()
+    assert triton_attention.route(q, q, q, 0.5, True) is not first
+
+
+def test_cpu_inputs_have_no_route():
+    q = torch.randn(1, 1, 3, 4)
+    assert kernels.route(q, q, q, 0.5, False) is None
