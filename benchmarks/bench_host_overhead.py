@@ -25,6 +25,10 @@ through the blockwise path, as a smoke test of the script and a measure of the P
     python benchmarks/bench_host_overhead.py --variants BOB_COMPILE_NATIVE_BACKEND=flash
     python benchmarks/bench_host_overhead.py --stub-kernels    # + Python layers only
 
+On CUDA a "floor" row times a `torch.autograd.Function` that calls PyTorch's cuDNN forward
+and backward and does nothing else: what any Python-level autograd node costs on this host
+(the autograd engine then runs the backward on its device thread, which must take the GIL).
+
 `--stub-kernels` adds bob_compile rows whose kernels are replaced by functions that only
 allocate their outputs: what the Python layers (autograd Functions, op boundary, layout,
 kernel selection) cost without any kernel launch or cuDNN call.
@@ -90,6 +94,33 @@ class Problem:
 
     def ours_second_order(self):
         return self._second_order(bob_compile.attention)
+
+
+class CudnnFunction(torch.autograd.Function):
+    """The least a Python autograd.Function costs: PyTorch's cuDNN forward and backward,
+    called exactly as the op's implementation calls them, and nothing else (one output,
+    no checks, no double backward). The floor under the op's forward + backward row."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        from bob_compile.kernels import triton_attention
+        scale = q.shape[-1] ** -0.5
+        o, lse = triton_attention._native_forward("cudnn", q, k, v, scale, causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.causal = scale, causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from bob_compile.kernels import triton_attention
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*triton_attention._native_backward("cudnn", q, k, v, o, lse, do, ctx.scale,
+                                                   ctx.causal), None)
+
+
+def floor_forward_backward(problem):
+    o = CudnnFunction.apply(problem.qg, problem.kg, problem.vg, problem.causal)
+    return torch.autograd.grad(o, (problem.qg, problem.kg, problem.vg), problem.do)
 
 
 ROWS = [  # (row, provider, method)
@@ -207,6 +238,10 @@ def run_rows(problem, args, device):
 
     for row, provider, method in ROWS:
         record(row, provider, getattr(problem, method))
+    if device.type == "cuda" and problem.q.dtype in (torch.float16, torch.bfloat16):
+        record("forward + backward", "autograd.Function around cuDNN (floor)",
+               lambda: floor_forward_backward(problem),
+               note="a Python autograd.Function with PyTorch's cuDNN calls and nothing else")
     if args.native_backends and device.type == "cuda":
         for name, backend in NATIVE_BACKENDS.items():
             for row, method in (("forward (no grad)", "native_forward"),

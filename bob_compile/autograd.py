@@ -64,6 +64,13 @@ log = logging.getLogger("bob_compile.autograd")
 #    always called positionally, so `_Fused.apply` skips that; and when no output can need
 #    a graph (grad mode off or no input requiring grad, no forward-mode AD level, plain
 #    eager) it runs the forward directly, as Function.apply would, minus the node.
+# 3. A backward that records no graph (no create_graph) of a plain eager call runs the
+#    kernels of the call's Route (kernels/triton_attention.py: what the implementation
+#    runs for that signature, decided at forward time) directly, not through the next
+#    Function's apply and the op layers: ordinary training's backward is then PyTorch's
+#    cuDNN backward behind one Python node, and a second-order step's final backward runs
+#    the BoB and the second backward the same way. Anything that could observe the op (a
+#    mode, the profiler, torch.func, a tensor subclass) takes the general path.
 _functorch_active = torch._C._are_functorch_transforms_active
 _torch_function_mode_on = torch._C._is_torch_function_mode_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
