@@ -14,6 +14,8 @@ Providers
   backward only: the first-order cost, for scale;
 - bob_compile_first_order: this package's forward + backward, to check it is not slower
   than native (it calls the same fused kernels where they apply);
+- op_forward_over_reverse: the Hessian-vector product of <o, dO> along (gq, gk, gv) by
+  torch.func.jvp(torch.func.grad(...)) through the op (issue 13: <= 1.2x op_autograd at 16K);
 - op_autograd / op_autograd_first_order: what a user runs, `bob_compile.attention` through
   autograd (the second-order step: forward, grad(create_graph=True), second grad w.r.t.
   q, k, v, dO; or forward + grad), host overhead included: compare op_autograd_first_order
@@ -137,7 +139,19 @@ def op_autograd_first_order(q, k, v, do, gq, gk, gv, scale, causal):
     return torch.autograd.grad(o, (q, k, v), do)
 
 
+def op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale, causal):
+    """The Hessian-vector product of <attention(q, k, v), dO> along (gq, gk, gv), forward
+    over reverse: torch.func.jvp of torch.func.grad through the op (attn_fwd, attn_bwd, then
+    attn_fwd_jvp and attn_bwd_jvp). op_autograd is the same product reverse over reverse."""
+    import bob_compile
+
+    def loss(q, k, v):
+        return (bob_compile.attention(q, k, v, is_causal=causal, scale=scale) * do).sum()
+    return torch.func.jvp(torch.func.grad(loss, argnums=(0, 1, 2)), (q, k, v), (gq, gk, gv))
+
+
 PROVIDERS = {"bob_compile": bob_step, "op_autograd": op_autograd,
+             "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order, "torch_math": math_step,
              "torch_fused_first_order": native_first_order,
              "bob_compile_first_order": bob_first_order}
@@ -299,7 +313,8 @@ def main():
                         torch.cuda.empty_cache()
                         slow.add(prov)
                         continue
-                    order = 50 if prov.startswith(("bob_compile", "op_autograd", "torch_math")) \
+                    order = 50 if prov.startswith(("bob_compile", "op_autograd", "op_forward",
+                                                   "torch_math")) \
                         and not prov.endswith("first_order") else 14
                     row = dict(provider=prov, n=n, d=d, causal=causal, ms=ms, times_ms=times,
                                back_to_back_ms=back_to_back,

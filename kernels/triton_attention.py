@@ -5,13 +5,16 @@
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
     bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)
-    forward_jvp / backward_jvp: the blockwise PyTorch path (no fused kernels yet)
+    forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
+    backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
+        -> (tdq, tdk, tdv)
 
 Where PyTorch's own fused kernels compute exactly the same thing faster (first order on
 half-precision inputs without GQA or a mask tensor, dlse = None), forward and backward
 call them, so a first-order step through the op costs what native SDPA costs. Every other
 case, and the whole second order, runs the kernels in triton_forward / triton_backward /
-triton_bob (a mask tensor included: each reads its tiles where it forms the scores).
+triton_bob (a mask tensor included: each reads its tiles where it forms the scores);
+forward mode runs triton_forward_mode's (the blockwise path with a mask tensor).
 
 Environment switches (for benchmarks and debugging; read once, see settings.py):
 - BOB_COMPILE_NATIVE_SDPA=0: never call PyTorch's fused kernels;
@@ -31,6 +34,14 @@ from .params import AttentionParams
 from .triton_backward import attention_backward
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
+from .triton_forward_mode import attention_backward_jvp, attention_forward_jvp
+
+try:        # what Triton raises when a kernel cannot be built for the device
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+    _BUILD_ERRORS = (CompilationError, OutOfResources)
+except ImportError:
+    _BUILD_ERRORS = ()
 
 log = logging.getLogger("bob_compile.kernels")
 
@@ -334,10 +345,39 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
                          row_atomics=settings.current().bob_row_atomics)
 
 
+# Forward mode: the Triton kernels of triton_forward_mode.py, except with a mask tensor or an
+# empty length (the blockwise path), and for a configuration whose kernel Triton could not
+# build on this device (remembered, logged once; the blockwise path from then on).
+_forward_mode_failed = set()
+
+
+def _forward_mode_kernels(kind, q, v, params):
+    return (params.mask is None and q.shape[2] > 0
+            and (kind, q.dtype, q.shape[3], v.shape[3]) not in _forward_mode_failed)
+
+
+def _forward_mode_refused(kind, q, v, error):
+    _forward_mode_failed.add((kind, q.dtype, q.shape[3], v.shape[3]))
+    log.warning("Triton %s kernel failed to build for %s, head dims %d/%d (%s: %s); using "
+                "the blockwise PyTorch path for that configuration", kind, q.dtype,
+                q.shape[3], v.shape[3], type(error).__name__, str(error).splitlines()[0][:200])
+
+
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
+    if k.shape[2] and _forward_mode_kernels("forward_jvp", q, v, params):
+        try:
+            return attention_forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
+        except _BUILD_ERRORS as e:
+            _forward_mode_refused("forward_jvp", q, v, e)
     return blockwise.forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
 
 
 def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params):
+    if k.shape[2] and _forward_mode_kernels("backward_jvp", q, v, params):
+        try:
+            return attention_backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo,
+                                          tdlse, params)
+        except _BUILD_ERRORS as e:
+            _forward_mode_refused("backward_jvp", q, v, e)
     return blockwise.backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
                                   params)

@@ -172,6 +172,48 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     print("\n".join(report))
 
 
+@pytest.mark.parametrize("dtype,B,Hq,Hkv,L,S,E,Ev,causal", [
+    pytest.param(torch.bfloat16, 1, 4, 4, 4096, 4096, 64, 64, True, id="bf16-4096-causal-d64"),
+    pytest.param(torch.bfloat16, 1, 4, 4, 2048, 2048, 64, 64, False, id="bf16-2048-d64"),
+    pytest.param(torch.bfloat16, 2, 4, 2, 1531, 1000, 128, 128, True, id="bf16-gqa-causal-L>S-d128"),
+    pytest.param(torch.float16, 1, 2, 2, 777, 1000, 64, 32, False, id="fp16-odd-E!=Ev"),
+    pytest.param(torch.float32, 1, 4, 2, 257, 700, 128, 128, True, id="fp32-gqa-causal-L<S"),
+])
+def test_forward_mode_against_float64(dtype, B, Hq, Hkv, L, S, E, Ev, causal):
+    """attn_fwd_jvp and attn_bwd_jvp (triton_forward_mode.py), every tangent given; the
+    baseline is torch.func.jvp through the closed form in the input dtype."""
+    dev = "cuda"
+    scale = 1.0 / math.sqrt(E)
+    q = torch.randn(B, Hq, L, E, device=dev, dtype=dtype)
+    k = torch.randn(B, Hkv, S, E, device=dev, dtype=dtype)
+    v = torch.randn(B, Hkv, S, Ev, device=dev, dtype=dtype)
+    f64 = lambda *ts: [t.double() for t in ts]  # noqa: E731
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    tangents = [torch.randn_like(t) for t in (q, k, v, o, lse, do, lse)]
+    failed = set(triton_attention._forward_mode_failed)
+    report = []
+
+    ours = triton_attention.forward_jvp(q, k, v, o, lse, *tangents[:3], params)
+    exact = reference.forward_jvp(*f64(q, k, v, o, lse, *tangents[:3]), params)
+    _, lowp = torch.func.jvp(lambda a, b, c: reference.forward(a, b, c, params, upcast=False),
+                             (q, k, v), tuple(tangents[:3]))
+    for name, a, m, e in zip(("to", "tlse"), ours, lowp, exact):
+        check_against(name, a, m, e, report)
+
+    ours = triton_attention.backward_jvp(q, k, v, o, lse, do, dlse, *tangents, params)
+    exact = reference.backward_jvp(*f64(q, k, v, o, lse, do, dlse, *tangents), params)
+    _, lowp = torch.func.jvp(
+        lambda *a: reference.backward(*a, params, upcast=False),
+        (q, k, v, o, lse, do, dlse), tuple(tangents))
+    for name, a, m, e in zip(("tdq", "tdk", "tdv"), ours, lowp, exact):
+        assert a.dtype == dtype
+        check_against(name, a, m, e, report)
+    assert triton_attention._forward_mode_failed == failed, "fell back to the blockwise path"
+    print("\n".join(report))
+
+
 def test_deterministic_two_pass(monkeypatch):
     """The default schedules give bit-identical results run to run (no atomics)."""
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", "two_pass")

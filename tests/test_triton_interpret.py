@@ -238,6 +238,80 @@ def test_empty_lengths(L, S, causal):
 
 
 # --------------------------------------------------------------------------------------
+# Forward mode: the JVPs of the forward and of the backward (triton_forward_mode.py)
+# --------------------------------------------------------------------------------------
+TANGENTS_OF_BACKWARD = ("tq", "tk", "tv", "to", "tlse", "tdo", "tdlse")
+
+
+def run_forward_mode(q, k, v, causal, present, dtype, with_dlse=True):
+    """Both forward-mode ops against the float64 reference; present: which of the seven
+    tangents (TANGENTS_OF_BACKWARD) are given, the first three also for the forward's."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do = torch.randn_like(o)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    likes = (q, k, v, o, lse, do, lse)
+    tangents = [torch.randn(like.shape, dtype=like.dtype) if keep else None
+                for like, keep in zip(likes, present)]
+    tq, tk, tv, to, tlse, tdo, tdlse = tangents
+    outs = triton_attention.forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
+    expected = reference.forward_jvp(*f64(q, k, v, o, lse, tq, tk, tv), params)
+    for name, a, e in zip(("to", "tlse"), outs, expected):
+        check(name, a, e.to(a.dtype), dtype)
+    outs = triton_attention.backward_jvp(q, k, v, o, lse, do, dlse, *tangents, params)
+    expected = reference.backward_jvp(*f64(q, k, v, o, lse, do, dlse, *tangents), params)
+    for name, a, e in zip(("tdq", "tdk", "tdv"), outs, expected):
+        check(name, a, e.to(a.dtype), dtype)
+
+
+@in_interpreter
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", CASES)
+def test_forward_mode_fp32(monkeypatch, B, Hq, Hkv, L, S, E, Ev, causal):
+    ran = []
+    for name in ("attention_forward_jvp", "attention_backward_jvp"):
+        real = getattr(triton_attention, name)
+        monkeypatch.setattr(triton_attention, name,
+                            lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
+    run_forward_mode(q, k, v, causal, (True,) * 7, torch.float32)
+    assert ran == ["attention_forward_jvp", "attention_backward_jvp"]   # not the blockwise path
+
+
+@in_interpreter
+@pytest.mark.parametrize("present", [
+    (True, False, False, False, False, False, False),
+    (False, True, False, False, False, False, False),
+    (False, False, True, False, False, False, False),
+    (False, False, False, True, True, False, False),
+    (False, False, False, False, False, True, True),
+    (True, True, False, False, True, True, False),
+], ids=["tq", "tk", "tv", "to+tlse", "tdo+tdlse", "tq+tk+tlse+tdo"])
+def test_forward_mode_none_tangents(present):
+    q, k, v = make_inputs(1, 2, 1, 21, 34, 16, 16, torch.float32)
+    run_forward_mode(q, k, v, True, present, torch.float32, with_dlse=False)
+
+
+@in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_mode_fp16_strided(causal):
+    q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)
+    run_forward_mode(q, k, v, causal, (True,) * 7, torch.float16)
+
+
+@in_interpreter
+def test_forward_mode_with_a_mask_takes_the_blockwise_path():
+    q, k, v = make_inputs(1, 2, 2, 17, 19, 16, 16, torch.float32)
+    params = AttentionParams(scale=0.25, causal=False, mask=make_mask("bool", 1, 2, 17, 19))
+    o, lse = triton_attention.forward(q, k, v, params)
+    tq = torch.randn_like(q)
+    outs = triton_attention.forward_jvp(q, k, v, o, lse, tq, None, None, params)
+    expected = reference.forward_jvp(*f64(q, k, v, o, lse, tq), None, None, params)
+    for name, a, e in zip(("to", "tlse"), outs, expected):
+        check(name, a, e.to(a.dtype), torch.float32)
+
+
+# --------------------------------------------------------------------------------------
 # Non-finite inputs
 # --------------------------------------------------------------------------------------
 NAN_ROW, NAN_KEY = 20, 9     # a query row of head 1; a key of the one key/value head
