@@ -158,12 +158,26 @@ def attention_output(q, k, v, mask, scale, causal):
     return attention_with_lse(q, k, v, mask, scale, causal)[0]
 
 
-def _route_of_plain_call(q, k, v, mask, scale, causal):
-    """At setup_context: the implementation's Route for this call (ops.route) where the call
-    was plain eager, else None. Its backward may then run the route's kernels directly."""
+def _plain_route(q, k, v, mask, scale, causal):
+    """In the forward of a plain eager `_Fused.apply`: the implementation's Route for this
+    call (ops.route), also kept for the setup_context that runs next on this thread (its
+    backward may then run the route's kernels directly); None in any other call, or where
+    the profiler should see the op's name."""
     if not getattr(_apply_state, "plain", False):
         return None
-    return ops.route(kernels.select, q, k, v, mask, scale, causal)
+    route = _apply_state.route = ops.route(kernels.select, q, k, v, mask, scale, causal)
+    return None if _profiling() else route
+
+
+def _route_of_plain_call():
+    """At setup_context: the route the forward of this plain eager call found, else None."""
+    return _apply_state.route if getattr(_apply_state, "plain", False) else None
+
+
+def _route_refused():
+    """The route's kernel refused (PyTorch's fused kernel, for this configuration): the
+    general path runs, and the backward must not try the route again."""
+    _apply_state.route = None
 
 
 def _route_applies(ctx, cotangents):
@@ -329,6 +343,12 @@ class AttnBwdFn(_Fused):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, dlse, mask, scale, causal):
+        route = _plain_route(q, k, v, mask, scale, causal)
+        if route is not None:
+            grads = route.backward(q, k, v, o, lse, do, dlse)
+            if grads is not None:
+                return grads
+            _route_refused()
         return _run(op.attn_bwd, ops.call_backward, "bob_compile::attn_bwd",
                     (q, k, v, o, lse, do, dlse, mask, scale, causal))
 
@@ -337,7 +357,7 @@ class AttnBwdFn(_Fused):
         q, k, v, o, lse, do, dlse, mask, scale, causal = inputs
         ctx.has_dlse = dlse is not None
         ctx.kernel_choices = kernel_settings.overridden()
-        ctx.route = _route_of_plain_call(q, k, v, mask, scale, causal)
+        ctx.route = _route_of_plain_call()
         ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask)
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask)
@@ -380,6 +400,12 @@ class AttnFn(_Fused):
 
     @staticmethod
     def forward(q, k, v, mask, scale, causal):
+        route = _plain_route(q, k, v, mask, scale, causal)
+        if route is not None:
+            out = route.forward(q, k, v)
+            if out is not None:
+                return out
+            _route_refused()
         return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
                     (q, k, v, mask, scale, causal))
 
@@ -393,7 +419,7 @@ class AttnFn(_Fused):
             ctx.save_for_forward(q, k, v, o, lse, mask)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
-        ctx.route = _route_of_plain_call(q, k, v, mask, scale, causal)
+        ctx.route = _route_of_plain_call()
 
     @staticmethod
     def backward(ctx, do, dlse):
