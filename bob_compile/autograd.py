@@ -65,7 +65,7 @@ log = logging.getLogger("bob_compile.autograd")
 #    a graph (grad mode off or no input requiring grad, no forward-mode AD level, plain
 #    eager) it runs the forward directly, as Function.apply would, minus the node.
 # 3. A backward that records no graph (no create_graph) of a plain eager call runs the
-#    kernels of the call's Route (kernels/triton_attention.py: what the implementation
+#    kernels of the call's CallPath (kernels/triton_attention.py: what the implementation
 #    runs for that signature, decided at forward time) directly, not through the next
 #    Function's apply and the op layers: ordinary training's backward is then PyTorch's
 #    cuDNN backward behind one Python node, and a second-order step's final backward runs
@@ -158,36 +158,36 @@ def attention_output(q, k, v, mask, scale, causal):
     return attention_with_lse(q, k, v, mask, scale, causal)[0]
 
 
-def _plain_route(q, k, v, mask, scale, causal):
-    """In the forward of a plain eager `_Fused.apply`: the implementation's Route for this
-    call (ops.route), also kept for the setup_context that runs next on this thread (its
-    backward may then run the route's kernels directly); None in any other call, or where
+def _plain_call_path(q, k, v, mask, scale, causal):
+    """In the forward of a plain eager `_Fused.apply`: the implementation's CallPath for this
+    call (ops.call_path), also kept for the setup_context that runs next on this thread (its
+    backward may then run its kernels directly); None in any other call, or where
     the profiler should see the op's name."""
     if not getattr(_apply_state, "plain", False):
         return None
-    route = _apply_state.route = ops.route(kernels.select, q, k, v, mask, scale, causal)
-    return None if _profiling() else route
+    path = _apply_state.call_path = ops.call_path(kernels.select, q, k, v, mask, scale, causal)
+    return None if _profiling() else path
 
 
-def _route_of_plain_call():
-    """At setup_context: the route the forward of this plain eager call found, else None."""
-    return _apply_state.route if getattr(_apply_state, "plain", False) else None
+def _call_path_of_plain_call():
+    """At setup_context: the call path the forward of this plain eager call found, else None."""
+    return _apply_state.call_path if getattr(_apply_state, "plain", False) else None
 
 
-def _route_refused():
-    """The route's kernel refused (PyTorch's fused kernel, for this configuration): the
-    general path runs, and the backward must not try the route again."""
-    _apply_state.route = None
+def _call_path_refused():
+    """The call path's kernel refused (PyTorch's fused kernel, for this configuration): the
+    general path runs, and the backward must not try it again."""
+    _apply_state.call_path = None
 
 
-def _route_applies(ctx, cotangents):
-    """Whether a backward may call ctx.route's kernels directly, as the next Function's
+def _call_path_applies(ctx, cotangents):
+    """Whether a backward may call ctx.call_path's kernels directly, as the next Function's
     forward would, minus its layers: nothing will differentiate the result (grad mode off,
-    i.e. no create_graph), the call was plain eager (ctx.route is set), and so is this
+    i.e. no create_graph), the call was plain eager (ctx.call_path is set), and so is this
     backward: plain cotangents, no mode, not under the profiler (which should see the op's
     name) and the kernel choices of the forward are the ones in force (ctx.kernel_choices
-    None: none were made, so the route, decided under the same settings, applies)."""
-    return (ctx.route is not None and ctx.kernel_choices is None
+    None: none were made, so the call path, decided under the same settings, applies)."""
+    return (ctx.call_path is not None and ctx.kernel_choices is None
             and not torch.is_grad_enabled() and not _profiling() and _plain_eager(cotangents))
 
 
@@ -343,12 +343,12 @@ class AttnBwdFn(_Fused):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, dlse, mask, scale, causal):
-        route = _plain_route(q, k, v, mask, scale, causal)
-        if route is not None:
-            grads = route.backward(q, k, v, o, lse, do, dlse)
+        path = _plain_call_path(q, k, v, mask, scale, causal)
+        if path is not None:
+            grads = path.backward(q, k, v, o, lse, do, dlse)
             if grads is not None:
                 return grads
-            _route_refused()
+            _call_path_refused()
         return _run(op.attn_bwd, ops.call_backward, "bob_compile::attn_bwd",
                     (q, k, v, o, lse, do, dlse, mask, scale, causal))
 
@@ -357,7 +357,7 @@ class AttnBwdFn(_Fused):
         q, k, v, o, lse, do, dlse, mask, scale, causal = inputs
         ctx.has_dlse = dlse is not None
         ctx.kernel_choices = kernel_settings.overridden()
-        ctx.route = _route_of_plain_call()
+        ctx.call_path = _call_path_of_plain_call()
         ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask)
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask)
@@ -369,8 +369,8 @@ class AttnBwdFn(_Fused):
         if gdq is None and gdk is None and gdv is None:
             return (None,) * 10
         q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
-        if _route_applies(ctx, (gdq, gdk, gdv)):
-            outs = ctx.route.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+        if _call_path_applies(ctx, (gdq, gdk, gdv)):
+            outs = ctx.call_path.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
             if outs is not None:
                 gq, gk, gv, go, glse, gdo, gdlse = outs
                 return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
@@ -400,12 +400,12 @@ class AttnFn(_Fused):
 
     @staticmethod
     def forward(q, k, v, mask, scale, causal):
-        route = _plain_route(q, k, v, mask, scale, causal)
-        if route is not None:
-            out = route.forward(q, k, v)
+        path = _plain_call_path(q, k, v, mask, scale, causal)
+        if path is not None:
+            out = path.forward(q, k, v)
             if out is not None:
                 return out
-            _route_refused()
+            _call_path_refused()
         return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
                     (q, k, v, mask, scale, causal))
 
@@ -419,15 +419,15 @@ class AttnFn(_Fused):
             ctx.save_for_forward(q, k, v, o, lse, mask)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
-        ctx.route = _route_of_plain_call()
+        ctx.call_path = _call_path_of_plain_call()
 
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None and dlse is None:
             return None, None, None, None, None, None
         q, k, v, o, lse, mask = ctx.saved_tensors
-        if _route_applies(ctx, (do, dlse)):
-            grads = ctx.route.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
+        if _call_path_applies(ctx, (do, dlse)):
+            grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
             if grads is not None:
                 return (*grads, None, None, None)
         backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else AttnBwdFn.apply

@@ -84,13 +84,13 @@ def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     return t.contiguous() if like is None else layout.in_order_of(t, like)
 
 
-def route(pick, q, k, v, mask, scale, causal):
-    """The Route of a call of the real implementations (pick is kernels.select) on 4-D
-    inputs without a mask (kernels.route): what runs for its signature, decided once, so
+def call_path(pick, q, k, v, mask, scale, causal):
+    """The CallPath of a call of the real implementations (pick is kernels.select) on 4-D
+    inputs without a mask (kernels.call_path): what runs for its signature, decided once, so
     that such calls skip the flattening and the choice of an implementation."""
     if pick is kernels.select and mask is None and q.dim() == 4 and k.dim() == 4 \
             and v.dim() == 4:
-        return kernels.route(q, k, v, scale, causal)
+        return kernels.call_path(q, k, v, scale, causal)
     return None
 
 
@@ -98,7 +98,7 @@ def call_forward(pick, q, k, v, mask, scale, causal):
     """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
     restore the leading dims and the output layout. The call_* functions below do the same
     for each op."""
-    known = route(pick, q, k, v, mask, scale, causal)
+    known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
         out = known.forward(q, k, v)
         if out is not None:
@@ -110,7 +110,7 @@ def call_forward(pick, q, k, v, mask, scale, causal):
 
 def call_forward_output(pick, q, k, v, mask, scale, causal):
     """o of call_forward, from the implementation's forward_output (no lse to compute)."""
-    known = route(pick, q, k, v, mask, scale, causal)
+    known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
         o = known.forward_output(q, k, v)
         if o is not None:
@@ -121,7 +121,7 @@ def call_forward_output(pick, q, k, v, mask, scale, causal):
 
 
 def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal):
-    known = route(pick, q, k, v, mask, scale, causal)
+    known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
         grads = known.backward(q, k, v, o, lse, do, dlse)
         if grads is not None:
@@ -134,7 +134,7 @@ def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal):
 
 
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
-    known = route(pick, q, k, v, mask, scale, causal)
+    known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
         outs = known.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
         if outs is not None:

@@ -60,13 +60,13 @@ def _triton():
     return _triton_module
 
 
-def route(q, k, v, scale, causal):
-    """For 4-D inputs without a mask: the Triton module's Route (what it runs for this call
+def call_path(q, k, v, scale, causal):
+    """For 4-D inputs without a mask: the Triton module's CallPath (what it runs for this call
     signature, decided once) where select() picks that module; else None."""
     if not q.is_cuda:
         return None
     tri = _triton()
-    return None if tri is None else tri.route(q, k, v, scale, causal)
+    return None if tri is None else tri.call_path(q, k, v, scale, causal)
 
 
 def select(q, k, v):

@@ -178,7 +178,7 @@ def _try_native(backend, fn, q, k, v, *rest):
     except (RuntimeError, TypeError) as e:  # unsupported in this build or for these inputs
         causal = rest[-1]
         _native_failed.add(_native_key(backend, q, v, causal))
-        _routes.clear()
+        _call_paths.clear()
         log.warning("PyTorch fused attention (%s) failed for %s, head dims %d/%d, causal=%s (%s); "
                     "using the Triton kernels for that configuration", backend, q.dtype,
                     q.shape[3], v.shape[3], causal, e)
@@ -186,15 +186,15 @@ def _try_native(backend, fn, q, k, v, *rest):
 
 
 # --------------------------------------------------------------------------------------
-# Routes: what the contract runs for one call signature, decided once
+# Call paths: what the contract runs for one call signature, decided once
 # --------------------------------------------------------------------------------------
 # At short lengths a call's host time is what the GPU waits for, and the general path
 # (ops.py, then the contract below) decides on every call what it decided the call before:
 # which implementation (select), whether PyTorch's fused kernels compute this op
 # (_native_backend, a dozen checks), which schedule, and the flattening of ops.py. All of it
-# follows from `_signature`, so a Route per signature keeps the answers. A refusal by
-# PyTorch's kernels, or a reload of the settings, forgets every route.
-class Route:
+# follows from `_signature`, so a CallPath per signature keeps the answers. A refusal by
+# PyTorch's kernels, or a reload of the settings, forgets every call path.
+class CallPath:
     """What forward, forward_output, backward and bob below run for one signature of 4-D
     inputs without a mask: PyTorch's fused kernels where they compute the op (`native`,
     first order), the Triton kernels otherwise. Outputs are laid out as the op returns them
@@ -250,8 +250,8 @@ class Route:
                 glse, in_order_of(gdo, do), gdlse)
 
 
-_routes = {}        # signature -> Route, or None: not this module, or nothing to run
-_ROUTES_LIMIT = 1024
+_call_paths = {}        # signature -> CallPath, or None: not this module, or nothing to run
+_CALL_PATHS_LIMIT = 1024
 
 
 def _signature(q, k, v, scale, causal):
@@ -261,33 +261,33 @@ def _signature(q, k, v, scale, causal):
             s.native_backend, s.bwd_dq_atomics, s.bob_row_atomics)
 
 
-def route(q, k, v, scale, causal):
-    """The Route of these 4-D inputs (no mask), or None where `kernels.select` does not pick
+def call_path(q, k, v, scale, causal):
+    """The CallPath of these 4-D inputs (no mask), or None where `kernels.select` does not pick
     this module or a length is 0 (the general path handles those)."""
     key = _signature(q, k, v, scale, causal)
     try:
-        return _routes[key]
+        return _call_paths[key]
     except KeyError:
         pass
     except TypeError:       # symbolic sizes are not hashable: decide without keeping it
-        return _decide_route(q, k, v, scale, causal)
-    if len(_routes) >= _ROUTES_LIMIT:
-        _routes.clear()
-    found = _routes[key] = _decide_route(q, k, v, scale, causal)
+        return _decide_call_path(q, k, v, scale, causal)
+    if len(_call_paths) >= _CALL_PATHS_LIMIT:
+        _call_paths.clear()
+    found = _call_paths[key] = _decide_call_path(q, k, v, scale, causal)
     return found
 
 
-def _decide_route(q, k, v, scale, causal):
+def _decide_call_path(q, k, v, scale, causal):
     from . import select
     if select(q, k, v) is not sys.modules[__name__] or not (q.shape[2] and k.shape[2]):
         return None
     params = AttentionParams(scale=scale, causal=causal)
-    return Route(_native_backend(q, k, v, params), params, settings.current())
+    return CallPath(_native_backend(q, k, v, params), params, settings.current())
 
 
 @settings.on_reload
-def _forget_routes(_settings):
-    _routes.clear()
+def _forget_call_paths(_settings):
+    _call_paths.clear()
 
 
 # --------------------------------------------------------------------------------------

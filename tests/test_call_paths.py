@@ -1,10 +1,10 @@
-"""Routes: what the Triton implementation runs for one call signature, decided once
-(kernels/triton_attention.py), and the backwards that call a route's kernels directly
+"""Call paths: what the Triton implementation runs for one call signature, decided once
+(kernels/triton_attention.py), and the backwards that call a call path's kernels directly
 where nothing records a graph (bob_compile/autograd.py).
 
-Routes exist for CUDA inputs. Here a Route's kernels are stood in for by the blockwise path
+Call paths exist for CUDA inputs. Here a CallPath's kernels are stood in for by the blockwise path
 (and PyTorch's CPU flash kernels as the "native" first-order kernels), so that what is
-tested on a CPU is which calls take a route, and that they give what the general path
+tested on a CPU is which calls take a call path, and that they give what the general path
 gives, bit for bit.
 """
 import pytest
@@ -34,9 +34,9 @@ def cpu_flash_backward(backend, q, k, v, o, lse, do, scale, causal):
 
 
 @pytest.fixture
-def routes(monkeypatch):
-    """Routes for CPU inputs, their kernels blockwise (native=None) or CPU flash (native
-    "cpu"); returns (set_native, calls): the Route methods called, by name, in order."""
+def call_paths(monkeypatch):
+    """Call paths for CPU inputs, their kernels blockwise (native=None) or CPU flash (native
+    "cpu"); returns (set_native, calls): the CallPath methods called, by name, in order."""
     calls = []
     native = [None]
     monkeypatch.setattr(triton_attention, "attention_forward", blockwise.forward)
@@ -48,25 +48,20 @@ def routes(monkeypatch):
     monkeypatch.setattr(triton_attention, "_native_forward_output", cpu_flash_forward_output)
     monkeypatch.setattr(triton_attention, "_native_backward", cpu_flash_backward)
 
-    class CountedRoute(triton_attention.Route):
+    class CountedPath(triton_attention.CallPath):
         __slots__ = ()
 
     for name in ("forward", "forward_output", "backward", "bob"):
         def counted(self, *args, _name=name):
             calls.append(_name)
-            return getattr(triton_attention.Route, _name)(self, *args)
-        setattr(CountedRoute, name, counted)
+            return getattr(triton_attention.CallPath, _name)(self, *args)
+        setattr(CountedPath, name, counted)
 
-    def route(q, k, v, scale, causal):
-        return CountedRoute(native[0], AttentionParams(scale=scale, causal=causal),
+    def call_path(q, k, v, scale, causal):
+        return CountedPath(native[0], AttentionParams(scale=scale, causal=causal),
                             settings.current())
-    monkeypatch.setattr(kernels, "route", route)
+    monkeypatch.setattr(kernels, "call_path", call_path)
     return native, calls
-
-
-@pytest.fixture
-def no_routes(monkeypatch):
-    monkeypatch.setattr(kernels, "route", lambda q, k, v, scale, causal: None)
 
 
 def inputs(causal_length=6, dtype=torch.float64):
@@ -101,12 +96,12 @@ def spy(monkeypatch, cls, method="forward"):
 
 def general_path(step, monkeypatch, *args):
     with monkeypatch.context() as m:
-        m.setattr(kernels, "route", lambda q, k, v, scale, causal: None)
+        m.setattr(kernels, "call_path", lambda q, k, v, scale, causal: None)
         return step(*args)
 
 
-def test_first_order_backward_runs_the_route_without_the_backward_function(routes, monkeypatch):
-    native, calls = routes
+def test_first_order_backward_runs_its_call_path_without_the_backward_function(call_paths, monkeypatch):
+    native, calls = call_paths
     backward_function = spy(monkeypatch, autograd.AttnBwdFn)
     ours = first_order_step(*inputs())
     assert calls == ["forward", "backward"]
@@ -116,11 +111,11 @@ def test_first_order_backward_runs_the_route_without_the_backward_function(route
         assert torch.equal(a, b)
 
 
-def test_second_order_records_its_graph_then_runs_the_route(routes, monkeypatch):
+def test_second_order_records_its_graph_then_runs_its_call_path(call_paths, monkeypatch):
     """grad(create_graph=True) needs AttnBwdFn's node (its backward is the BoB); the final
-    backward records nothing, so the BoB and the second backward run the route's kernels
+    backward records nothing, so the BoB and the second backward run the call path's kernels
     directly, without AttnBobFn."""
-    native, calls = routes
+    native, calls = call_paths
     backward_function = spy(monkeypatch, autograd.AttnBwdFn)
     bob_function = spy(monkeypatch, autograd.AttnBobFn)
     ours = second_order_step(*inputs())
@@ -131,10 +126,10 @@ def test_second_order_records_its_graph_then_runs_the_route(routes, monkeypatch)
         assert torch.equal(a, b)
 
 
-def test_native_first_order_and_a_refusal(routes, monkeypatch):
-    """With PyTorch's kernels as the route's first order, results match the general path
+def test_native_first_order_and_a_refusal(call_paths, monkeypatch):
+    """With PyTorch's kernels as the call path's first order, results match the general path
     to rounding; a refusal by them falls back to the general path, exactly."""
-    native, calls = routes
+    native, calls = call_paths
     native[0] = "cpu"
     expected = general_path(first_order_step, monkeypatch, *inputs(dtype=torch.float32))
     ours = first_order_step(*inputs(dtype=torch.float32))
@@ -145,11 +140,11 @@ def test_native_first_order_and_a_refusal(routes, monkeypatch):
         raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
     monkeypatch.setattr(triton_attention, "_native_backward", refuses)
     monkeypatch.setattr(triton_attention, "_native_failed", set())
-    monkeypatch.setattr(triton_attention, "_routes", {"stale": None})
+    monkeypatch.setattr(triton_attention, "_call_paths", {"stale": None})
     ours = first_order_step(*inputs(dtype=torch.float32))
     for a, b in zip(ours, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert triton_attention._routes == {}        # every route is decided again
+    assert triton_attention._call_paths == {}        # every call path is decided again
 
 
 class OpLog(TorchDispatchMode):
@@ -163,10 +158,10 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_backwards_under_a_mode_or_the_profiler_call_the_op(routes):
+def test_backwards_under_a_mode_or_the_profiler_call_the_op(call_paths):
     """What observes ops sees them: a dispatch mode around the backward sees attn_bwd, and
-    the profiler names it, as without routes."""
-    native, calls = routes
+    the profiler names it, as without call paths."""
+    native, calls = call_paths
     q, k, v, do = inputs()
     o = bob_compile.attention(q, k, v, is_causal=True)
     with OpLog() as log:
@@ -177,8 +172,8 @@ def test_backwards_under_a_mode_or_the_profiler_call_the_op(routes):
     assert "bob_compile::attn_bwd" in {event.key for event in prof.key_averages()}
 
 
-def test_no_route_for_a_mask_or_other_ranks(routes):
-    native, calls = routes
+def test_no_call_path_for_a_mask_or_other_ranks(call_paths):
+    native, calls = call_paths
     q, k, v, do = inputs()
     mask = torch.rand(6, 6) > 0.3
     first = bob_compile.attention(q, k, v, mask)
@@ -187,23 +182,23 @@ def test_no_route_for_a_mask_or_other_ranks(routes):
     assert calls == []
 
 
-def test_routes_are_decided_once_per_signature(monkeypatch):
+def test_call_paths_are_decided_once_per_signature(monkeypatch):
     monkeypatch.setattr(kernels, "select", lambda q, k, v: triton_attention)
     decided = []
     real_backend = triton_attention._native_backend
     monkeypatch.setattr(triton_attention, "_native_backend",
                         lambda *a: decided.append(1) or real_backend(*a))
-    monkeypatch.setattr(triton_attention, "_routes", {})
+    monkeypatch.setattr(triton_attention, "_call_paths", {})
     q = torch.randn(1, 2, 5, 8)
-    first = triton_attention.route(q, q, q, 0.5, True)
-    assert isinstance(first, triton_attention.Route) and first.native is None   # not CUDA
-    assert triton_attention.route(q, q, q, 0.5, True) is first and decided == [1]
-    assert triton_attention.route(q, q, q, 0.5, False) is not first
-    assert triton_attention.route(q[..., :0, :], q, q, 0.5, False) is None      # L = 0
+    first = triton_attention.call_path(q, q, q, 0.5, True)
+    assert isinstance(first, triton_attention.CallPath) and first.native is None   # not CUDA
+    assert triton_attention.call_path(q, q, q, 0.5, True) is first and decided == [1]
+    assert triton_attention.call_path(q, q, q, 0.5, False) is not first
+    assert triton_attention.call_path(q[..., :0, :], q, q, 0.5, False) is None      # L = 0
     settings.reload()
-    assert triton_attention.route(q, q, q, 0.5, True) is not first
+    assert triton_attention.call_path(q, q, q, 0.5, True) is not first
 
 
-def test_cpu_inputs_have_no_route():
+def test_cpu_inputs_have_no_call_path():
     q = torch.randn(1, 1, 3, 4)
-    assert kernels.route(q, q, q, 0.5, False) is None
+    assert kernels.call_path(q, q, q, 0.5, False) is None
