@@ -8,6 +8,12 @@ w.r.t. q, k, v, dO):
 - `padded, bool mask`: the batch with an HF-style key-padding mask (B, 1, 1, S), is_causal;
 - `padded, general mask`: the same pattern as a materialized (B, 1, L, S) boolean mask;
 - `padded, additive mask`: the same pattern as an additive (B, 1, 1, S) mask, finfo.min fill;
+- `padded, HF 4-D mask`: padding and the causal mask in one (B, 1, L, S) boolean tensor,
+  is_causal=False, as Hugging Face passes it (recognized as a key range with the causal
+  mask folded in: applied from indices, key blocks above the diagonal skipped);
+- `padded, 4-D mask read per tile`: the same with one more hidden pair per sequence, which
+  no structure describes: the kernels read a mask tile wherever they form scores (the
+  general path, on all but B of the same visible pairs);
 - `padded, no mask`: the padded batch without a mask (the work a mask-blind kernel does);
 - `per sequence, no mask`: the sum over sequences of the unmasked step at each own length
   (B = 1): exactly the visible pairs, but eight small launches' worth of host time;
@@ -74,14 +80,21 @@ def main():
     general = key_mask.expand(B, 1, S, S).contiguous()
     additive = torch.zeros(B, 1, 1, S, device=dev, dtype=dtype).masked_fill(
         ~key_mask, torch.finfo(dtype).min)
+    hf_4d = general & torch.ones(S, S, dtype=torch.bool, device=dev).tril()
+    unstructured = hf_4d.clone()
+    for b, n in enumerate(lengths):
+        unstructured[b, 0, n - 1, 0] = False      # one hidden pair: no key range describes it
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(B, H, S, d, device=dev, dtype=dtype) for _ in range(4))
     cot = tuple(torch.randn(B, H, S, d, device=dev, dtype=dtype) for _ in range(3))
 
     rows = {}
-    for name, mask in (("padded, bool mask", key_mask), ("padded, general mask", general),
-                       ("padded, additive mask", additive), ("padded, no mask", None)):
-        rows[name] = median_ms(lambda: step(q, k, v, do, cot, mask, causal), args.reps)
+    for name, mask, is_causal in (
+            ("padded, bool mask", key_mask, causal), ("padded, general mask", general, causal),
+            ("padded, additive mask", additive, causal), ("padded, HF 4-D mask", hf_4d, False),
+            ("padded, 4-D mask read per tile", unstructured, False),
+            ("padded, no mask", None, causal)):
+        rows[name] = median_ms(lambda: step(q, k, v, do, cot, mask, is_causal), args.reps)
 
     def per_sequence():
         for b, n in enumerate(lengths):
@@ -92,13 +105,14 @@ def main():
     # correctness: the masked step on each sequence's real tokens equals the unmasked step there
     worst = 0.0
     real = visible[:, None, :, None].to(dev)      # padded rows send no cotangent anywhere
-    masked = step(q, k, v, do * real, tuple(c * real for c in cot), key_mask, causal)
-    for b, n in enumerate(lengths):
-        sl = (slice(b, b + 1), slice(None), slice(0, n))
-        alone = step(q[sl], k[sl], v[sl], do[sl], tuple(c[sl] for c in cot), None, causal)
-        for ours, ref in zip(masked, alone):
-            a, r = ours[sl].double(), ref.double()
-            worst = max(worst, ((a - r).norm() / r.norm()).item())
+    for mask, is_causal in ((key_mask, causal), (hf_4d, False)):
+        masked = step(q, k, v, do * real, tuple(c * real for c in cot), mask, is_causal)
+        for b, n in enumerate(lengths):
+            sl = (slice(b, b + 1), slice(None), slice(0, n))
+            alone = step(q[sl], k[sl], v[sl], do[sl], tuple(c[sl] for c in cot), None, causal)
+            for ours, ref in zip(masked, alone):
+                a, r = ours[sl].double(), ref.double()
+                worst = max(worst, ((a - r).norm() / r.norm()).item())
 
     # visible (query, key) pairs under causal ∧ key padding: every query row i sees keys
     # j <= i with j < n, padded rows included
@@ -111,15 +125,19 @@ def main():
                             visible_pairs=pairs, reps=args.reps),
                   rows=[dict(row=name, ms=ms, ratio_to_visible_share=ms / reference)
                         for name, ms in rows.items()],
+                  general_vs_structured=rows["padded, 4-D mask read per tile"]
+                  / rows["padded, HF 4-D mask"],
                   masked_vs_per_sequence_rel_l2=worst)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_masks.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"B={B} H={H} S={S} d={d} lengths={lengths} visible pairs={pairs:,}")
     print(f"masked step vs per-sequence unmasked on real tokens: rel L2 {worst:.2e}")
-    print(f"{'row':28s} {'ms':>9s} {'vs visible share':>16s}")
+    print(f"{'row':32s} {'ms':>9s} {'vs visible share':>16s}")
     for name, ms in rows.items():
-        print(f"{name:28s} {ms:9.3f} {ms / reference:9.2f}x")
+        print(f"{name:32s} {ms:9.3f} {ms / reference:9.2f}x")
+    print(f"general (read per tile) vs structured (HF 4-D): "
+          f"{result['general_vs_structured']:.2f}x")
 
 
 if __name__ == "__main__":

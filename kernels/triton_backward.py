@@ -17,8 +17,9 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
-                            fixed_plan, interpreting, key_blocks_of_row_block, launch_plan,
-                            load_key_range, load_lse2, load_row_vector, load_tile, mask_flags,
+                            first_row_of_key_block, fixed_plan, interpreting,
+                            key_blocks_of_row_block, keys_end_of_row_block, launch_plan, load_lse2,
+                            load_mask_summary, load_row_vector, load_tile, mask_flags,
                             mask_kind_and_tensor, padded_dim, row_block_program,
                             row_blocks_of_key_block, row_bytes, store_tile, strides_of,
                             visibility_mask, wide_candidates)
@@ -80,7 +81,8 @@ def row_dot(do, o, dlse):
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
-                  sql, sqe, sdl, sde, sql_acc, sml, sme, m_lo, m_hi, n0, L, S, qk_scale_log2,
+                  sql, sqe, sdl, sde, sql_acc, sml, sme, first, end, structure, m_lo, m_hi, n0,
+                  L, S, qk_scale_log2,
                   scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -102,7 +104,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
-            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, True)
+            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
+                                  structure, MASK_KIND, True)
         pt = tl.math.exp2(s2t - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -154,21 +157,24 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
         dq_base = DQ_ACC + row * HEAD_DIM
         mask_base = MASK + b * smb + h * smh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
+        first, end, structure = 0, S, 0
         if MASK_KIND != 0:      # a key block this (b, h) never sees: no query block at all
-            first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
+            first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
+            m_lo = first_row_of_key_block(m_lo, n0, structure, BLOCK_M)
+            m_mid = tl.maximum(m_mid, m_lo)
             unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
             m_mid = tl.where(unseen, m_lo, m_mid)
             m_hi = tl.where(unseen, m_lo, m_hi)
         dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_lo,
-                               m_mid, n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
-                               DQ_ATOMICS, DOT_PRECISION)
+                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, first, end,
+                               structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale, HEAD_DIM,
+                               HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL,
+                               MASK_KIND, DQ_ATOMICS, DOT_PRECISION)
         dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, m_mid, m_hi,
-                               n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
-                               BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                               DOT_PRECISION)
+                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, first, end,
+                               structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale, HEAD_DIM,
+                               HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL,
+                               MASK_KIND, DQ_ATOMICS, DOT_PRECISION)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -184,7 +190,7 @@ strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", 
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-              offs_m, offs_e, offs_ev, n_lo, n_hi, L, S, qk_scale_log2,
+              first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi, L, S, qk_scale_log2,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -196,7 +202,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, False)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
+                                 structure, MASK_KIND, False)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = (p * (dp - d[:, None])).to(k.dtype)
@@ -228,15 +235,18 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
+    first, end, structure = 0, S, 0
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
-        first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
-        lo1, hi1 = clip_key_loop(lo1, hi1, first, end, BLOCK_N)
-        lo2, hi2 = clip_key_loop(lo2, hi2, first, end, BLOCK_N)
+        first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
+        end_seen = keys_end_of_row_block(m0, end, structure, BLOCK_M)
+        lo1, hi1 = clip_key_loop(lo1, hi1, first, end_seen, BLOCK_N)
+        lo2, hi2 = clip_key_loop(lo2, hi2, first, end_seen, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-                   offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
-                   HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION)
+                   first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S,
+                   qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E,
+                   PAD_EV, DOT_PRECISION)
     dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-                   offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2,
+                   first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2,
                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
                    DOT_PRECISION)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,

@@ -26,8 +26,9 @@ import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
 from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
-                            fixed_plan, interpreting, key_blocks_of_row_block, launch_plan,
-                            load_key_range, load_row_vector, load_tile, mask_flags,
+                            first_row_of_key_block, fixed_plan, interpreting,
+                            key_blocks_of_row_block, keys_end_of_row_block, launch_plan,
+                            load_mask_summary, load_row_vector, load_tile, mask_flags,
                             mask_kind_and_tensor, padded_dim, row_block_program,
                             row_blocks_of_key_block, row_bytes, store_tile, strides_of,
                             visibility_mask, wide_candidates)
@@ -58,8 +59,8 @@ def _store_row_outputs(gq, gdo_sum, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev
 @triton.jit
 def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
-               mask_base, sml, sme, offs_m, offs_e, offs_ev, n_lo, n_hi, L, S, qk_scale_log2,
-               scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+               mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
+               L, S, qk_scale_log2, scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                PAD_E: tl.constexpr,
                PAD_EV: tl.constexpr, HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr,
@@ -73,7 +74,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, False)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
+                                 structure, MASK_KIND, False)
         p = tl.math.exp2(s2 - lse2[:, None])
         delta = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - d[:, None]
         if HAS_GDV:
@@ -142,18 +144,22 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
     mask_base = MASK + b * smb + h * smh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
+    first, end, structure = 0, S, 0
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
-        first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
-        lo1, hi1 = clip_key_loop(lo1, hi1, first, end, BLOCK_N)
-        lo2, hi2 = clip_key_loop(lo2, hi2, first, end, BLOCK_N)
+        first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
+        end_seen = keys_end_of_row_block(m0, end, structure, BLOCK_M)
+        lo1, hi1 = clip_key_loop(lo1, hi1, first, end_seen, BLOCK_N)
+        lo2, hi2 = clip_key_loop(lo2, hi2, first, end_seen, BLOCK_N)
     gq, gdo, dg, sbar_sum = _row_steps(
         gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
-        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, offs_m, offs_e,
+        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end, structure,
+        offs_m, offs_e,
         offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
         CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
     gq, gdo, dg, sbar_sum = _row_steps(
         gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
-        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, offs_m, offs_e,
+        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end, structure,
+        offs_m, offs_e,
         offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
         DOT_PRECISION)
@@ -175,8 +181,9 @@ strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK=
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
-                  row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme, m_lo, m_hi, n0,
-                  L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC,
+                  row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme, first, end,
+                  structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
+                  DG_ACC, SBAR_ACC,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -200,7 +207,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
-            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, True)
+            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
+                                  structure, MASK_KIND, True)
         pt = tl.math.exp2(s2t - lse2[None, :])
         deltat = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - d[None, :]
         if HAS_GDV:
@@ -302,20 +310,23 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
         gdq_base = GDQ + b * sgqb + h * sgqh
         mask_base = MASK + b * smb + h * smh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
+        first, end, structure = 0, S, 0
         if MASK_KIND != 0:      # a key block this (b, h) never sees: no query block at all
-            first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
+            first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
+            m_lo = first_row_of_key_block(m_lo, n0, structure, BLOCK_M)
+            m_mid = tl.maximum(m_mid, m_lo)
             unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
             m_mid = tl.where(unseen, m_lo, m_mid)
             m_hi = tl.where(unseen, m_lo, m_hi)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
                                D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
-                               m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
+                               first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
                                D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
-                               m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
+                               first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)

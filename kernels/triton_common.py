@@ -170,40 +170,69 @@ def visibility_mask(offs_m, offs_n, S, CAUSAL: tl.constexpr, TRANSPOSED: tl.cons
 # --------------------------------------------------------------------------------------
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
 
+# What a (batch, head)'s mask is, as far as the kernels need to read it (the third value of
+# its KEY_RANGE row, found on the device by mask_summary):
+READ_THE_MASK = 0     # anything else: read a mask tile wherever scores are formed
+KEYS_IN_RANGE = 1     # exactly the keys [first, end) for every query (key padding)
+KEYS_IN_RANGE_CAUSAL = 2   # exactly keys [first, end) with key <= query (padding and a
+                           # top-left causal mask folded into one tensor, as HF builds it)
+
 
 def mask_kind_and_tensor(params, fallback):
-    """(MASK_KIND, the tensor to pass as MASK, the (B, Hq, 1, 2) int32 KEY_RANGE): `fallback`
-    (never read) for both without a mask."""
+    """(MASK_KIND, the tensor to pass as MASK, the (B, Hq, 1, 3) int32 KEY_RANGE: first,
+    end, structure per (batch, head); mask_summary): `fallback` (never read) for both
+    without a mask."""
     mask = params.mask
     if mask is None:
         return NO_MASK, fallback, fallback
     kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
-    return kind, mask, visible_key_range(mask)
+    return kind, mask, mask_summary(mask)
 
 
-def visible_key_range(mask):
-    """[first, last + 1) of the keys any query of each (batch, head) sees, (B, Hq, 1, 2) int32
-    (broadcast heads as stride 0): the kernels skip key blocks outside it, so a padded
-    batch costs its visible keys (right or left padding), not the padded length. Computed
-    on the device from the mask's own (un-broadcast) elements; [0, 0) where none is seen."""
+def mask_summary(mask):
+    """(B, Hq, 1, 3) int32 per (batch, head) of a (B, Hq, L, S) mask view: [first, end) of
+    the keys any query sees ([0, 0) where none: the kernels skip key blocks outside it, so
+    a padded batch costs its visible keys), and the structure: KEYS_IN_RANGE or
+    KEYS_IN_RANGE_CAUSAL where the mask is exactly that key range (the causal mask folded
+    in, or not) and adds nothing to a visible score; the kernels then compute it from
+    indices instead of reading it, and skip the key blocks above the diagonal. Computed on
+    the device from the mask's own (un-broadcast) elements on every call (a few reductions,
+    no host synchronization): nothing about its contents is remembered, as a write through
+    `.data` would not show in its version counter."""
     base = mask
     for dim in (1, 2):                   # read broadcast heads and rows once
         if base.stride(dim) == 0:
             base = base.narrow(dim, 0, 1)
     visible = base if base.dtype == torch.bool else base > HIDDEN_AT_OR_BELOW
+    L, S = base.shape[2], base.shape[3]
+    count = visible.sum(-1, dtype=torch.int32)                   # (B, Hm, L) keys per row
     seen = visible.any(dim=2)                                    # (B, Hm, S)
-    S = seen.shape[-1]
     keys = torch.arange(S, device=mask.device, dtype=torch.int32)
     first = torch.where(seen, keys, S).amin(-1)
     end = torch.where(seen, keys + 1, 0).amax(-1)
-    ranges = torch.stack((torch.minimum(first, end), end), -1).to(torch.int32)
-    return ranges[:, :, None, :].expand(mask.shape[0], mask.shape[1], 1, 2)
+    first = torch.minimum(first, end)
+    # No row sees a key outside [first, end), so a row that sees as many keys as the range
+    # holds sees exactly the range; one that sees none above the diagonal and as many as
+    # [first, min(end, row + 1)) holds sees exactly that.
+    range_only = (count == (end - first)[..., None]).all(-1)
+    structure = torch.where(range_only, KEYS_IN_RANGE, READ_THE_MASK)
+    if L > 1 or mask.shape[2] == 1:     # rows are the query rows themselves
+        rows = torch.arange(1, L + 1, device=mask.device, dtype=torch.int32)
+        in_causal_range = (torch.minimum(end[..., None], rows) - first[..., None]).clamp_min(0)
+        at_or_below = visible.tril().sum(-1, dtype=torch.int32)
+        range_causal = ((count == in_causal_range) & (at_or_below == count)).all(-1)
+        structure = torch.where(range_causal & ~range_only, KEYS_IN_RANGE_CAUSAL, structure)
+    if base.dtype != torch.bool:        # an additive mask must add 0 to every visible score
+        adds_nothing = ((base == 0).sum(-1, dtype=torch.int32) == count).all(-1)
+        structure = torch.where(adds_nothing, structure, READ_THE_MASK)
+    summary = torch.stack((first, end, structure.to(torch.int32)), -1)
+    return summary[:, :, None, :].expand(mask.shape[0], mask.shape[1], 1, 3)
 
 
 @triton.jit
-def load_key_range(key_range_ptr, sre):
-    """(first, end) of the visible keys of one (batch, head), from KEY_RANGE."""
-    return tl.load(key_range_ptr), tl.load(key_range_ptr + sre)
+def load_mask_summary(summary_ptr, sre):
+    """(first, end, structure) of one (batch, head), from KEY_RANGE (mask_summary)."""
+    return tl.load(summary_ptr), tl.load(summary_ptr + sre), tl.load(summary_ptr + 2 * sre)
 
 
 @triton.jit
@@ -213,30 +242,54 @@ def clip_key_loop(n_lo, n_hi, first, end, BLOCK_N: tl.constexpr):
     return tl.maximum(n_lo, (first // BLOCK_N) * BLOCK_N), tl.minimum(n_hi, end)
 
 
+@triton.jit
+def keys_end_of_row_block(m0, end, structure, BLOCK_M: tl.constexpr):
+    """The end of the keys rows [m0, m0 + BLOCK_M) may see: end, or with the causal mask
+    folded into the mask (KEYS_IN_RANGE_CAUSAL) no key past the block's last row."""
+    return tl.where(structure == 2, tl.minimum(end, m0 + BLOCK_M), end)
+
+
+@triton.jit
+def first_row_of_key_block(m_lo, n0, structure, BLOCK_M: tl.constexpr):
+    """The first query block keys [n0, ...) may be seen by: m_lo, or with the causal mask
+    folded into the mask (KEYS_IN_RANGE_CAUSAL) the block holding row n0."""
+    return tl.where(structure == 2, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
+
+
 def mask_flags(kind):
     """The tuning-key flags of a mask kind (none without a mask: unmasked keys unchanged)."""
     return () if kind == NO_MASK else (f"mask{kind}",)
 
 
 @triton.jit
-def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND: tl.constexpr,
-                    TRANSPOSED: tl.constexpr):
-    """Base-2 scores s2 ([M, N], or [N, M] when TRANSPOSED) with the mask tile applied as
+def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, first, end, structure,
+                    MASK_KIND: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Base-2 scores s2 ([M, N], or [N, M] when TRANSPOSED) with the mask applied as
     AttentionParams defines it: bool False hides the pair; an additive value is added
-    (times log2 e), and one at or below -1e4 (HIDDEN_AT_OR_BELOW) hides the pair.
-    Pairs outside [0, L) x [0, S) read as hidden."""
-    if TRANSPOSED:
-        ptrs = mask_base + offs_n[:, None] * sms + offs_m[None, :] * sml
-        inside = (offs_n[:, None] < S) & (offs_m[None, :] < L)
-    else:
-        ptrs = mask_base + offs_m[:, None] * sml + offs_n[None, :] * sms
-        inside = (offs_m[:, None] < L) & (offs_n[None, :] < S)
-    if MASK_KIND == 1:
-        visible = tl.load(ptrs, mask=inside, other=0) != 0
+    (times log2 e), and one at or below -1e4 (HIDDEN_AT_OR_BELOW) hides the pair. Where the
+    (batch, head)'s structure says the mask is a key range [first, end) (with key <= query
+    for KEYS_IN_RANGE_CAUSAL), from indices; elsewhere from a tile of the mask, pairs
+    outside [0, L) x [0, S) reading as hidden."""
+    if structure != 0:
+        if TRANSPOSED:
+            keys, rows = offs_n[:, None], offs_m[None, :]
+        else:
+            keys, rows = offs_n[None, :], offs_m[:, None]
+        visible = (keys >= first) & (keys < end) & ((structure == 1) | (keys <= rows))
         s2 = tl.where(visible, s2, float("-inf"))
-    if MASK_KIND == 2:
-        bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
-        s2 = tl.where(bias <= -1e4, float("-inf"), s2 + bias * 1.4426950408889634)
+    else:
+        if TRANSPOSED:
+            ptrs = mask_base + offs_n[:, None] * sms + offs_m[None, :] * sml
+            inside = (offs_n[:, None] < S) & (offs_m[None, :] < L)
+        else:
+            ptrs = mask_base + offs_m[:, None] * sml + offs_n[None, :] * sms
+            inside = (offs_m[:, None] < L) & (offs_n[None, :] < S)
+        if MASK_KIND == 1:
+            visible = tl.load(ptrs, mask=inside, other=0) != 0
+            s2 = tl.where(visible, s2, float("-inf"))
+        if MASK_KIND == 2:
+            bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
+            s2 = tl.where(bias <= -1e4, float("-inf"), s2 + bias * 1.4426950408889634)
     return s2
 
 

@@ -3,7 +3,9 @@
 One program per (block of BLOCK_M query rows, batch x query head); it streams the key/value
 blocks its rows can see with the online softmax (running max m, running sum l, both in base
 2). Interior key blocks run without any mask; only the causal diagonal and the partial last
-key block are masked. A mask tensor (MASK_KIND != 0) is read in every block.
+key block are masked. A mask tensor (MASK_KIND != 0) is read in every block, unless it is
+a key range (with the causal mask folded in or not: triton_common.mask_summary), which is
+applied from indices.
 """
 import torch
 import triton
@@ -11,10 +13,10 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
-                            interpreting, key_blocks_of_row_block, launch_plan, load_key_range,
-                            load_tile, mask_flags, mask_kind_and_tensor, padded_dim,
-                            row_block_program, row_bytes, store_tile, strides_of, visibility_mask,
-                            wide_candidates)
+                            interpreting, key_blocks_of_row_block, keys_end_of_row_block,
+                            launch_plan, load_mask_summary, load_tile, mask_flags,
+                            mask_kind_and_tensor, padded_dim, row_block_program, row_bytes,
+                            store_tile, strides_of, visibility_mask, wide_candidates)
 
 
 @triton.jit
@@ -26,8 +28,8 @@ def _max_keeping_nan(a, b):
 
 @triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                   mask_base, sml, sme, offs_m, offs_e, offs_ev, n_lo, n_hi, L, S,
-                   qk_scale_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo,
+                   n_hi, L, S, qk_scale_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
@@ -39,7 +41,8 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, MASK_KIND, False)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
+                                 structure, MASK_KIND, False)
         m_new = _max_keeping_nan(m_i, tl.reduce(s2, 1, _max_keeping_nan))
         # rows whose scores are all -inf so far keep a finite reference point (no inf - inf)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -75,18 +78,21 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
     acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
+    first, end, structure = 0, S, 0
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
-        first, end = load_key_range(KEY_RANGE + b * srb + h * srh, sre)
-        lo1, hi1 = clip_key_loop(lo1, hi1, first, end, BLOCK_N)
-        lo2, hi2 = clip_key_loop(lo2, hi2, first, end, BLOCK_N)
+        first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
+        end_seen = keys_end_of_row_block(m0, end, structure, BLOCK_M)
+        lo1, hi1 = clip_key_loop(lo1, hi1, first, end_seen, BLOCK_N)
+        lo2, hi2 = clip_key_loop(lo2, hi2, first, end_seen, BLOCK_N)
     acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, lo1, hi1,
-                                   L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                                   CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION)
+                                   mask_base, sml, sme, first, end, structure, offs_m, offs_e,
+                                   offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
+                                   HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E,
+                                   PAD_EV, DOT_PRECISION)
     acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   mask_base, sml, sme, offs_m, offs_e, offs_ev, lo2, hi2,
-                                   L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
-                                   BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
+                                   mask_base, sml, sme, first, end, structure, offs_m, offs_e,
+                                   offs_ev, lo2, hi2, L, S, qk_scale_log2, HEAD_DIM,
+                                   HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
                                    DOT_PRECISION)
 
     # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running

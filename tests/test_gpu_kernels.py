@@ -113,6 +113,21 @@ def test_masks_against_float64(monkeypatch, schedule, kind, dtype, B, Hq, Hkv, L
                        padding_mask(kind, B, Hq, L, S, dtype))
 
 
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+def test_hf_causal_folded_masks_against_float64(monkeypatch, schedule):
+    """Hugging Face's 4-D mask (key padding and the causal mask in one tensor, is_causal
+    False), which the kernels apply from indices (triton_common.mask_summary); left padding
+    (rows that see no key) runs in test_triton_interpret.py."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, L = 3, 4, 1024
+    padded = padding_mask("bool", B, 1, 1, L, torch.bfloat16)
+    causal = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()
+    check_every_output(torch.bfloat16, B, Hq, Hq, L, L, 64, 64, False,
+                       (padded & causal).expand(B, Hq, L, L))
+
+
 def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     dev = "cuda"
     scale = 1.0 / math.sqrt(E)

@@ -210,6 +210,46 @@ def test_padding_masks_skip_unseen_key_blocks(kind, causal):
                    mask=mask.expand(B, Hq, L, S))
 
 
+def hf_mask(kind, B, L, S, left, extra_key=False):
+    """Hugging Face's 4-D mask: key padding and a top-left causal mask in one (B, 1, L, S)
+    tensor (bool, or additive with the finfo.min fill); batch b keeps S - 9 b keys, at the
+    end if left-padded. extra_key: one pair above the diagonal made visible in batch 1 (no
+    longer structured: the kernels must read it)."""
+    keys = torch.arange(S)
+    lengths = [S - 9 * b for b in range(B)]
+    valid = torch.stack([(keys >= S - n) if left else (keys < n) for n in lengths])
+    visible = valid[:, None, None, :] & (keys[None, :] <= torch.arange(L)[:, None])
+    if extra_key:
+        visible[1, 0, 3, 20] = True
+    if kind == "bool":
+        return visible
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+
+
+@in_interpreter
+@pytest.mark.parametrize("kind,left,extra_key,schedule", [
+    ("bool", False, False, "two_pass"), ("additive", True, False, "atomic"),
+    ("bool", True, True, "atomic"), ("additive", False, True, "two_pass")],
+    ids=["bool-right-structured", "additive-left-structured-atomic", "bool-left-read-atomic",
+         "additive-right-read"])
+def test_hf_masks_every_output(monkeypatch, kind, left, extra_key, schedule):
+    """Padding with the causal mask folded in, as HF passes it (is_causal=False): applied
+    from indices, with the key blocks above the diagonal skipped (mask_summary), or read
+    where one pair breaks the structure (key padding alone, broadcast over rows, is the
+    padding test above); both schedules (the atomic one's row sums see every pair its
+    column pass visits)."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, L, S = 3, 4, 45, 45
+    mask = hf_mask(kind, B, L, S, left, extra_key).expand(B, Hq, L, S)
+    from bob_compile.kernels.triton_common import KEYS_IN_RANGE_CAUSAL, mask_summary
+    structures = mask_summary(mask)[:, 0, 0, 2].tolist()
+    assert (structures[1] == KEYS_IN_RANGE_CAUSAL) != extra_key
+    q, k, v = make_inputs(B, Hq, 2, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=mask)
+
+
 @in_interpreter
 def test_masks_fp16_strided():
     q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)

@@ -1,0 +1,100 @@
+"""mask_summary (kernels/triton_common.py): per (batch, head) the key range a mask lets any
+query see, and whether the mask is exactly that range (key padding), or that range with a
+top-left causal mask folded in (how Hugging Face builds its 4-D masks), so that the Triton
+kernels apply it from indices and never read it. Anything else must be read: a summary
+that calls a mask structured when it is not would silently change the result."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from bob_compile.kernels.triton_common import (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,  # noqa: E402
+                                               READ_THE_MASK, mask_summary)
+
+B, H, L, S = 3, 2, 7, 7
+ROWS, KEYS = torch.arange(L)[:, None], torch.arange(S)[None, :]
+
+
+def padding(lengths, left=False):
+    """(B, 1, 1, S) key validity: batch b sees lengths[b] keys, at the end if left-padded."""
+    keys = torch.arange(S)
+    valid = [(keys >= S - n) if left else (keys < n) for n in lengths]
+    return torch.stack(valid)[:, None, None, :]
+
+
+def summary(mask):
+    full = mask.expand(B, H, L, S) if mask.dim() == 4 else mask
+    out = mask_summary(full)
+    assert out.shape == (B, H, 1, 3) and out.dtype == torch.int32
+    return out[:, 0, 0].tolist()     # per batch: [first, end, structure]
+
+
+def test_key_padding_is_a_key_range():
+    assert summary(padding([7, 4, 0])) == [[0, 7, KEYS_IN_RANGE], [0, 4, KEYS_IN_RANGE],
+                                           [0, 0, KEYS_IN_RANGE]]
+    assert summary(padding([7, 4, 2], left=True)) == [
+        [0, 7, KEYS_IN_RANGE], [3, 7, KEYS_IN_RANGE], [5, 7, KEYS_IN_RANGE]]
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_padding_with_the_causal_mask_folded_in(left):
+    """HF's 4-D mask: padding and top-left causal in one (B, 1, L, S) tensor."""
+    mask = padding([7, 4, 2], left=left) & (KEYS <= ROWS)
+    rows = summary(mask)
+    assert [r[2] for r in rows] == [KEYS_IN_RANGE_CAUSAL] * 3
+    assert [r[:2] for r in rows] == ([[0, 7], [3, 7], [5, 7]] if left else [[0, 7], [0, 4], [0, 2]])
+
+
+def test_additive_masks_that_add_nothing_to_visible_scores():
+    hidden = torch.finfo(torch.float32).min
+    visible = padding([7, 4, 2]) & (KEYS <= ROWS)
+    additive = torch.zeros(visible.shape).masked_fill(~visible, hidden)
+    assert [r[2] for r in summary(additive)] == [KEYS_IN_RANGE_CAUSAL] * 3
+    biased = additive.clone()
+    biased[1, 0, 5, 1] = 0.5            # a bias on one visible pair: read the mask there
+    assert [r[2] for r in summary(biased)] == [KEYS_IN_RANGE_CAUSAL, READ_THE_MASK,
+                                              KEYS_IN_RANGE_CAUSAL]
+
+
+@pytest.mark.parametrize("change", ["a hole", "an extra key", "a diagonal shifted by one"])
+def test_almost_structured_masks_are_read(change):
+    mask = (padding([7, 5, 3]) & (KEYS <= ROWS)).expand(B, 1, L, S).clone()
+    if change == "a hole":
+        mask[1, 0, 4, 2] = False
+    elif change == "an extra key":
+        mask[1, 0, 2, 3] = True         # above the diagonal, inside the range
+    else:
+        mask[1] = padding([5])[0] & (KEYS <= ROWS + 1)
+    rows = summary(mask)
+    assert rows[1][2] == READ_THE_MASK
+    assert rows[0][2] == rows[2][2] == KEYS_IN_RANGE_CAUSAL
+
+
+def test_rows_broadcast_cannot_hold_a_causal_mask():
+    """A mask broadcast over query rows (stride 0) is the same for every row: a key range
+    or nothing, never the causal form (even with one visible key)."""
+    one_key = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    one_key[..., 0] = True
+    assert [r[2] for r in summary(one_key)] == [KEYS_IN_RANGE] * 3
+    scattered = padding([7, 7, 7]).clone()
+    scattered[0, ..., 3] = False
+    assert summary(scattered)[0] == [0, 7, READ_THE_MASK]
+
+
+def test_heads_are_summarized_apart():
+    mask = torch.ones(B, H, L, S, dtype=torch.bool)
+    mask[:, 1] = KEYS <= ROWS
+    out = mask_summary(mask)[:, :, 0, 2]
+    assert out[:, 0].tolist() == [KEYS_IN_RANGE] * 3
+    assert out[:, 1].tolist() == [KEYS_IN_RANGE_CAUSAL] * 3
+
+
+def test_every_call_reads_the_mask_again():
+    """Nothing about a mask's contents is remembered: a write through .data, which its
+    version counter does not see, changes the next summary."""
+    stored = padding([7, 4, 2])
+    mask = stored.expand(B, H, L, S)
+    assert summary(mask)[1] == [0, 4, KEYS_IN_RANGE]
+    stored.data[1, ..., 5] = True
+    assert summary(mask)[1] == [0, 6, READ_THE_MASK]
+    stored.data[1, ..., 4] = True
+    assert summary(mask)[1] == [0, 6, KEYS_IN_RANGE]
