@@ -275,8 +275,8 @@ def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, first, end, s
             keys, rows = offs_n[:, None], offs_m[None, :]
         else:
             keys, rows = offs_n[None, :], offs_m[:, None]
-        visible = (keys >= first) & (keys < end) & ((structure == 1) | (keys <= rows))
-        s2 = tl.where(visible, s2, float("-inf"))
+        in_range = (keys >= first) & (keys < end) & ((structure == 1) | (keys <= rows))
+        s2 = tl.where(in_range, s2, float("-inf"))
     else:
         if TRANSPOSED:
             ptrs = mask_base + offs_n[:, None] * sms + offs_m[None, :] * sml
