@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
-                            first_row_of_key_block, fixed_plan, interpreting,
+from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, column_block_program,
+                            dot_precision, first_row_of_key_block, fixed_plan, interpreting,
                             key_blocks_of_row_block, keys_end_of_row_block, launch_plan, load_lse2,
                             load_mask_summary, load_row_vector, load_tile, mask_flags,
                             mask_kind_and_tensor, padded_dim, row_block_program,
@@ -132,13 +132,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
                    DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // num_kv_heads).to(tl.int64)
-    hk = (pid_bh % num_kv_heads).to(tl.int64)
-    n0 = tl.program_id(0) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
+    b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
+                                                              BLOCK_EV)
     k = load_tile(K + b * skb + hk * skh, offs_n, offs_e, skn, ske, S, HEAD_DIM, True, PAD_E)
     v = load_tile(V + b * svb + hk * svh, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, True, PAD_EV)
     dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)

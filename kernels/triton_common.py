@@ -101,6 +101,19 @@ def row_block_program(num_q_heads, kv_group, L, BLOCK_M: tl.constexpr, BLOCK_E: 
 
 
 @triton.jit
+def column_block_program(num_kv_heads, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_EV: tl.constexpr):
+    """Where a program of a key-block-major grid (key blocks, B·Hkv) works: batch b,
+    key/value head hk, first key n0, and the key and feature offsets."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    hk = (pid_bh % num_kv_heads).to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    return (b, hk, n0, n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_E),
+            tl.arange(0, BLOCK_EV))
+
+
+@triton.jit
 def load_lse2(lse_row_ptr, offs_m, L):
     """lse in base 2; rows past L get +inf so that every P of theirs is exp2(-inf) = 0."""
     lse = tl.load(lse_row_ptr + offs_m, mask=offs_m < L, other=float("inf"))

@@ -29,11 +29,10 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, blocks, dot_precision, fixed_plan, interpreting,
-                            key_blocks_of_row_block, launch_plan, load_row_vector, load_tile,
-                            padded_dim,
-                            row_block_program, row_blocks_of_key_block, row_bytes, store_tile,
-                            strides_of, visibility_mask, wide_candidates)
+from .triton_common import (LOG2E, blocks, column_block_program, dot_precision, fixed_plan,
+                            interpreting, key_blocks_of_row_block, launch_plan, load_row_vector,
+                            load_tile, padded_dim, row_block_program, row_blocks_of_key_block,
+                            row_bytes, store_tile, strides_of, visibility_mask, wide_candidates)
 
 
 # --------------------------------------------------------------------------------------
@@ -332,13 +331,8 @@ def _backward_jvp_columns_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO,
                                  DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // num_kv_heads).to(tl.int64)
-    hk = (pid_bh % num_kv_heads).to(tl.int64)
-    n0 = tl.program_id(0) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_ev = tl.arange(0, BLOCK_EV)
+    b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
+                                                              BLOCK_EV)
     k = load_tile(K + b * skb + hk * skh, offs_n, offs_e, skn, ske, S, HEAD_DIM, True, PAD_E)
     v = load_tile(V + b * svb + hk * svh, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, True, PAD_EV)
     tk, tv = k, v                                            # stand-ins, never read

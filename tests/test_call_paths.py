@@ -9,12 +9,12 @@ gives, bit for bit.
 """
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import bob_compile
 from bob_compile import autograd, kernels
 from bob_compile.kernels import blockwise, settings
 from bob_compile.kernels.params import AttentionParams
+from test_op_host_path import OpLog
 
 triton_attention = pytest.importorskip("bob_compile.kernels.triton_attention")
 
@@ -145,17 +145,6 @@ def test_native_first_order_and_a_refusal(call_paths, monkeypatch):
     for a, b in zip(ours, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert triton_attention._call_paths == {}        # every call path is decided again
-
-
-class OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "bob_compile":
-            self.seen.append(func._opname)
-        return func(*args, **(kwargs or {}))
 
 
 def test_backwards_under_a_mode_or_the_profiler_call_the_op(call_paths):
