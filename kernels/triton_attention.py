@@ -32,16 +32,10 @@ import torch
 from . import blockwise, layout, settings
 from .params import AttentionParams
 from .triton_backward import attention_backward
+from .triton_common import BUILD_ERRORS
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
 from .triton_forward_mode import attention_backward_jvp, attention_forward_jvp
-
-try:        # what Triton raises when a kernel cannot be built for the device
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-    _BUILD_ERRORS = (CompilationError, OutOfResources)
-except ImportError:
-    _BUILD_ERRORS = ()
 
 log = logging.getLogger("bob_compile.kernels")
 
@@ -367,7 +361,7 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     if k.shape[2] and _forward_mode_kernels("forward_jvp", q, v, params):
         try:
             return attention_forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
-        except _BUILD_ERRORS as e:
+        except BUILD_ERRORS as e:
             _forward_mode_refused("forward_jvp", q, v, e)
     return blockwise.forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
 
@@ -377,7 +371,7 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
         try:
             return attention_backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo,
                                           tdlse, params)
-        except _BUILD_ERRORS as e:
+        except BUILD_ERRORS as e:
             _forward_mode_refused("backward_jvp", q, v, e)
     return blockwise.backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
                                   params)

@@ -28,10 +28,10 @@ from .triton_backward import load_lse2_for_probabilities, row_dot
 from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, column_block_program,
                             dot_precision, first_row_of_key_block, fixed_plan, interpreting,
                             key_blocks_of_row_block, keys_end_of_row_block, launch_plan,
-                            load_mask_summary, load_row_vector, load_tile, mask_flags,
-                            mask_kind_and_tensor, padded_dim, row_block_program,
-                            row_blocks_of_key_block, row_bytes, store_tile, strides_of,
-                            visibility_mask, wide_candidates)
+                            load_mask_summary, load_row_vector, load_tile, padded_dim,
+                            row_block_program, row_blocks_of_key_block, row_bytes, store_tile,
+                            strides_of, visibility_mask, wide_candidates)
+from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
 # --------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from . import settings
-from .params import HIDDEN_AT_OR_BELOW
 
 # exp(x) = exp2(x * log2(e)); the kernels work in base 2 because EX2 is one instruction.
 LOG2E = 1.4426950408889634
@@ -40,6 +39,14 @@ def dot_precision(dtype):
     on the tensor cores. Half inputs use the plain tensor-core path ("ieee" is a no-op there).
     """
     return "tf32x3" if dtype == torch.float32 else "ieee"
+
+
+try:        # what Triton raises when a kernel cannot be built for the device
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+    BUILD_ERRORS = (CompilationError, OutOfResources)
+except ImportError:
+    BUILD_ERRORS = ()
 
 
 def blocks(n, block):
@@ -181,70 +188,12 @@ def visibility_mask(offs_m, offs_n, S, CAUSAL: tl.constexpr, TRANSPOSED: tl.cons
 # --------------------------------------------------------------------------------------
 # Mask tensors (kernels/params.py): read per tile where the scores are formed
 # --------------------------------------------------------------------------------------
-NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
-
-# What a (batch, head)'s mask is, as far as the kernels need to read it (the third value of
-# its KEY_RANGE row, found on the device by mask_summary):
-READ_THE_MASK = 0     # anything else: read a mask tile wherever scores are formed
-KEYS_IN_RANGE = 1     # exactly the keys [first, end) for every query (key padding)
-KEYS_IN_RANGE_CAUSAL = 2   # exactly keys [first, end) with key <= query (padding and a
-                           # top-left causal mask folded into one tensor, as HF builds it)
-
-
-def mask_kind_and_tensor(params, fallback):
-    """(MASK_KIND, the tensor to pass as MASK, the (B, Hq, 1, 3) int32 KEY_RANGE: first,
-    end, structure per (batch, head); mask_summary): `fallback` (never read) for both
-    without a mask."""
-    mask = params.mask
-    if mask is None:
-        return NO_MASK, fallback, fallback
-    kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
-    return kind, mask, mask_summary(mask)
-
-
-def mask_summary(mask):
-    """(B, Hq, 1, 3) int32 per (batch, head) of a (B, Hq, L, S) mask view: [first, end) of
-    the keys any query sees ([0, 0) where none: the kernels skip key blocks outside it, so
-    a padded batch costs its visible keys), and the structure: KEYS_IN_RANGE or
-    KEYS_IN_RANGE_CAUSAL where the mask is exactly that key range (the causal mask folded
-    in, or not) and adds nothing to a visible score; the kernels then compute it from
-    indices instead of reading it, and skip the key blocks above the diagonal. Computed on
-    the device from the mask's own (un-broadcast) elements on every call (a few reductions,
-    no host synchronization): nothing about its contents is remembered, as a write through
-    `.data` would not show in its version counter."""
-    base = mask
-    for dim in (1, 2):                   # read broadcast heads and rows once
-        if base.stride(dim) == 0:
-            base = base.narrow(dim, 0, 1)
-    visible = base if base.dtype == torch.bool else base > HIDDEN_AT_OR_BELOW
-    L, S = base.shape[2], base.shape[3]
-    count = visible.sum(-1, dtype=torch.int32)                   # (B, Hm, L) keys per row
-    seen = visible.any(dim=2)                                    # (B, Hm, S)
-    keys = torch.arange(S, device=mask.device, dtype=torch.int32)
-    first = torch.where(seen, keys, S).amin(-1)
-    end = torch.where(seen, keys + 1, 0).amax(-1)
-    first = torch.minimum(first, end)
-    # No row sees a key outside [first, end), so a row that sees as many keys as the range
-    # holds sees exactly the range; one that sees none above the diagonal and as many as
-    # [first, min(end, row + 1)) holds sees exactly that.
-    range_only = (count == (end - first)[..., None]).all(-1)
-    structure = torch.where(range_only, KEYS_IN_RANGE, READ_THE_MASK)
-    if L > 1 or mask.shape[2] == 1:     # rows are the query rows themselves
-        rows = torch.arange(1, L + 1, device=mask.device, dtype=torch.int32)
-        in_causal_range = (torch.minimum(end[..., None], rows) - first[..., None]).clamp_min(0)
-        at_or_below = visible.tril().sum(-1, dtype=torch.int32)
-        range_causal = ((count == in_causal_range) & (at_or_below == count)).all(-1)
-        structure = torch.where(range_causal & ~range_only, KEYS_IN_RANGE_CAUSAL, structure)
-    if base.dtype != torch.bool:        # an additive mask must add 0 to every visible score
-        adds_nothing = ((base == 0).sum(-1, dtype=torch.int32) == count).all(-1)
-        structure = torch.where(adds_nothing, structure, READ_THE_MASK)
-    summary = torch.stack((first, end, structure.to(torch.int32)), -1)
-    return summary[:, :, None, :].expand(mask.shape[0], mask.shape[1], 1, 3)
+# (host side, and what each (batch, head)'s mask summary says: triton_masks.py)
 
 
 @triton.jit
 def load_mask_summary(summary_ptr, sre):
-    """(first, end, structure) of one (batch, head), from KEY_RANGE (mask_summary)."""
+    """(first, end, structure) of one (batch, head), from KEY_RANGE (triton_masks.py)."""
     return tl.load(summary_ptr), tl.load(summary_ptr + sre), tl.load(summary_ptr + 2 * sre)
 
 
@@ -267,11 +216,6 @@ def first_row_of_key_block(m_lo, n0, structure, BLOCK_M: tl.constexpr):
     """The first query block keys [n0, ...) may be seen by: m_lo, or with the causal mask
     folded into the mask (KEYS_IN_RANGE_CAUSAL) the block holding row n0."""
     return tl.where(structure == 2, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
-
-
-def mask_flags(kind):
-    """The tuning-key flags of a mask kind (none without a mask: unmasked keys unchanged)."""
-    return () if kind == NO_MASK else (f"mask{kind}",)
 
 
 @triton.jit

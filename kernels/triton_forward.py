@@ -4,7 +4,7 @@ One program per (block of BLOCK_M query rows, batch x query head); it streams th
 blocks its rows can see with the online softmax (running max m, running sum l, both in base
 2). Interior key blocks run without any mask; only the causal diagonal and the partial last
 key block are masked. A mask tensor (MASK_KIND != 0) is read in every block, unless it is
-a key range (with the causal mask folded in or not: triton_common.mask_summary), which is
+a key range (with the causal mask folded in or not: triton_masks.py), which is
 applied from indices.
 """
 import torch
@@ -14,9 +14,10 @@ import triton.language as tl
 from .layout import empty_like_order
 from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
                             interpreting, key_blocks_of_row_block, keys_end_of_row_block,
-                            launch_plan, load_mask_summary, load_tile, mask_flags,
-                            mask_kind_and_tensor, padded_dim, row_block_program, row_bytes,
-                            store_tile, strides_of, visibility_mask, wide_candidates)
+                            launch_plan, load_mask_summary, load_tile, padded_dim,
+                            row_block_program, row_bytes, store_tile, strides_of, visibility_mask,
+                            wide_candidates)
+from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
 @triton.jit

@@ -116,7 +116,7 @@ def test_masks_against_float64(monkeypatch, schedule, kind, dtype, B, Hq, Hkv, L
 @pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
 def test_hf_causal_folded_masks_against_float64(monkeypatch, schedule):
     """Hugging Face's 4-D mask (key padding and the causal mask in one tensor, is_causal
-    False), which the kernels apply from indices (triton_common.mask_summary); left padding
+    False), which the kernels apply from indices (triton_masks.mask_summary); left padding
     (rows that see no key) runs in test_triton_interpret.py."""
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
     monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)

@@ -1,14 +1,17 @@
-"""mask_summary (kernels/triton_common.py): per (batch, head) the key range a mask lets any
-query see, and whether the mask is exactly that range (key padding), or that range with a
-top-left causal mask folded in (how Hugging Face builds its 4-D masks), so that the Triton
+"""The mask summary (kernels/triton_masks.py): per (batch, head) the key range a mask lets
+any query see, and whether the mask is exactly that range (key padding), or that range with
+a top-left causal mask folded in (how Hugging Face builds its 4-D masks), so that the Triton
 kernels apply it from indices and never read it. Anything else must be read: a summary
-that calls a mask structured when it is not would silently change the result."""
+that calls a mask structured when it is not would silently change the result.
+
+Here the PyTorch form (summarize_with_torch); test_triton_interpret.py checks that the
+Triton kernels compute the same summary."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
-from bob_compile.kernels.triton_common import (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,  # noqa: E402
-                                               READ_THE_MASK, mask_summary)
+from bob_compile.kernels.triton_masks import (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,  # noqa: E402
+                                              READ_THE_MASK, summarize_with_torch)
 
 B, H, L, S = 3, 2, 7, 7
 ROWS, KEYS = torch.arange(L)[:, None], torch.arange(S)[None, :]
@@ -23,7 +26,7 @@ def padding(lengths, left=False):
 
 def summary(mask):
     full = mask.expand(B, H, L, S) if mask.dim() == 4 else mask
-    out = mask_summary(full)
+    out = summarize_with_torch(full)
     assert out.shape == (B, H, 1, 3) and out.dtype == torch.int32
     return out[:, 0, 0].tolist()     # per batch: [first, end, structure]
 
@@ -83,7 +86,7 @@ def test_rows_broadcast_cannot_hold_a_causal_mask():
 def test_heads_are_summarized_apart():
     mask = torch.ones(B, H, L, S, dtype=torch.bool)
     mask[:, 1] = KEYS <= ROWS
-    out = mask_summary(mask)[:, :, 0, 2]
+    out = summarize_with_torch(mask)[:, :, 0, 2]
     assert out[:, 0].tolist() == [KEYS_IN_RANGE] * 3
     assert out[:, 1].tolist() == [KEYS_IN_RANGE_CAUSAL] * 3
 

@@ -243,11 +243,43 @@ def test_hf_masks_every_output(monkeypatch, kind, left, extra_key, schedule):
     settings.reload()
     B, Hq, L, S = 3, 4, 45, 45
     mask = hf_mask(kind, B, L, S, left, extra_key).expand(B, Hq, L, S)
-    from bob_compile.kernels.triton_common import KEYS_IN_RANGE_CAUSAL, mask_summary
+    from bob_compile.kernels.triton_masks import KEYS_IN_RANGE_CAUSAL, mask_summary
     structures = mask_summary(mask)[:, 0, 0, 2].tolist()
     assert (structures[1] == KEYS_IN_RANGE_CAUSAL) != extra_key
     q, k, v = make_inputs(B, Hq, 2, L, S, 16, 16, torch.float32)
     run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=mask)
+
+
+def summary_cases():
+    """Masks for the summary kernels: every structure, broadcast heads and rows, L != S,
+    additive fills and biases, empty rows and batches."""
+    g = torch.Generator().manual_seed(5)
+    L, S = 37, 70
+    keys, rows = torch.arange(S)[None, :], torch.arange(L)[:, None]
+    padding = torch.stack([keys[0] < 70, keys[0] < 33, keys[0] >= 50, keys[0] < 0])
+    causal = padding[:, None, None, :] & (keys <= rows)
+    hidden = torch.finfo(torch.float32).min
+    yield "key padding, rows and heads broadcast", padding[:, None, None, :].expand(4, 3, L, S)
+    yield "padding with causal folded in", causal.expand(4, 3, L, S)
+    yield "random", (torch.rand(4, 3, L, S, generator=g) > 0.4)
+    yield "additive causal", torch.zeros(4, 1, L, S).masked_fill(~causal, hidden).expand(4, 3, L, S)
+    biased = torch.zeros(4, 1, L, S).masked_fill(~causal, hidden)
+    biased[1, 0, 30, 2] = 0.25
+    yield "additive with a bias", biased.expand(4, 3, L, S)
+    per_head = torch.ones(2, 3, L, S, dtype=torch.bool)
+    per_head[:, 1] = keys <= rows
+    per_head[1, 2, 4, 60] = False
+    yield "per head", per_head
+    yield "one row", causal[:, :, :1].expand(4, 2, 1, S)
+
+
+@in_interpreter
+@pytest.mark.parametrize("name,mask", list(summary_cases()), ids=[n for n, _ in summary_cases()])
+def test_mask_summary_kernels_match_torch(name, mask):
+    from bob_compile.kernels.triton_masks import mask_summary, summarize_with_torch
+    ours, expected = mask_summary(mask), summarize_with_torch(mask)
+    assert ours.shape == expected.shape and ours.dtype == torch.int32
+    assert torch.equal(ours, expected), f"{name}: {ours[:, :, 0].tolist()} != {expected[:, :, 0].tolist()}"
 
 
 @in_interpreter

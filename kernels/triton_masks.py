@@ -1,0 +1,212 @@
+"""Mask tensors for the Triton kernels: their kind, and what each (batch, head)'s mask is.
+
+The kernels take a mask (kernels/params.py) as MASK, its kind as the constexpr MASK_KIND,
+and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
+
+    first, end   the keys any query sees are in [first, end) ([0, 0): none); the kernels
+                 skip the key blocks outside it, so a padded batch costs its visible keys;
+    structure    READ_THE_MASK, or KEYS_IN_RANGE: every query sees exactly [first, end)
+                 (key padding), or KEYS_IN_RANGE_CAUSAL: query i sees exactly the keys of
+                 [first, end) at or below i (padding and a top-left causal mask folded into
+                 one tensor, as Hugging Face builds its 4-D masks); in both, the mask adds
+                 nothing to a visible score. Such masks are applied from indices and never
+                 read, and the causal form also skips the key blocks above the diagonal
+                 (triton_common.apply_mask_tile, keys_end_of_row_block,
+                 first_row_of_key_block).
+
+The summary is computed on the device on every call, by two small kernels (per-row counts,
+then per (batch, head)) without a host synchronization: nothing about a mask's contents is
+remembered between calls, as a write through `.data` would not show in its version counter
+and a CUDA graph's outputs reuse their memory. `summarize_with_torch` is the same summary in
+PyTorch ops: the tests' reference, and the fallback where Triton cannot build the kernels.
+"""
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from .params import HIDDEN_AT_OR_BELOW
+from .triton_common import BUILD_ERRORS, blocks, fixed_plan, interpreting, strides_of
+
+log = logging.getLogger("bob_compile.kernels")
+
+NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
+READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL = 0, 1, 2      # a summary's structure
+
+
+def mask_kind_and_tensor(params, fallback):
+    """(MASK_KIND, the tensor to pass as MASK, KEY_RANGE = mask_summary(mask)): `fallback`
+    (never read) for both without a mask."""
+    mask = params.mask
+    if mask is None:
+        return NO_MASK, fallback, fallback
+    kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
+    return kind, mask, mask_summary(mask)
+
+
+def mask_flags(kind):
+    """The tuning-key flags of a mask kind (none without a mask: unmasked keys unchanged)."""
+    return () if kind == NO_MASK else (f"mask{kind}",)
+
+
+def _stored(mask):
+    """The mask's own elements: broadcast (stride-0) head and row dims read once; and
+    whether its rows are the query rows themselves (not one row broadcast over all)."""
+    base = mask
+    for dim in (1, 2):
+        if base.stride(dim) == 0:
+            base = base.narrow(dim, 0, 1)
+    return base, base.shape[2] > 1 or mask.shape[2] == 1
+
+
+# --------------------------------------------------------------------------------------
+# Pass 1: per query row, its visible keys' count, first, end, count at or below the
+# diagonal, and count of entries exactly 0 (an additive mask's visible scores unchanged)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _row_stats_kernel(MASK, STATS, smb, smh, sml, sme, num_heads, L, S,
+                      BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, ADDITIVE: tl.constexpr):
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    offs_l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    base = MASK + b.to(tl.int64) * smb + h.to(tl.int64) * smh
+    count = tl.zeros([BLOCK_L], tl.int32)
+    below = tl.zeros([BLOCK_L], tl.int32)
+    zeros = tl.zeros([BLOCK_L], tl.int32)
+    first = tl.zeros([BLOCK_L], tl.int32) + S
+    end = tl.zeros([BLOCK_L], tl.int32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        inside = (offs_l[:, None] < L) & (offs_s[None, :] < S)
+        ptrs = base + offs_l[:, None] * sml + offs_s[None, :] * sme
+        if ADDITIVE:
+            value = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
+            visible = value > -1e4                      # kernels/params.py HIDDEN_AT_OR_BELOW
+            zeros += tl.sum((value == 0).to(tl.int32), 1)
+        else:
+            visible = tl.load(ptrs, mask=inside, other=0) != 0
+        seen = visible.to(tl.int32)
+        count += tl.sum(seen, 1)
+        below += tl.sum(tl.where(offs_s[None, :] <= offs_l[:, None], seen, 0), 1)
+        keys = tl.broadcast_to(offs_s[None, :], [BLOCK_L, BLOCK_S])
+        first = tl.minimum(first, tl.min(tl.where(visible, keys, S), 1))
+        end = tl.maximum(end, tl.max(tl.where(visible, keys + 1, 0), 1))
+    out = STATS + (pid_bh.to(tl.int64) * L + offs_l) * 5
+    rows = offs_l < L
+    tl.store(out, count, mask=rows)
+    tl.store(out + 1, first, mask=rows)
+    tl.store(out + 2, end, mask=rows)
+    tl.store(out + 3, below, mask=rows)
+    tl.store(out + 4, zeros, mask=rows)
+
+
+strides_of(_row_stats_kernel, MASK="sm")
+
+
+# --------------------------------------------------------------------------------------
+# Pass 2: per (batch, head), the key range and whether every row is exactly it
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _summary_kernel(STATS, SUMMARY, L, S, BLOCK_L: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr,
+                    ADDITIVE: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    stats = STATS + pid_bh.to(tl.int64) * L * 5
+    zero = tl.zeros([], tl.int32)     # loop-carried scalars must start as tensors
+    first = zero + S
+    end = zero
+    for l0 in range(0, L, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        rows = offs_l < L
+        first = tl.minimum(first, tl.min(tl.load(stats + offs_l * 5 + 1, mask=rows, other=S), 0))
+        end = tl.maximum(end, tl.max(tl.load(stats + offs_l * 5 + 2, mask=rows, other=0), 0))
+    first = tl.minimum(first, end)
+    # No row sees a key outside [first, end): one that sees as many keys as the range holds
+    # sees exactly the range; one that sees none above the diagonal and as many as
+    # [first, min(end, row + 1)) holds sees exactly that.
+    not_range = zero
+    not_causal = zero
+    adds = zero
+    for l0 in range(0, L, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        rows = offs_l < L
+        count = tl.load(stats + offs_l * 5, mask=rows, other=0)
+        below = tl.load(stats + offs_l * 5 + 3, mask=rows, other=0)
+        zeros = tl.load(stats + offs_l * 5 + 4, mask=rows, other=0)
+        in_causal_range = tl.maximum(tl.minimum(end, offs_l + 1) - first, 0)
+        not_range += tl.sum((rows & (count != end - first)).to(tl.int32), 0)
+        not_causal += tl.sum((rows & ((count != in_causal_range) | (below != count))).to(tl.int32), 0)
+        adds += tl.sum((rows & (zeros != count)).to(tl.int32), 0)
+    structure = tl.where(not_range == 0, 1, 0)
+    if ROWS_ARE_QUERIES:
+        structure = tl.where((structure == 0) & (not_causal == 0), 2, structure)
+    if ADDITIVE:
+        structure = tl.where(adds == 0, structure, 0)
+    out = SUMMARY + pid_bh.to(tl.int64) * 3
+    tl.store(out, first)
+    tl.store(out + 1, end)
+    tl.store(out + 2, structure)
+
+
+strides_of(_summary_kernel)
+
+
+# --------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------
+_build_failed = []      # set once if Triton cannot build the summary kernels here
+
+
+def mask_summary(mask):
+    """KEY_RANGE for a (B, Hq, L, S) mask view (see the module docstring): (B, Hq, 1, 3)
+    int32, broadcast heads as stride 0."""
+    if _build_failed:
+        return summarize_with_torch(mask)
+    base, rows_are_queries = _stored(mask)
+    B, Hm, Lm, S = base.shape
+    additive = base.dtype != torch.bool
+    stats = torch.empty((B, Hm, Lm, 5), device=mask.device, dtype=torch.int32)
+    summary = torch.empty((B, Hm, 1, 3), device=mask.device, dtype=torch.int32)
+    block_l, block_s = (16, 32) if interpreting() else (32, 128)
+    try:
+        rows = fixed_plan(("mask_row_stats", block_l, block_s, additive), lambda: dict(
+            BLOCK_L=block_l, BLOCK_S=block_s, ADDITIVE=additive, num_warps=4))
+        rows(_row_stats_kernel, (blocks(Lm, block_l), B * Hm), MASK=base, STATS=stats,
+             num_heads=Hm, L=Lm, S=S)
+        heads = fixed_plan(("mask_summary", block_l, rows_are_queries, additive), lambda: dict(
+            BLOCK_L=block_l * 8, ROWS_ARE_QUERIES=rows_are_queries, ADDITIVE=additive,
+            num_warps=4))
+        heads(_summary_kernel, (B * Hm, 1), STATS=stats, SUMMARY=summary, L=Lm, S=S)
+    except BUILD_ERRORS as e:
+        _build_failed.append(e)
+        log.warning("Triton mask-summary kernels failed to build (%s: %s); summarizing masks "
+                    "with PyTorch ops", type(e).__name__, str(e).splitlines()[0][:200])
+        return summarize_with_torch(mask)
+    return summary.expand(mask.shape[0], mask.shape[1], 1, 3)
+
+
+def summarize_with_torch(mask):
+    """mask_summary in PyTorch ops (about 30 small kernels)."""
+    base, rows_are_queries = _stored(mask)
+    visible = base if base.dtype == torch.bool else base > HIDDEN_AT_OR_BELOW
+    L, S = base.shape[2], base.shape[3]
+    count = visible.sum(-1, dtype=torch.int32)                   # (B, Hm, L) keys per row
+    seen = visible.any(dim=2)                                    # (B, Hm, S)
+    keys = torch.arange(S, device=mask.device, dtype=torch.int32)
+    first = torch.where(seen, keys, S).amin(-1)
+    end = torch.where(seen, keys + 1, 0).amax(-1)
+    first = torch.minimum(first, end)
+    range_only = (count == (end - first)[..., None]).all(-1)
+    structure = torch.where(range_only, KEYS_IN_RANGE, READ_THE_MASK)
+    if rows_are_queries:
+        rows = torch.arange(1, L + 1, device=mask.device, dtype=torch.int32)
+        in_causal_range = (torch.minimum(end[..., None], rows) - first[..., None]).clamp_min(0)
+        at_or_below = visible.tril().sum(-1, dtype=torch.int32)
+        range_causal = ((count == in_causal_range) & (at_or_below == count)).all(-1)
+        structure = torch.where(range_causal & ~range_only, KEYS_IN_RANGE_CAUSAL, structure)
+    if base.dtype != torch.bool:
+        adds_nothing = ((base == 0).sum(-1, dtype=torch.int32) == count).all(-1)
+        structure = torch.where(adds_nothing, structure, READ_THE_MASK)
+    summary = torch.stack((first, end, structure.to(torch.int32)), -1)
+    return summary[:, :, None, :].expand(mask.shape[0], mask.shape[1], 1, 3)
