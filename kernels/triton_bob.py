@@ -25,12 +25,12 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, column_block_program,
-                            dot_precision, first_row_of_key_block, fixed_plan, interpreting,
-                            key_blocks_of_row_block, keys_end_of_row_block, launch_plan,
-                            load_mask_summary, load_row_vector, load_tile, padded_dim,
-                            row_block_program, row_blocks_of_key_block, row_bytes, store_tile,
-                            strides_of, visibility_mask, wide_candidates)
+from .triton_common import (LOG2E, apply_mask_tile, blocks, column_block_program, dot_precision,
+                            fixed_plan, interpreting, key_blocks_of_row_block,
+                            key_loops_within_mask, launch_plan, load_row_vector, load_tile,
+                            padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
+                            row_loops_within_mask, store_tile, strides_of, visibility_mask,
+                            wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
@@ -146,10 +146,8 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
     first, end, structure = 0, S, 0
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
-        first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
-        end_seen = keys_end_of_row_block(m0, end, structure, BLOCK_M)
-        lo1, hi1 = clip_key_loop(lo1, hi1, first, end_seen, BLOCK_N)
-        lo2, hi2 = clip_key_loop(lo2, hi2, first, end_seen, BLOCK_N)
+        lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
+            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
     gq, gdo, dg, sbar_sum = _row_steps(
         gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
         skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end, structure,
@@ -306,13 +304,9 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
         mask_base = MASK + b * smb + h * smh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
         first, end, structure = 0, S, 0
-        if MASK_KIND != 0:      # a key block this (b, h) never sees: no query block at all
-            first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
-            m_lo = first_row_of_key_block(m_lo, n0, structure, BLOCK_M)
-            m_mid = tl.maximum(m_mid, m_lo)
-            unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
-            m_mid = tl.where(unseen, m_lo, m_mid)
-            m_hi = tl.where(unseen, m_lo, m_hi)
+        if MASK_KIND != 0:      # only the query blocks that see keys of this block
+            m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
+                m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
                                D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
                                first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,

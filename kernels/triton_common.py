@@ -198,24 +198,33 @@ def load_mask_summary(summary_ptr, sre):
 
 
 @triton.jit
-def clip_key_loop(n_lo, n_hi, first, end, BLOCK_N: tl.constexpr):
-    """A loop over key blocks [n_lo, n_hi) (n_lo a multiple of BLOCK_N) restricted to the
-    blocks that hold keys in [first, end)."""
-    return tl.maximum(n_lo, (first // BLOCK_N) * BLOCK_N), tl.minimum(n_hi, end)
+def key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary_ptr, sre, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """A row-block-major kernel's two key loops [lo1, hi1) and [lo2, hi2) (lo1, lo2
+    multiples of BLOCK_N) for rows [m0, m0 + BLOCK_M), restricted to the key blocks holding
+    keys its (batch, head)'s mask lets them see: keys in [first, end), and with the causal
+    mask folded in (KEYS_IN_RANGE_CAUSAL) none past the block's last row; then the
+    summary (first, end, structure) from KEY_RANGE (triton_masks.py)."""
+    first, end, structure = load_mask_summary(summary_ptr, sre)
+    end_seen = tl.where(structure == 2, tl.minimum(end, m0 + BLOCK_M), end)
+    block_of_first = (first // BLOCK_N) * BLOCK_N
+    return (tl.maximum(lo1, block_of_first), tl.minimum(hi1, end_seen),
+            tl.maximum(lo2, block_of_first), tl.minimum(hi2, end_seen), first, end, structure)
 
 
 @triton.jit
-def keys_end_of_row_block(m0, end, structure, BLOCK_M: tl.constexpr):
-    """The end of the keys rows [m0, m0 + BLOCK_M) may see: end, or with the causal mask
-    folded into the mask (KEYS_IN_RANGE_CAUSAL) no key past the block's last row."""
-    return tl.where(structure == 2, tl.minimum(end, m0 + BLOCK_M), end)
-
-
-@triton.jit
-def first_row_of_key_block(m_lo, n0, structure, BLOCK_M: tl.constexpr):
-    """The first query block keys [n0, ...) may be seen by: m_lo, or with the causal mask
-    folded into the mask (KEYS_IN_RANGE_CAUSAL) the block holding row n0."""
-    return tl.where(structure == 2, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
+def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """A key-block-major kernel's two query loops [m_lo, m_mid) and [m_mid, m_hi) for keys
+    [n0, n0 + BLOCK_N), restricted by its (batch, head)'s mask: none when it hides every
+    key of the block, and with the causal mask folded in (KEYS_IN_RANGE_CAUSAL) none above
+    the diagonal; then the summary (first, end, structure) from KEY_RANGE."""
+    first, end, structure = load_mask_summary(summary_ptr, sre)
+    m_lo = tl.where(structure == 2, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
+    m_mid = tl.maximum(m_mid, m_lo)
+    unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
+    return (m_lo, tl.where(unseen, m_lo, m_mid), tl.where(unseen, m_lo, m_hi), first, end,
+            structure)
 
 
 @triton.jit

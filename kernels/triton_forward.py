@@ -12,11 +12,10 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, blocks, clip_key_loop, dot_precision,
-                            interpreting, key_blocks_of_row_block, keys_end_of_row_block,
-                            launch_plan, load_mask_summary, load_tile, padded_dim,
-                            row_block_program, row_bytes, store_tile, strides_of, visibility_mask,
-                            wide_candidates)
+from .triton_common import (LOG2E, apply_mask_tile, blocks, dot_precision, interpreting,
+                            key_blocks_of_row_block, key_loops_within_mask, launch_plan, load_tile,
+                            padded_dim, row_block_program, row_bytes, store_tile, strides_of,
+                            visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
@@ -81,10 +80,8 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
     first, end, structure = 0, S, 0
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
-        first, end, structure = load_mask_summary(KEY_RANGE + b * srb + h * srh, sre)
-        end_seen = keys_end_of_row_block(m0, end, structure, BLOCK_M)
-        lo1, hi1 = clip_key_loop(lo1, hi1, first, end_seen, BLOCK_N)
-        lo2, hi2 = clip_key_loop(lo2, hi2, first, end_seen, BLOCK_N)
+        lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
+            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                                    mask_base, sml, sme, first, end, structure, offs_m, offs_e,
                                    offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,

@@ -11,8 +11,8 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
                  one tensor, as Hugging Face builds its 4-D masks); in both, the mask adds
                  nothing to a visible score. Such masks are applied from indices and never
                  read, and the causal form also skips the key blocks above the diagonal
-                 (triton_common.apply_mask_tile, keys_end_of_row_block,
-                 first_row_of_key_block).
+                 (triton_common.apply_mask_tile, key_loops_within_mask,
+                 row_loops_within_mask).
 
 The summary is computed on the device on every call, by two small kernels (per-row counts,
 then per (batch, head)) without a host synchronization: nothing about a mask's contents is
