@@ -369,17 +369,16 @@ class AttnBwdFn(_Fused):
         if gdq is None and gdk is None and gdv is None:
             return (None,) * 10
         q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
+        outs = None
         if _call_path_applies(ctx, (gdq, gdk, gdv)):
             outs = ctx.call_path.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
-            if outs is not None:
-                gq, gk, gv, go, glse, gdo, gdlse = outs
-                return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
-        bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
-        # under the kernel choices in force at forward time (this runs later, on the
-        # autograd engine's thread)
-        gq, gk, gv, go, glse, gdo, gdlse = kernel_settings.run_with(
-            ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, ctx.scale,
-            ctx.causal)
+        if outs is None:
+            bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
+            # under the kernel choices in force at forward time (this runs later, on the
+            # autograd engine's thread)
+            outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse,
+                                            gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
+        gq, gk, gv, go, glse, gdo, gdlse = outs
         return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
 
     @staticmethod

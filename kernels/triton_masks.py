@@ -136,7 +136,8 @@ def _summary_kernel(STATS, SUMMARY, L, S, BLOCK_L: tl.constexpr, ROWS_ARE_QUERIE
         zeros = tl.load(stats + offs_l * 5 + 4, mask=rows, other=0)
         in_causal_range = tl.maximum(tl.minimum(end, offs_l + 1) - first, 0)
         not_range += tl.sum((rows & (count != end - first)).to(tl.int32), 0)
-        not_causal += tl.sum((rows & ((count != in_causal_range) | (below != count))).to(tl.int32), 0)
+        off_causal = (count != in_causal_range) | (below != count)
+        not_causal += tl.sum((rows & off_causal).to(tl.int32), 0)
         adds += tl.sum((rows & (zeros != count)).to(tl.int32), 0)
     structure = tl.where(not_range == 0, 1, 0)
     if ROWS_ARE_QUERIES:

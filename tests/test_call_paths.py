@@ -100,7 +100,8 @@ def general_path(step, monkeypatch, *args):
         return step(*args)
 
 
-def test_first_order_backward_runs_its_call_path_without_the_backward_function(call_paths, monkeypatch):
+def test_first_order_backward_runs_its_call_path_without_the_backward_function(call_paths,
+                                                                              monkeypatch):
     native, calls = call_paths
     backward_function = spy(monkeypatch, autograd.AttnBwdFn)
     ours = first_order_step(*inputs())

@@ -279,7 +279,8 @@ def test_mask_summary_kernels_match_torch(name, mask):
     from bob_compile.kernels.triton_masks import mask_summary, summarize_with_torch
     ours, expected = mask_summary(mask), summarize_with_torch(mask)
     assert ours.shape == expected.shape and ours.dtype == torch.int32
-    assert torch.equal(ours, expected), f"{name}: {ours[:, :, 0].tolist()} != {expected[:, :, 0].tolist()}"
+    assert torch.equal(ours, expected), \
+        f"{name}: {ours[:, :, 0].tolist()} != {expected[:, :, 0].tolist()}"
 
 
 @in_interpreter
