@@ -157,3 +157,45 @@ def test_no_kernel_option_means_nothing_to_apply():
     assert options_module.parse({}).kernel_choices is None
     assert options_module.parse({"compiler": "aot_eager"}).kernel_choices is None
     assert options_module.parse({"tune": False}).kernel_choices == settings.KernelChoices(tune=False)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels a device cannot build: a logged fallback, never an error or a wrong result
+# --------------------------------------------------------------------------------------
+def test_forward_mode_kernels_that_cannot_be_built_fall_back_to_blockwise(monkeypatch, caplog):
+    triton_attention = pytest.importorskip("bob_compile.kernels.triton_attention")
+    from triton.runtime.errors import OutOfResources
+    from bob_compile.kernels.params import AttentionParams
+
+    def cannot_build(*args):
+        raise OutOfResources(300_000, 232_448, "shared memory")
+    monkeypatch.setattr(triton_attention, "attention_forward_jvp", cannot_build)
+    monkeypatch.setattr(triton_attention, "_forward_mode_failed", set())
+    q, k, v = qkv()
+    params = AttentionParams(scale=0.5, causal=True)
+    o, lse = reference.forward(q, k, v, params)
+    tq = torch.randn_like(q)
+    with caplog.at_level("WARNING", logger="bob_compile.kernels"):
+        outs = triton_attention.forward_jvp(q, k, v, o, lse, tq, None, None, params)
+    expected = reference.forward_jvp(q, k, v, o, lse, tq, None, None, params)
+    for a, e in zip(outs, expected):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+    assert "failed to build" in caplog.text
+    assert ("forward_jvp", q.dtype, 4, 4) in triton_attention._forward_mode_failed
+
+
+def test_mask_summary_kernels_that_cannot_be_built_fall_back_to_torch(monkeypatch, caplog):
+    triton_masks = pytest.importorskip("bob_compile.kernels.triton_masks")
+    from triton.runtime.errors import OutOfResources
+
+    def cannot_build(key, kwargs):
+        raise OutOfResources(300_000, 232_448, "shared memory")
+    monkeypatch.setattr(triton_masks, "fixed_plan", cannot_build)
+    monkeypatch.setattr(triton_masks, "_build_failed", [])
+    mask = (torch.arange(6)[None, :] < torch.tensor([6, 3])[:, None])[:, None, None, :]
+    mask = mask.expand(2, 3, 5, 6)
+    with caplog.at_level("WARNING", logger="bob_compile.kernels"):
+        summary = triton_masks.mask_summary(mask)
+    assert torch.equal(summary, triton_masks.summarize_with_torch(mask))
+    assert summary[1, 0, 0].tolist() == [0, 3, triton_masks.KEYS_IN_RANGE]
+    assert "failed to build" in caplog.text and triton_masks._build_failed
