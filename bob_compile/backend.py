@@ -145,7 +145,8 @@ def _compile(report, gm, example_inputs, opts):
             on_compile("first_order", pair)
             return training_runtime.TrainingGraph(pair, opts.compiler, opts.inductor_config,
                                                   name, on_compile=on_compile,
-                                                  kernel_choices=opts.kernel_choices)
+                                                  kernel_choices=opts.kernel_choices,
+                                                  on_fakes=gm.forward)
         except training_runtime.NotSupported as e:
             report.route, report.route_reason = "eager", (
                 f"{e}; running the rewritten graph eagerly keeps every order exact")

@@ -445,8 +445,9 @@ class TrainingGraph:
     that a new shape never compiles again: guards they add must reach Dynamo now."""
 
     def __init__(self, pair, compiler, config_patches, name, on_compile=None,
-                 kernel_choices=None):
+                 kernel_choices=None, on_fakes=None):
         self.pair, self.compiler, self.config_patches, self.name = pair, compiler, config_patches, name
+        self.on_fakes = on_fakes     # the graph as traced: what a call on fake tensors runs
         self.on_compile = on_compile or (lambda what, pair: None)
         self._second_order = {}      # (requires-grad mask, shapes) of the backward's inputs -> pair
         self._forward_vjp = {}       # (requires-grad mask, shapes) of the primals -> pair
@@ -463,6 +464,10 @@ class TrainingGraph:
 
     @_not_traced
     def __call__(self, *args):
+        if self.on_fakes is not None and _on_fake_tensors():
+            # DDPOptimizer runs each compiled piece of a split graph on fake tensors, for the
+            # example inputs of the next piece; compiled kernels cannot read fake tensors
+            return list(self.on_fakes(*args))
         outputs = ForwardFn.apply(self, *args)
         return list(outputs[:self.pair.num_outputs])
 
@@ -512,6 +517,10 @@ class TrainingGraph:
         if self._eager_forward is None:
             self._eager_forward = replay_copy(self.pair.forward_graph, self.pair.num_random)
         return self._eager_forward
+
+
+def _on_fake_tensors():
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def _is_symbolic(value):

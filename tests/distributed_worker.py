@@ -50,10 +50,10 @@ def maml_meta_gradient(model, run, support, query):
     return loss_of(run(fast, query)), params
 
 
-def ddp_grad_and_hvp(model, ddp, x):
+def ddp_grad_and_hvp(model, ddp, x, options=OPTIONS):
     """A DDP first-order step (`.backward()`: DDP's reducer averages the gradients), then
     a Hessian-vector product under no_sync: each rank's own double backward, averaged."""
-    compiled = torch.compile(ddp, backend=flashbob, options=OPTIONS)
+    compiled = torch.compile(ddp, backend=flashbob, options=options)
     loss_of(compiled(x)).backward()
     grad = [p.grad.clone() for p in model.parameters()]
     with ddp.no_sync():
@@ -74,16 +74,19 @@ def rank_main(rank, world, out_dir, port):
         model, DistributedDataParallel(model), x)
 
     # DDP with tiny buckets: DDPOptimizer splits the graph at bucket boundaries, and each
-    # piece is compiled (and differentiated twice) on its own
-    split_model = make_model()
+    # piece is compiled (and differentiated twice) on its own. With inductor, DDPOptimizer
+    # also runs each compiled piece on fake tensors (for the next piece's example inputs).
     # DDPOptimizer wants the first bucket no larger than the others; its default (1 MiB)
     # exceeds this tiny model, so both caps are made small (test-only)
     dist._DEFAULT_FIRST_BUCKET_BYTES = 4096
-    split = DistributedDataParallel(split_model, bucket_cap_mb=0.004)
-    torch._dynamo.reset()                    # else the first DDP's graph is reused as it is
-    graphs_before = counters["graphs"]
-    result["split_grad"], result["split_hvp"] = ddp_grad_and_hvp(split_model, split, x)
-    result["split_graphs"] = counters["graphs"] - graphs_before
+    for compiler in ("aot_eager", "inductor"):
+        split_model = make_model()
+        split = DistributedDataParallel(split_model, bucket_cap_mb=0.004)
+        torch._dynamo.reset()                # else the previous DDP's graph is reused as it is
+        graphs_before = counters["graphs"]
+        result[f"split_{compiler}"] = ddp_grad_and_hvp(split_model, split, x,
+                                                       dict(OPTIONS, compiler=compiler))
+        result[f"split_graphs_{compiler}"] = counters["graphs"] - graphs_before
 
     # MAML: each rank adapts to its own task (its slice) and the meta-gradients are averaged
     def run(weights, inputs):
