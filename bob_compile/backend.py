@@ -205,5 +205,7 @@ def _with_guards(compiled, untouched, guards):
         return bool(failing)
 
     def run(*args):
+        if training_runtime.under_fake_mode():
+            return untouched(*args)      # a mask's values cannot be read, nor need be
         return untouched(*args) if masks_changed(args) else compiled(*args)
     return run

@@ -90,6 +90,8 @@ class CompiledPair:
     tangent_outputs: list                   # output index of each tangent, in backward order
     tangent_layouts: list                   # per tangent: the strides (or memory format) traced
     differentiable_outputs: list            # per output: whether AOTAutograd gives it a gradient
+    saved_outputs: dict = dataclasses.field(default_factory=dict)   # output index -> the
+    #                                         index of the same value among the outputs
     num_random: int = 0                     # forward's last outputs: its random draws
     donates: bool = False                   # backward overwrites saved values (run it once)
 
@@ -307,6 +309,16 @@ def _pair(captured, num_inputs, what):
     placeholder_index = {n: i for i, n in enumerate(primals)}
     saved_primals = {i: placeholder_index[n] for i, n in enumerate(outputs)
                      if i >= num_outputs and n in placeholder_index}
+    # A value both returned and saved (an activation a piece of a split graph hands on, and
+    # its own backward reads) is returned once: returned twice, autograd sends its gradient
+    # to the saved copy, and a first-order backward would take the residual-VJP path.
+    differentiable_outputs = [info.requires_grad for info in meta.output_info]
+    first_output = {}
+    for i, n in enumerate(outputs[:num_outputs]):
+        if isinstance(n, fx.Node) and differentiable_outputs[i]:
+            first_output.setdefault(n, i)
+    saved_outputs = {i: first_output[n] for i, n in enumerate(outputs)
+                     if i >= num_outputs and i not in saved_primals and n in first_output}
     return CompiledPair(
         forward=_boxed(captured["forward_compiled"]),
         backward=_boxed(captured["backward_compiled"]),
@@ -314,7 +326,7 @@ def _pair(captured, num_inputs, what):
         num_outputs=num_outputs, saved_order=saved_order,
         saved_primals=saved_primals, tangent_outputs=tangent_outputs,
         tangent_layouts=tangent_layouts,
-        differentiable_outputs=[info.requires_grad for info in meta.output_info],
+        differentiable_outputs=differentiable_outputs, saved_outputs=saved_outputs,
         num_random=captured.get("num_random", 0),
         donates=_donated_buffers(meta))
 
@@ -464,9 +476,8 @@ class TrainingGraph:
 
     @_not_traced
     def __call__(self, *args):
-        if self.on_fakes is not None and _on_fake_tensors():
-            # DDPOptimizer runs each compiled piece of a split graph on fake tensors, for the
-            # example inputs of the next piece; compiled kernels cannot read fake tensors
+        if self.on_fakes is not None and under_fake_mode():
+            # compiled kernels cannot read fake tensors
             return list(self.on_fakes(*args))
         outputs = ForwardFn.apply(self, *args)
         return list(outputs[:self.pair.num_outputs])
@@ -519,7 +530,9 @@ class TrainingGraph:
         return self._eager_forward
 
 
-def _on_fake_tensors():
+def under_fake_mode():
+    """Whether a FakeTensorMode is active: DDPOptimizer runs each compiled piece of a split
+    graph under one, for the example inputs of the next piece."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
@@ -595,7 +608,7 @@ class ForwardFn(torch.autograd.Function):
             values[len(values) - pair.num_random:]
         outputs = values[:pair.num_outputs]
         residual_index = [i for i in range(pair.num_outputs, len(values))
-                          if i not in pair.saved_primals]
+                          if i not in pair.saved_primals and i not in pair.saved_outputs]
         residuals = [values[i] for i in residual_index]
         ctx.graph = graph
         ctx.non_tensor_primals = [None if isinstance(p, torch.Tensor) else p for p in primals]
@@ -680,6 +693,8 @@ def _values(ctx, pair, returned_tensors, primals):
         values[i] = ctx.non_tensor_values[i] if i in ctx.non_tensor_values else next(returned)
     for i, p in pair.saved_primals.items():
         values[i] = primals[p]
+    for i, o in pair.saved_outputs.items():
+        values[i] = values[o]
     return values
 
 

@@ -154,6 +154,24 @@ def _cast(value, dtype):
         raise NotProven(f"{value} cast to {dtype}")
     return torch.tensor(value).to(dtype).item()
 
+def _with_values(node, example):
+    """`example`, or where it is a fake tensor, the real tensor Dynamo recorded for the same
+    graph input. DDPOptimizer compiles each piece of a graph it split (at DDP's gradient
+    buckets) on fake copies of its inputs; the pieces' placeholders keep Dynamo's record of
+    the real ones (`grapharg`), which holds the mask buffers' values."""
+    from torch._subclasses.fake_tensor import is_fake
+    if not is_fake(example):
+        return example
+    grapharg = node.meta.get("grapharg")
+    try:
+        real = grapharg.example if grapharg is not None else None
+    except AssertionError:       # its weak reference died
+        real = None
+    if not isinstance(real, torch.Tensor) or is_fake(real) or real.shape != example.shape:
+        raise NotProven(f"graph input {node.name} is a fake tensor with no recorded values")
+    return real
+
+
 class MaskProver:
     """Abstract evaluation of mask subgraphs of one graph (memoised across sites).
 
@@ -297,6 +315,7 @@ class MaskProver:
         t = self._example_inputs[index] if index < len(self._example_inputs) else None
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.numel() == 0:
             raise NotProven(f"graph input {node.name} is not a mask tensor")
+        t = _with_values(node, t)
         rows, cols = t.shape[-2:]
         corner = t.reshape(-1, rows, cols)[0]
         lower, upper = corner[0, 0].item(), corner[0, cols - 1].item()

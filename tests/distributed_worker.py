@@ -19,16 +19,18 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bob_compile import distributed  # noqa: E402
 from bob_compile.backend import counters, flashbob  # noqa: E402
-from models import SDPABlock, loss_of  # noqa: E402
+from models import NanoGPTBlock, SDPABlock, loss_of  # noqa: E402
 
 OPTIONS = {"compiler": "aot_eager", "fallback": False}
 GLOBAL_BATCH = 4
 INNER_LR = 0.1
 
 
-def make_model():
+def make_model(block=SDPABlock):
+    """Two blocks (so that a graph split at gradient buckets has attention in a later piece
+    too); `NanoGPTBlock` gives the same weights and function, attention written by hand."""
     torch.manual_seed(0)
-    return SDPABlock().double()
+    return torch.nn.Sequential(block(), block()).double()
 
 
 def global_batch():
@@ -48,6 +50,13 @@ def maml_meta_gradient(model, run, support, query):
                                 create_graph=True)
     fast = {n: p - INNER_LR * g for n, p, g in zip(names, params, grads)}
     return loss_of(run(fast, query)), params
+
+
+def backend_failures():
+    """Graph breaks Dynamo made because a backend raised (DDPOptimizer breaks the graph
+    there rather than fail)."""
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    return sum(n for reason, n in breaks.items() if "Backend compiler" in reason)
 
 
 def ddp_grad_and_hvp(model, ddp, x, options=OPTIONS):
@@ -75,18 +84,24 @@ def rank_main(rank, world, out_dir, port):
 
     # DDP with tiny buckets: DDPOptimizer splits the graph at bucket boundaries, and each
     # piece is compiled (and differentiated twice) on its own. With inductor, DDPOptimizer
-    # also runs each compiled piece on fake tensors (for the next piece's example inputs).
+    # also runs each compiled piece on fake tensors, and compiles the next piece on fake
+    # copies of its inputs: there the hand-written nanoGPT spelling (same weights, causal
+    # mask buffer) checks that the mask's values are still read and the site replaced.
     # DDPOptimizer wants the first bucket no larger than the others; its default (1 MiB)
     # exceeds this tiny model, so both caps are made small (test-only)
     dist._DEFAULT_FIRST_BUCKET_BYTES = 4096
-    for compiler in ("aot_eager", "inductor"):
-        split_model = make_model()
+    for compiler, block in (("aot_eager", SDPABlock), ("inductor", NanoGPTBlock)):
+        split_model = make_model(block)
         split = DistributedDataParallel(split_model, bucket_cap_mb=0.004)
         torch._dynamo.reset()                # else the previous DDP's graph is reused as it is
-        graphs_before = counters["graphs"]
+        before = dict(counters)
+        failures_before = backend_failures()
         result[f"split_{compiler}"] = ddp_grad_and_hvp(split_model, split, x,
                                                        dict(OPTIONS, compiler=compiler))
-        result[f"split_graphs_{compiler}"] = counters["graphs"] - graphs_before
+        result[f"split_graphs_{compiler}"] = counters["graphs"] - before.get("graphs", 0)
+        result[f"split_sites_{compiler}"] = sum(
+            counters[k] - before.get(k, 0) for k in ("sdpa_replaced", "handwritten_replaced"))
+        result[f"split_failures_{compiler}"] = backend_failures() - failures_before
 
     # MAML: each rank adapts to its own task (its slice) and the meta-gradients are averaged
     def run(weights, inputs):

@@ -85,6 +85,8 @@ def test_ddp_graph_split_into_buckets_stays_exact(ranks, expected, compiler):
     compiled piece on fake tensors while compiling); first and second order stay exact."""
     for result in ranks:
         assert result[f"split_graphs_{compiler}"] > 1
+        assert result[f"split_sites_{compiler}"] == 2      # both attention sites fused
+        assert result[f"split_failures_{compiler}"] == 0   # and no piece failed to compile
         grad, hvp = result[f"split_{compiler}"]
         assert max_error(grad, expected["grad"]) <= TOL
         assert max_error(hvp, expected["hvp"]) <= TOL

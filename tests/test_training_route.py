@@ -134,6 +134,43 @@ def test_first_order_runs_no_second_order_code(inductor_runs):
     assert counters["compiled_double_backward"] == counters["compiled_residual_vjp"] == 0
 
 
+class HandsOnItsActivation(nn.Module):
+    """A graph returning an activation that its own backward also reads (tanh saves its
+    output), as each piece of a graph DDPOptimizer splits at gradient buckets does."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = SDPABlock()
+
+    def forward(self, x):
+        h = torch.tanh(self.block(x))
+        return h, loss_of(h)
+
+
+@pytest.mark.parametrize("options", [AOT_EAGER, INDUCTOR], ids=["aot_eager", "inductor"])
+def test_an_output_also_saved_for_backward_stays_a_plain_backward(options):
+    """Returned once, not twice: its gradient arrives as an output's, so a first-order
+    backward runs the compiled backward (no residual VJP), and the second order is exact."""
+    model = HandsOnItsActivation().double()
+    x, = CASES["sdpa"].batch(0)
+    params = list(model.parameters())
+
+    def loss(run):
+        h, total = run(x)
+        return total + h.square().mean()
+
+    def hvp(run):
+        grads = torch.autograd.grad(loss(run), params, create_graph=True)
+        return torch.autograd.grad(grads, params, [torch.full_like(p, 0.5) for p in params])
+    with math_sdpa():
+        expected = torch.autograd.grad(loss(model), params), hvp(model)
+    compiled = torch.compile(model, backend=flashbob, options=options)
+    assert max_error(torch.autograd.grad(loss(compiled), params), expected[0]) <= TOLERANCE
+    assert counters["compiled_residual_vjp"] == 0
+    assert max_error(hvp(compiled), expected[1]) <= TOLERANCE
+    assert recent_reports[-1].route == "training"
+
+
 def test_first_order_backward_frees_residuals_as_it_goes(monkeypatch):
     """As with stock compile: the compiled backward is the only holder of the forward's
     residuals, so each is freed after its last use, not at the end of the backward (the
