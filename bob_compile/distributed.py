@@ -17,8 +17,9 @@ generator identically).
 
 FSDP2 (`fully_shard`) parameters are sharded DTensors that the forward gathers; PyTorch's
 `torch.autograd.grad` with respect to them fails ("appears to not have been used in the
-graph"), eager or compiled, so FSDP2 runs first-order steps only (its `.backward()`
-reduce-scatters as usual).
+graph"), eager or compiled, and with allow_unused=True returns zeros; so FSDP2 runs
+first-order steps only (its `.backward()` reduce-scatters as usual), and the helpers here
+refuse sharded parameters.
 """
 import torch
 import torch.distributed as dist
@@ -47,10 +48,27 @@ def mean_over_ranks(tensors, group=None):
     return out
 
 
+def _refuse_sharded(inputs, what):
+    """FSDP2's sharded parameters (DTensors) are not what the forward reads: autograd.grad
+    with respect to them has nothing to follow, and with allow_unused it returns zeros."""
+    if not dist.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+    if any(isinstance(t, DTensor) for t in inputs):
+        raise ValueError(f"bob_compile.distributed.{what}: these parameters are sharded "
+                         f"DTensors (FSDP2's fully_shard); the forward reads the unsharded "
+                         f"copies FSDP2 gathers, so derivatives with respect to the sharded "
+                         f"ones do not exist (eager PyTorch alike). Take second-order steps "
+                         f"with DDP (or one process); FSDP2 runs first-order steps "
+                         f"(loss.backward())")
+
+
 def gradient(loss, inputs, group=None, **grad_kwargs):
     """torch.autograd.grad(loss, inputs) on this rank, averaged over the ranks: the
     gradient of the mean loss (MAML's outer gradient through each rank's own inner steps).
     `grad_kwargs` go to torch.autograd.grad (allow_unused, materialize_grads, ...)."""
+    inputs = list(inputs) if not isinstance(inputs, torch.Tensor) else [inputs]
+    _refuse_sharded(inputs, "gradient")
     if grad_kwargs.get("create_graph"):
         raise ValueError("bob_compile.distributed.gradient: the average over ranks is not "
                          "differentiable (an all-reduce); take create_graph=True gradients "
@@ -64,6 +82,7 @@ def gradient_and_hvp(loss, params, vectors, group=None):
     the ranks (Sophia-H's Hessian step also needs the gradient). `vectors` must be equal on
     every rank. Parameters the loss does not use get zeros."""
     params = list(params)
+    _refuse_sharded(params, "gradient_and_hvp")
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True,
                                 materialize_grads=True)
     used = [i for i, g in enumerate(grads) if g.requires_grad]

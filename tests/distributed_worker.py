@@ -117,6 +117,16 @@ def rank_main(rank, world, out_dir, port):
     fully_shard(sharded)
     loss_of(torch.compile(sharded, backend=flashbob, options=OPTIONS)(x)).backward()
     result["fsdp2_grad"] = [p.grad.full_tensor() for p in sharded.parameters()]
+    # second order with respect to the sharded parameters is refused (autograd.grad with
+    # allow_unused, as gradient_and_hvp calls it, would return zeros)
+    params = list(sharded.parameters())
+    try:
+        distributed.gradient_and_hvp(loss_of(torch.compile(sharded, backend=flashbob,
+                                                           options=OPTIONS)(x)),
+                                     params, hvp_vectors(params))
+        result["fsdp2_hvp_refusal"] = None
+    except ValueError as e:
+        result["fsdp2_hvp_refusal"] = str(e)
 
     result["sites_replaced"] = counters["sdpa_replaced"]
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

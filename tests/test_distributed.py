@@ -102,6 +102,11 @@ def test_fsdp2_first_order_equals_one_process(ranks, expected):
         assert max_error(result["fsdp2_grad"], expected["grad"]) <= TOL
 
 
+def test_fsdp2_second_order_is_refused_not_zero(ranks):
+    for result in ranks:
+        assert "sharded DTensors (FSDP2's fully_shard)" in result["fsdp2_hvp_refusal"]
+
+
 def test_helpers_refuse_what_they_cannot_do():
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         distributed.mean_over_ranks([torch.ones(2)])
