@@ -21,9 +21,10 @@ w.r.t. q, k, v, dO):
   the padded rows included, as the mask lets them see the real keys): the unmasked op's time
   for the same number of visible pairs, the issue's reference for the masked rows.
 CUDA-event medians after warm-up. Checks the masked steps against per-sequence unmasked
-steps on the real tokens (the padded rows' outputs are excluded).
+steps on the real tokens (the padded rows' outputs are excluded). `--profile` also prints
+each padded row's GPU time per step by kernel (torch.profiler), host time excluded.
 
-    python benchmarks/bench_masks.py --out results/
+    python benchmarks/bench_masks.py --out results/ [--profile]
 """
 import argparse
 import json
@@ -58,6 +59,25 @@ def median_ms(fn, reps):
     return statistics.median(times)
 
 
+def print_kernel_times(name, fn, reps=3):
+    """GPU time per step by kernel name: where a row's time goes, without the host's."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name[:70]] = per_kernel.get(event.name[:70], 0) + event.device_time
+    total = sum(per_kernel.values()) / reps / 1e3
+    print(f"\n{name}: GPU kernels {total:.3f} ms per step")
+    for kernel, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {us / reps / 1e3:7.3f} ms  {kernel}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results")
@@ -67,6 +87,8 @@ def main():
     p.add_argument("--min-len", type=int, default=512)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--profile", action="store_true",
+                   help="also print each padded row's GPU time per step by kernel")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_masks.py needs a CUDA device")
@@ -95,6 +117,8 @@ def main():
             ("padded, 4-D mask read per tile", unstructured, False),
             ("padded, no mask", None, causal)):
         rows[name] = median_ms(lambda: step(q, k, v, do, cot, mask, is_causal), args.reps)
+        if args.profile:
+            print_kernel_times(name, lambda: step(q, k, v, do, cot, mask, is_causal))
 
     def per_sequence():
         for b, n in enumerate(lengths):
