@@ -60,6 +60,7 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     report = GraphReport(compile_id=_compat.current_compile_id())
     before = dump.graph_text(gm)
     untouched = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    aot_calls = _aot_autograd_calls()
     if opts.dump_dir:
         try:
             dump.make_folder(report, opts.dump_dir)
@@ -85,6 +86,9 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
                       f"options={{'fallback': False}} to raise instead, and please report it.",
                       stacklevel=2)
         compiled, after = untouched.forward, before
+        _forget_aot_autograd_calls(aot_calls)
+    if report.route == "eager":
+        _forget_aot_autograd_calls(aot_calls)
     count("graphs")
     count(f"route_{report.route}" if report.route != "untouched" else "fallback")
     recent_reports.append(report)
@@ -93,6 +97,18 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     except OSError as e:
         warnings.warn(f"flashbob could not write its dump to {opts.dump_dir!r}: {e}", stacklevel=2)
     return compiled
+
+
+def _aot_autograd_calls():
+    return torch._dynamo.utils.counters["aot_autograd"]["total"]
+
+
+def _forget_aot_autograd_calls(since):
+    """Undo the count of AOTAutograd runs a compile made and then dropped (a fallback to
+    the graph run as written). DDPOptimizer reads that count to decide whether the piece it
+    compiled went through AOTAutograd, and then requires the metadata AOTAutograd
+    publishes, which a graph run as written never has."""
+    torch._dynamo.utils.counters["aot_autograd"]["total"] = since
 
 
 def register():

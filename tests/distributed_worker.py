@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bob_compile import distributed  # noqa: E402
 from bob_compile.backend import counters, flashbob  # noqa: E402
-from models import NanoGPTBlock, SDPABlock, loss_of  # noqa: E402
+from models import GPT, NanoGPTBlock, SDPABlock, loss_of, token_batch  # noqa: E402
 
 OPTIONS = {"compiler": "aot_eager", "fallback": False}
 GLOBAL_BATCH = 4
@@ -72,6 +73,33 @@ def ddp_grad_and_hvp(model, ddp, x, options=OPTIONS):
     return grad, hvp
 
 
+def split_graph_new_lengths(rank):
+    """DDP's split graph (nanoGPT, tokens) at three sequence lengths: the third compiles
+    with dynamic shapes, where inductor fails on a piece that returns an int (torch 2.13;
+    stock inductor as well) and flashbob runs that piece as written; DDPOptimizer must
+    accept the fallback. Each rank's own Hessian-vector product (under no_sync) against
+    eager math attention; returns the largest error."""
+    torch.manual_seed(0)
+    model = GPT().double()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
+    torch._dynamo.reset()
+    compiled = torch.compile(ddp, backend=flashbob, options={"compiler": "inductor"})
+    params = list(model.parameters())
+    worst = 0.0
+    for seq in (8, 12, 16):
+        batch = token_batch(100 * rank + seq, seq)
+
+        def hvp(run):
+            grads = torch.autograd.grad(run(*batch), params, create_graph=True)
+            return torch.autograd.grad(grads, params, hvp_vectors(params))
+        with ddp.no_sync():
+            actual = hvp(compiled)
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = hvp(model)
+        worst = max(worst, max((a - e).abs().max().item() for a, e in zip(actual, expected)))
+    return worst
+
+
 def rank_main(rank, world, out_dir, port):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -102,6 +130,8 @@ def rank_main(rank, world, out_dir, port):
         result[f"split_sites_{compiler}"] = sum(
             counters[k] - before.get(k, 0) for k in ("sdpa_replaced", "handwritten_replaced"))
         result[f"split_failures_{compiler}"] = backend_failures() - failures_before
+
+    result["split_new_lengths_error"] = split_graph_new_lengths(rank)
 
     # MAML: each rank adapts to its own task (its slice) and the meta-gradients are averaged
     def run(weights, inputs):

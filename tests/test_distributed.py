@@ -92,6 +92,13 @@ def test_ddp_graph_split_into_buckets_stays_exact(ranks, expected, compiler):
         assert max_error(hvp, expected["hvp"]) <= TOL
 
 
+def test_ddp_graph_split_at_new_lengths_stays_exact(ranks):
+    """Three lengths (dynamic shapes on the third), including a piece inductor cannot
+    compile there and flashbob runs as written."""
+    for result in ranks:
+        assert result["split_new_lengths_error"] <= TOL
+
+
 def test_averaged_maml_meta_gradient_equals_one_process(ranks, expected):
     for result in ranks:
         assert max_error(result["maml"], expected["maml"]) <= TOL
