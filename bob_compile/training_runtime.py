@@ -156,9 +156,12 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
         return compile_half
 
     # The backward must compile now (we call it ourselves); it reuses the memory of saved
-    # tensors only where asked (see ForwardFn.backward for when that is safe).
+    # tensors only where asked (see ForwardFn.backward for when that is safe). AOTAutograd's
+    # cache stays out: a hit returns a compiled function without calling the compilers that
+    # capture the graphs (a split graph's identical pieces under dynamic shapes hit it).
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
-                                       donated_buffer=donate), torch.enable_grad(), \
+                                       donated_buffer=donate, enable_autograd_cache=False), \
+            torch.enable_grad(), \
             _tracing_context(example_inputs, nested):
         if compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner

@@ -78,14 +78,16 @@ def split_graph_new_lengths(rank):
     with dynamic shapes, where inductor fails on a piece that returns an int (torch 2.13;
     stock inductor as well) and flashbob runs that piece as written; DDPOptimizer must
     accept the fallback. Each rank's own Hessian-vector product (under no_sync) against
-    eager math attention; returns the largest error."""
+    eager math attention; returns the largest error and the number of pieces that took
+    the eager route (identical pieces must not hit AOTAutograd's cache, which skips the
+    compilers that capture their graphs)."""
     torch.manual_seed(0)
     model = GPT().double()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
     torch._dynamo.reset()
     compiled = torch.compile(ddp, backend=flashbob, options={"compiler": "inductor"})
     params = list(model.parameters())
-    worst = 0.0
+    worst, eager_before = 0.0, counters["route_eager"]
     for seq in (8, 12, 16):
         batch = token_batch(100 * rank + seq, seq)
 
@@ -97,7 +99,7 @@ def split_graph_new_lengths(rank):
         with sdpa_kernel(SDPBackend.MATH):
             expected = hvp(model)
         worst = max(worst, max((a - e).abs().max().item() for a, e in zip(actual, expected)))
-    return worst
+    return worst, counters["route_eager"] - eager_before
 
 
 def rank_main(rank, world, out_dir, port):
@@ -131,7 +133,8 @@ def rank_main(rank, world, out_dir, port):
             counters[k] - before.get(k, 0) for k in ("sdpa_replaced", "handwritten_replaced"))
         result[f"split_failures_{compiler}"] = backend_failures() - failures_before
 
-    result["split_new_lengths_error"] = split_graph_new_lengths(rank)
+    result["split_new_lengths_error"], result["split_new_lengths_eager"] = \
+        split_graph_new_lengths(rank)
 
     # MAML: each rank adapts to its own task (its slice) and the meta-gradients are averaged
     def run(weights, inputs):

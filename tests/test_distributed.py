@@ -97,6 +97,7 @@ def test_ddp_graph_split_at_new_lengths_stays_exact(ranks):
     compile there and flashbob runs as written."""
     for result in ranks:
         assert result["split_new_lengths_error"] <= TOL
+        assert result["split_new_lengths_eager"] == 0
 
 
 def test_averaged_maml_meta_gradient_equals_one_process(ranks, expected):
