@@ -229,6 +229,35 @@ def replay_copy(forward_graph, num_random):
     return gm
 
 
+def _scalar_constants_inlined(gm):
+    """`gm` with its 0-d tensor constants (an aten graph's `_tensor_constant<i>`, e.g.
+    Mistral's sliding window) made by `aten.scalar_tensor` in the graph: a GraphModule
+    registers tensor constants as buffers, and AOTAutograd lifts buffers into extra graph
+    inputs, which a graph derived at run time (double backward, residual VJP) is never
+    called with. Larger constants stay (that graph is then differentiated eagerly)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) \
+                or value.dim() != 0 or value.requires_grad:
+            continue
+        with gm.graph.inserting_before(node):
+            scalar = gm.graph.call_function(
+                torch.ops.aten.scalar_tensor.default, (value.item(),),
+                {"dtype": value.dtype, "device": value.device})
+        scalar.meta = dict(node.meta)
+        node.replace_all_uses_with(scalar)
+        gm.graph.erase_node(node)
+        owner_name, _, leaf = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        owner._buffers.pop(leaf, None)
+        if hasattr(owner, leaf):
+            delattr(owner, leaf)
+    gm.recompile()
+    return gm
+
+
 def _is_view(node):
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
@@ -515,8 +544,8 @@ class TrainingGraph:
     def _compile(self, what, graph, example_inputs):
         name = f"the {what.replace('_', ' ')} of {self.name}"
         log.info("flashbob: compiling %s", name)
-        pair = compile_pair(copy.deepcopy(graph), example_inputs, self.compiler,
-                            self.config_patches, name)
+        pair = compile_pair(_scalar_constants_inlined(copy.deepcopy(graph)), example_inputs,
+                            self.compiler, self.config_patches, name)
         self.on_compile(what, pair)
         return pair
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bob_compile.backend import flashbob, recent_reports
+from bob_compile.backend import counters, flashbob, recent_reports
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,3 +143,17 @@ def test_maml_through_a_padded_batch(name, implementation):
                              options={"compiler": "aot_eager", "fallback": False})
     assert max_error(maml_meta_gradient(compiled, ids, mask), expected) <= TOL
     assert all(s.replaced for r in recent_reports for s in r.sites)
+
+
+def test_tensor_constants_keep_derived_graphs_compiled():
+    """Mistral's graphs hold its sliding window as a 0-d tensor constant. A graph derived at
+    run time (residual VJP, double backward) must not turn it into an extra input (a
+    GraphModule registers tensor constants as buffers, which AOTAutograd lifts): it is
+    inlined, and the derived graphs compile instead of running eagerly."""
+    model = build("mistral")
+    ids, mask = batch()
+    compiled = torch.compile(model, backend=flashbob,
+                             options={"compiler": "aot_eager", "fallback": False})
+    gradients_and_hvp(compiled, ids, mask)
+    assert counters["compiled_residual_vjp"] >= 1 and counters["compiled_double_backward"] >= 1
+    assert {r.route for r in recent_reports} == {"training"}, [r.text() for r in recent_reports]
