@@ -86,8 +86,7 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
                       f"options={{'fallback': False}} to raise instead, and please report it.",
                       stacklevel=2)
         compiled, after = untouched.forward, before
-        _forget_aot_autograd_calls(aot_calls)
-    if report.route == "eager":
+    if report.route in ("untouched", "eager"):      # no AOTAutograd at run time
         _forget_aot_autograd_calls(aot_calls)
     count("graphs")
     count(f"route_{report.route}" if report.route != "untouched" else "fallback")

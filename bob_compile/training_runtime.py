@@ -90,8 +90,8 @@ class CompiledPair:
     tangent_outputs: list                   # output index of each tangent, in backward order
     tangent_layouts: list                   # per tangent: the strides (or memory format) traced
     differentiable_outputs: list            # per output: whether AOTAutograd gives it a gradient
-    saved_outputs: dict = dataclasses.field(default_factory=dict)   # output index -> the
-    #                                         index of the same value among the outputs
+    # forward output index of a saved value that is also an output -> that output's index
+    saved_outputs: dict = dataclasses.field(default_factory=dict)
     num_random: int = 0                     # forward's last outputs: its random draws
     donates: bool = False                   # backward overwrites saved values (run it once)
 
