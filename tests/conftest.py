@@ -2,18 +2,11 @@
 sequences cross tile borders (odd lengths, partial and diagonal tiles)."""
 import os
 
-# The tests' tensors are tiny: intra-op threads only add overhead. On a 2-core machine like
-# CI's the suite took 14.2 minutes with torch's default threads and 10.6 with one.
-# Subprocesses (examples, distributed ranks) inherit the setting.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from bob_compile.backend import counters, recent_reports  # noqa: E402
-from bob_compile.kernels import blockwise, settings  # noqa: E402
-
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))     # if torch was imported first
+from bob_compile.backend import counters, recent_reports
+from bob_compile.kernels import blockwise, settings
 
 
 def pytest_collection_modifyitems(config, items):
