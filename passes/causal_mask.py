@@ -154,6 +154,7 @@ def _cast(value, dtype):
         raise NotProven(f"{value} cast to {dtype}")
     return torch.tensor(value).to(dtype).item()
 
+
 def _with_values(node, example):
     """`example`, or where it is a fake tensor, the real tensor Dynamo recorded for the same
     graph input. DDPOptimizer compiles each piece of a graph it split (at DDP's gradient
