@@ -95,7 +95,7 @@ def run(impl, args, device, ids, mask):
             _, grads, hvps = hessian_step(runner, params, ids, mask, zs)
         if first_hvp is None:
             first_hvp = [h.detach().float().clone() for h in hvps]
-        optimizer.update_hessian([z * h for z, h in zip(zs, hvps)])
+        optimizer.update_hessian(torch._foreach_mul(zs, hvps))
         for p, g in zip(params, grads):
             p.grad = g
         optimizer.step()

@@ -19,6 +19,7 @@ product against one process on the concatenated batch (eager PyTorch, math atten
 a mismatch exits with status 1. Rank 0 prints the steps and the samples per second.
 """
 import os
+import statistics
 import sys
 import time
 
@@ -87,7 +88,8 @@ def main(argv=None):
     if rank == 0:
         print(f"\nSophia-H on {world} ranks, {args.batch_size} sequences each, "
               f"torch.compile(DDP(model), backend={args.backend!r}), {args.dtype}:")
-    samples = hessian_time = plain_time = 0.0
+    samples = 0.0
+    step_times = {True: [], False: []}   # seconds, by with_hessian
     warm = set()      # the kinds of step already run once: a kind's first step compiles
     for step in range(args.steps):
         x, y = batches_of_all_ranks(data, args, device, step, world)[rank]
@@ -100,7 +102,7 @@ def main(argv=None):
                 with ddp.no_sync():
                     loss = compiled(x, y)
                     grads, hvps = distributed.gradient_and_hvp(loss, params, zs)
-                optimizer.update_hessian([z * h for z, h in zip(zs, hvps)])
+                optimizer.update_hessian(torch._foreach_mul(zs, hvps))
                 for p, g in zip(params, grads):
                     p.grad = g
             else:
@@ -113,15 +115,20 @@ def main(argv=None):
         elapsed = time.perf_counter() - start
         if with_hessian in warm:
             samples += args.batch_size * world
-            hessian_time += elapsed if with_hessian else 0.0
-            plain_time += 0.0 if with_hessian else elapsed
+            step_times[with_hessian].append(elapsed)
         warm.add(with_hessian)
         if rank == 0:
             print(f"step {step:4d}  loss {loss.item():.4f}  {1000 * elapsed:8.1f} ms"
                   + ("  (with Hessian estimate)" if with_hessian else ""))
-    if rank == 0 and hessian_time + plain_time > 0:
-        print(f"samples/s over the steps after each kind's first: "
-              f"{samples / (hessian_time + plain_time):.1f} ({world} ranks)")
+    total = sum(step_times[True]) + sum(step_times[False])
+    if rank == 0 and total > 0:
+        print(f"samples/s over the steps after each kind's first: {samples / total:.1f} "
+              f"({world} ranks)")
+        # Medians too: one slow step (a rank stalled, all wait at the next all-reduce) moves
+        # the mean, and a comparison between runs should see it apart from the steady state.
+        medians = {kind: 1000 * statistics.median(times) for kind, times in step_times.items() if times}
+        print("median step: " + ", ".join(f"{'with Hessian' if kind else 'plain'} {ms:.1f} ms"
+                                           for kind, ms in medians.items()))
     ok &= check(ddp, compiled, params, data, args, device, rank, world, "trained weights", tol)
     ok &= _common.attention_replaced(args.backend)
     dist.destroy_process_group()

@@ -48,7 +48,7 @@ def hessian_step(model, params, x, zs):
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
     grads = torch.autograd.grad(loss, params, create_graph=True)
     hvps = torch.autograd.grad(grads, params, grad_outputs=zs)
-    return loss.detach(), [g.detach() for g in grads], [z * hz for z, hz in zip(zs, hvps)], hvps
+    return loss.detach(), [g.detach() for g in grads], torch._foreach_mul(zs, hvps), hvps
 
 
 def check_against_eager(model, compiled, attn_implementation, x, zs, tol):
