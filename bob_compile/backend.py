@@ -40,6 +40,7 @@ from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
 from .passes.causal_mask import failing_guards
 from .passes.inference import use_native_sdpa
+from .passes import report as report_counters
 from .passes.report import compiled_text, count, counters  # noqa: F401  (counters: re-exported for users)
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     before = dump.graph_text(gm)
     untouched = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     aot_calls = _aot_autograd_calls()
+    counts_before = report_counters.snapshot()
     if opts.dump_dir:
         try:
             dump.make_folder(report, opts.dump_dir)
@@ -76,6 +78,12 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
         compiled = _compile(report, gm, example_inputs, opts)
         if report.guards:
             compiled = _with_guards(compiled, untouched.forward, report.guards)
+    except torch._dynamo.exc.RestartAnalysis:
+        # Dynamo's own control flow, not a failure: e.g. AOTAutograd's pass that turns
+        # Python float scalars into tensors asks Dynamo to trace again with one specialized
+        # (Gemma's embedding normalizer); Dynamo then calls this backend with the new graph.
+        report_counters.restore(counts_before)
+        raise
     except Exception as e:
         if not opts.fallback:
             raise

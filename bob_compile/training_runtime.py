@@ -33,6 +33,7 @@ alias inputs or each other, tensor subclasses, duplicated inputs or RNG state qu
 (`NotSupported` says why otherwise; the backend then runs the rewritten graph eagerly).
 docs/routing.md has the why of each piece, random draws, shapes and the known limits.
 """
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -162,6 +163,7 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
                                        donated_buffer=donate, enable_autograd_cache=False), \
             torch.enable_grad(), \
+            _without_inductor_attention_fusion(), \
             _tracing_context(example_inputs, nested):
         if compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -187,13 +189,50 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
     return _pair(captured, len(example_inputs), what)
 
 
+@contextlib.contextmanager
+def _without_inductor_attention_fusion():
+    """Inductor's own attention fusion (fx_passes/fuse_attention.py) off while a training
+    graph compiles: it turns a hand-written attention that the passes left untouched into
+    PyTorch's fused SDPA ops, which have no double backward, so a second-order step through
+    the graph would fail where the softmax as written is differentiable in every order.
+    Its patterns all end in one params check, which this makes refuse."""
+    try:
+        from torch._inductor.fx_passes import fuse_attention
+    except ImportError:
+        yield
+        return
+    check = getattr(fuse_attention, "_sfdp_params_check", None)
+    if check is None:
+        yield
+        return
+    fuse_attention._sfdp_params_check = lambda match: False
+    try:
+        yield
+    finally:
+        fuse_attention._sfdp_params_check = check
+
+
 def _donated_buffers(meta):
     return bool(getattr(meta, "bw_donated_idxs", None))
 
 
 def _is_random(node):
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-        and torch.Tag.nondeterministic_seeded in node.target.tags
+    """Whether node draws random numbers whose values a replay must be given: a seeded op
+    returning one tensor (a multi-output op tagged seeded is fused attention, which draws
+    only for dropout: with dropout_p 0 it is deterministic, otherwise not replayable)."""
+    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags):
+        return False
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        return True
+    arguments = [a.name for a in node.target._schema.arguments]
+    if "dropout_p" in arguments:
+        at = arguments.index("dropout_p")
+        p = node.args[at] if at < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        if p == 0:
+            return False
+    raise NotSupported(f"{node.target} draws random numbers that a second-order step "
+                       f"could not replay")
 
 
 def _return_random_values(graph):
@@ -460,9 +499,15 @@ def _fma(a, b, c):
     return torch.ops.aten.add.Tensor(torch.ops.aten.mul.Tensor(a, b), c)
 
 
+def _copy(self, src, non_blocking=False):
+    # aten.copy (functionalization's form of `x[i] = v` and other writes) has no
+    # derivative; copy_ into a fresh tensor laid out like self computes the same and has one
+    return torch.empty_like(self).copy_(src, non_blocking)
+
+
 def differentiable_copy(graph_module):
     """A copy of an aten-level graph in which every attention op is called through its
-    autograd.Function, and prims without derivatives through aten equivalents, so that
+    autograd.Function, and ops without derivatives through equivalents that have one, so that
     autograd and AOTAutograd can differentiate it again."""
     gm = copy.deepcopy(graph_module)
     fma = getattr(getattr(torch.ops.prims, "fma", None), "default", None)
@@ -475,6 +520,8 @@ def differentiable_copy(graph_module):
             node.target = _convert_element_type
         elif fma is not None and node.target is fma:
             node.target = _fma
+        elif node.target is torch.ops.aten.copy.default:
+            node.target = _copy
     gm.recompile()
     return gm
 

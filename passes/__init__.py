@@ -7,13 +7,14 @@ higher-order ops such as activation checkpointing), recompiles it, and returns a
 GraphReport: one Site per attention site, and the run-time guards that the rewritten graph
 needs (causal masks read from graph inputs, see causal_mask.py).
 
-Modules: sdpa.py and handwritten.py (the rewrites), patterns.py (the model spellings
-they are written against), subgraphs.py (higher-order op bodies), causal_mask.py (proofs
+Modules: sdpa.py and handwritten.py (the rewrites), inplace.py (in-place arithmetic on
+temporaries made out of place first), patterns.py (the model spellings they are written against), subgraphs.py (higher-order op bodies), causal_mask.py (proofs
 that a mask is causal), nodes.py (node spellings and queries), erase.py (targeted
 dead-node removal), report.py (reports, counters).
 """
 from .causal_mask import CausalTensorGuard, MaskProver
 from .handwritten import rewrite_handwritten
+from .inplace import functionalize_temporaries
 from .multihead import rewrite_multihead
 from .report import GraphReport, Site, counters
 from .sdpa import rewrite_sdpa
@@ -28,6 +29,7 @@ def rewrite_attention(gm, example_inputs, report=None):
 
 
 def _rewrite_graph(gm, prover, report):
+    functionalize_temporaries(gm)
     rewrite_sdpa(gm, prover, report)
     rewrite_multihead(gm, prover, report)
     rewrite_handwritten(gm, prover, report)

@@ -35,7 +35,7 @@ from ..attention import attention
 from . import einsum
 from .causal_mask import NotProven
 from .erase import erase_unused
-from .nodes import (arg, describe, dim_index, example, example_tensor, is_number, is_op,
+from .nodes import (arg, describe, dim_index, example, example_tensor, is_number, is_one, is_op,
                     is_positive, is_symbolic_number, is_zero, mask_problem, same_sizes,
                     shape_text, swaps_last_two_dims, user_code)
 from .report import Site
@@ -56,6 +56,7 @@ class _Chain:
         self.q = self.k = self.k_transposed = self.v = self.output = None
         # einsum layouts: permutations to the op's (batch..., N, E) and back, None = as is
         self.q_perm = self.k_perm = self.v_perm = self.out_perm = None
+        self.shared_kv_head = False   # k and v have one head that the matmuls broadcast
 
 
 def rewrite_handwritten(gm, prover, report):
@@ -336,11 +337,22 @@ def _check_operands(chain):
                 for t, perm in ((q, chain.q_perm), (kt, chain.k_perm), (v, chain.v_perm)))
     if not (q.dim() == kt.dim() == v.dim() >= 2):
         raise _Skip(f"q, k and v have ranks {q.dim()}, {kt.dim()}, {v.dim()} (broadcasting matmul)")
-    if not (same_sizes(q.shape[:-2], kt.shape[:-2]) and same_sizes(q.shape[:-2], v.shape[:-2])):
+    if _one_shared_kv_head(q, kt, v):
+        # multi-query attention written with broadcasting (Falcon): k and v's single head
+        # is every query head's, which is the op's enable_gqa with one kv head
+        chain.shared_kv_head = True
+    elif not (same_sizes(q.shape[:-2], kt.shape[:-2]) and same_sizes(q.shape[:-2], v.shape[:-2])):
         raise _Skip(f"q, k and v have different batch dims {shape_text(chain.q)} "
                     f"{list(kt.shape)} {shape_text(chain.v)} (broadcasting matmul)")
     if not (q.dtype == kt.dtype == v.dtype == out.dtype) or not q.dtype.is_floating_point:
         raise _Skip(f"q, k, v and output dtypes differ ({q.dtype}, {kt.dtype}, {v.dtype}, {out.dtype})")
+
+
+def _one_shared_kv_head(q, kt, v):
+    """q (..., H, L, E), k and v (..., 1, S, *) with equal leading dims and H > 1."""
+    return (q.dim() >= 3 and same_sizes(q.shape[:-3], kt.shape[:-3])
+            and same_sizes(q.shape[:-3], v.shape[:-3]) and is_one(kt.shape[-3])
+            and is_one(v.shape[-3]) and not is_one(q.shape[-3]))
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -478,7 +490,7 @@ def _replace(gm, chain, site):
                    ((chain.q, chain.q_perm), (k, chain.k_perm), (chain.v, chain.v_perm)))
         scale, scale_text = _scale(graph, chain.factors)
         causal = chain.proof is not None
-        kwargs = {"is_causal": causal, "scale": scale, "enable_gqa": False}
+        kwargs = {"is_causal": causal, "scale": scale, "enable_gqa": chain.shared_kv_head}
         if chain.mask is not None:
             mask, negate, site.mask = chain.mask
             kwargs["attn_mask"] = graph.call_function(torch.logical_not, (mask,)) if negate else mask

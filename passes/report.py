@@ -25,6 +25,19 @@ def count(key, n=1):
     dynamo_counters["flashbob"][key] += n
 
 
+def snapshot():
+    """The counters now, for restore(): a graph whose compile Dynamo restarts counts once."""
+    return collections.Counter(counters), collections.Counter(dynamo_counters["flashbob"])
+
+
+def restore(saved):
+    ours, dynamo = saved
+    counters.clear()
+    counters.update(ours)
+    dynamo_counters["flashbob"].clear()
+    dynamo_counters["flashbob"].update(dynamo)
+
+
 @dataclasses.dataclass
 class Site:
     kind: str                    # "sdpa", "handwritten", "multihead" or "flex_attention"

@@ -1,0 +1,77 @@
+"""Hugging Face architectures beyond tests/test_hf_masks.py's, each with something of its own:
+
+- Gemma: Dynamo restarts the compile once (AOTAutograd's pass that turns Python float
+  scalars into tensors asks for it); the backend must let that through, not fall back.
+- Falcon's eager attention: multi-query (one k/v head, broadcast by the matmuls) and the
+  scores divided in place (`attention_scores /= math.sqrt(self.head_dim)`).
+- BART: encoder, decoder and cross-attention in one graph.
+Compiled with aot_eager around the rewritten graph, so that what differs from eager is
+attention alone; the loss is computed in float64 from the logits (HF's own loss upcasts
+to float32).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bob_compile.backend import counters
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+             max_position_embeddings=32)
+
+
+def _model(name, attn_implementation):
+    T = transformers
+    cls, config = {
+        "gemma": (T.GemmaForCausalLM, lambda: T.GemmaConfig(
+            **SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=8)),
+        "falcon": (T.FalconForCausalLM, lambda: T.FalconConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            hidden_dropout=0.0, attention_dropout=0.0)),
+        "bart": (T.BartForConditionalGeneration, lambda: T.BartConfig(
+            vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0)),
+    }[name]
+    torch.manual_seed(0)
+    return cls._from_config(config(), attn_implementation=attn_implementation,
+                            dtype=torch.float64).train()
+
+
+def _gradient_and_hvp(model, kwargs, labels):
+    params = [p for p in model.parameters() if p.requires_grad]
+    logits = model(**kwargs).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    hvps = torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+    return torch.cat([g.detach().flatten() for g in grads]), torch.cat([h.flatten() for h in hvps])
+
+
+@pytest.mark.parametrize("name, attn_implementation, tol", [
+    ("gemma", "sdpa", 1e-6),      # 1e-6: Gemma's RMSNorm computes in float32
+    ("falcon", "eager", 1e-10),
+    ("bart", "sdpa", 1e-10),
+])
+def test_replaced_and_exact(name, attn_implementation, tol):
+    model = _model(name, attn_implementation)
+    ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(2, 8, dtype=torch.long)
+    padding[1, 5:] = 0
+    kwargs, labels = dict(input_ids=ids, attention_mask=padding), ids
+    if name == "bart":
+        labels = ids[:, :6].contiguous()
+        kwargs["decoder_input_ids"] = labels
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = _gradient_and_hvp(model, kwargs, labels)
+    compiled = torch.compile(model, backend="flashbob", options={"compiler": "aot_eager"})
+    got = _gradient_and_hvp(compiled, kwargs, labels)
+    sites = {"gemma": 2, "falcon": 2, "bart": 3}[name]
+    kind = "sdpa" if attn_implementation == "sdpa" else "handwritten"
+    assert counters[f"{kind}_replaced"] == sites and counters[f"{kind}_skipped"] == 0
+    assert counters["fallback"] == 0 and counters["graphs"] == 1
+    for e, g in zip(expected, got):
+        assert ((g - e).norm() / e.norm()).item() < tol
