@@ -52,6 +52,13 @@ recent_reports = collections.deque(maxlen=100)
 _TRANSFORM_MODULES = ("torch._functorch", "torch._C._functorch")
 
 
+def _first_line(text, limit=300):
+    """An error's first line, cut to `limit` characters: inductor's errors carry whole IR
+    dumps, which the report and the log keep."""
+    line = text.split("\n", 1)[0]
+    return line if len(line) <= limit and line == text else line[:limit] + " ..."
+
+
 def flashbob(gm, example_inputs, *, mode=None, options=None):
     """The `torch_dynamo_backends` entry point: compile one Dynamo graph.
 
@@ -89,7 +96,9 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
             raise
         report.error = f"{type(e).__name__}: {e}"
         report.route, report.route_reason = "untouched", "the backend failed on this graph"
-        warnings.warn(f"flashbob could not compile graph {report.compile_id} ({report.error}); "
+        log.info("flashbob could not compile graph %s", report.compile_id, exc_info=True)
+        warnings.warn(f"flashbob could not compile graph {report.compile_id} "
+                      f"({_first_line(report.error)}); "
                       f"running it untouched, as backend='eager' would. Pass "
                       f"options={{'fallback': False}} to raise instead, and please report it.",
                       stacklevel=2)

@@ -228,6 +228,38 @@ def test_backend_failure_warns_and_runs_the_untouched_graph():
             torch.compile(model, backend=flashbob, options=FAST)(x)
 
 
+def test_backend_failure_warning_keeps_the_first_line_of_a_long_error():
+    # inductor's errors carry whole IR dumps; the report keeps all of it
+    model = CASES["nanogpt"].model()
+    x, = CASES["nanogpt"].batch(0)
+    error = RuntimeError("lowering failed\n" + "IR " * 5000)
+    with mock.patch.object(backend, "_compile", side_effect=error):
+        with pytest.warns(UserWarning) as caught:
+            torch.compile(model, backend=flashbob, options={"compiler": "aot_eager"})(x)
+    message = str(caught[0].message)
+    assert "(RuntimeError: lowering failed ...)" in message and len(message) < 600
+    assert recent_reports[-1].error == f"RuntimeError: {error}"
+
+
+def test_restart_of_the_compile_is_not_a_failure():
+    # Dynamo's own control flow (AOTAutograd asks it to trace again): raised through, the
+    # attempt's counts taken back, no fallback
+    model = CASES["sdpa"].model()
+    x, = CASES["sdpa"].batch(0)
+    real_compile, attempts = backend._compile, []
+
+    def restart_once(*args, **kwargs):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+        return real_compile(*args, **kwargs)
+    with mock.patch.object(backend, "_compile", side_effect=restart_once):
+        out = torch.compile(model, backend=flashbob, options={"compiler": "aot_eager"})(x)
+    torch.testing.assert_close(out, model(x))
+    assert len(attempts) == 2 and counters["fallback"] == 0
+    assert counters["graphs"] == 1 and counters["sdpa_replaced"] == 1
+
+
 def test_changed_causal_buffer_runs_the_untouched_graph():
     model = CASES["nanogpt"].model()
     x, = CASES["nanogpt"].batch(0)
