@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import operator
 from typing import Callable
 
 import torch
@@ -93,7 +94,8 @@ class CompiledPair:
     differentiable_outputs: list            # per output: whether AOTAutograd gives it a gradient
     # forward output index of a saved value that is also an output -> that output's index
     saved_outputs: dict = dataclasses.field(default_factory=dict)
-    num_random: int = 0                     # forward's last outputs: its random draws
+    random_index: tuple = ()                # forward output index of each random draw
+    num_appended: int = 0                   # outputs appended (last) for draws not saved
     donates: bool = False                   # backward overwrites saved values (run it once)
 
     def backward_inputs(self, saved, cotangents, output_meta):
@@ -134,7 +136,7 @@ class _AliasedOutputs(Exception):
 def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, donate):
     captured = {}
 
-    def capture(kind, inner):
+    def capture(kind, inner, reports_strides):
         def compile_half(graph, inputs, **kwargs):
             is_backward = kwargs.get("is_backward", kind == "backward")
             if kwargs.get("is_inference"):
@@ -145,7 +147,7 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
                 context = torch._guards.TracingContext.try_get()
                 captured["metadata"] = meta = getattr(context, "fw_metadata", None)
                 _check_simple(meta, what)
-                captured["num_random"] = _return_random_values(graph)
+                captured["random"] = _return_random_values(graph, meta, what, reports_strides)
             # outside the fake mode AOTAutograd compiles under: a tensor constant of the
             # graph (Mistral's sliding window as a 0-d tensor) would otherwise be copied onto
             # the meta device and fail
@@ -167,9 +169,11 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
             _tracing_context(example_inputs, nested):
         if compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+            # fallback_random: aten's random ops, not inductor's seeds-and-offsets form,
+            # whose draws a replay could not be handed (see _return_random_values)
             compile_fx(copy.deepcopy(gm), example_inputs,
-                       inner_compile=capture(None, compile_fx_inner),
-                       config_patches=dict(config_patches) or None)
+                       inner_compile=capture(None, compile_fx_inner, reports_strides=True),
+                       config_patches={**dict(config_patches), "fallback_random": True})
         else:
             from functorch.compile import min_cut_rematerialization_partition
             from torch._functorch.aot_autograd import aot_module_simplified
@@ -180,8 +184,8 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
             # inductor's decompositions here too: the same graphs, and only primitive ops,
             # whose derivatives all exist (native_layer_norm_backward has none for `mean`)
             aot_module_simplified(copy.deepcopy(gm), example_inputs,
-                                  fw_compiler=capture("forward", nop),
-                                  bw_compiler=capture("backward", nop),
+                                  fw_compiler=capture("forward", nop, reports_strides=False),
+                                  bw_compiler=capture("backward", nop, reports_strides=False),
                                   partition_fn=min_cut_rematerialization_partition,
                                   decompositions=select_decomp_table())
     if "backward" not in captured:
@@ -218,12 +222,13 @@ def _donated_buffers(meta):
 
 def _is_random(node):
     """Whether node draws random numbers whose values a replay must be given: a seeded op
-    returning one tensor (a multi-output op tagged seeded is fused attention, which draws
-    only for dropout: with dropout_p 0 it is deterministic, otherwise not replayable)."""
+    returning one tensor, or dropout as one op (inductor with fallback_random), whose
+    mask is the draw. Fused attention is tagged seeded too, for its own dropout: with
+    dropout_p 0 it draws nothing; with dropout it cannot be replayed."""
     if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and torch.Tag.nondeterministic_seeded in node.target.tags):
         return False
-    if isinstance(node.meta.get("val"), torch.Tensor):
+    if isinstance(node.meta.get("val"), torch.Tensor) or node.target is _NATIVE_DROPOUT:
         return True
     arguments = [a.name for a in node.target._schema.arguments]
     if "dropout_p" in arguments:
@@ -235,35 +240,87 @@ def _is_random(node):
                        f"could not replay")
 
 
-def _return_random_values(graph):
-    """Make the forward graph also return what its random ops drew (dropout's uniform
-    draws, say), as its last outputs: a second-order step re-runs the forward and must
-    see the same numbers. Costs the memory of those draws, only in graphs that have them.
-    Returns how many there are."""
-    drawn = [n for n in graph.graph.nodes if _is_random(n)]
-    if drawn:
-        output = graph.graph.output_node()
-        output.args = (tuple(output.args[0]) + tuple(drawn),)
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+
+
+def _drawn_value(graph, node):
+    """The graph value holding what `node` drew: the node itself, or dropout's mask."""
+    if node.target is not _NATIVE_DROPOUT:
+        return node
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == 1:
+            return user
+    with graph.graph.inserting_after(node):
+        mask = graph.graph.call_function(operator.getitem, (node, 1))
+    mask.meta["val"] = node.meta["val"][1]
+    return mask
+
+
+def _return_random_values(graph, meta, what, reports_strides):
+    """Where the forward graph's outputs hold what its random ops drew (dropout's mask or
+    uniform draws): a second-order step re-runs the forward and must see the same numbers.
+    A draw the graph already saves for its backward (dropout's mask, mostly) is found
+    there; any other is appended to the outputs, which costs its memory. Returns (the
+    draws' output indices, how many were appended).
+
+    Appending is refused under inductor (NotSupported: the graph then runs eagerly,
+    exact): AOTAutograd restrides the backward's inputs by the forward's output strides by
+    position, and an appended output would be taken for a tangent's."""
+    drawn = [_drawn_value(graph, n) for n in list(graph.graph.nodes) if _is_random(n)]
+    if not drawn:
+        return (), 0
+    output = graph.graph.output_node()
+    outputs = list(output.args[0])
+    saved = {n: i for i, n in reversed(list(enumerate(outputs))) if i >= meta.num_forward}
+    index, appended = [], []
+    for value in drawn:
+        if value in saved:
+            index.append(saved[value])
+            continue
+        if reports_strides:
+            raise NotSupported(f"{what} draws random numbers ({value.name}) that its "
+                               f"backward does not save")
+        index.append(len(outputs) + len(appended))
+        appended.append(value)
+    if appended:
+        output.args = (tuple(outputs) + tuple(appended),)
         graph.recompile()
-    return len(drawn)
+    return tuple(index), len(appended)
 
 
-def replay_copy(forward_graph, num_random):
+def _dropout_from_mask(graph, dropout, mask):
+    """Replace `dropout` (native_dropout(x, p, train)) by its values given its mask:
+    (x * mask / (1 - p), mask), native_dropout's own formula."""
+    x, p = dropout.args[0], dropout.args[1]
+    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+    with graph.inserting_before(dropout):
+        kept = graph.call_function(torch.ops.aten.mul.Tensor, (x, mask))
+        output = graph.call_function(torch.ops.aten.mul.Tensor, (kept, scale))
+    for user in list(dropout.users):
+        user.replace_all_uses_with(output if user.args[1] == 0 else mask)
+        graph.erase_node(user)
+    graph.erase_node(dropout)
+
+
+def replay_copy(forward_graph, random_index, num_appended):
     """differentiable_copy of a forward graph whose random draws are inputs instead (the
-    values the compiled forward returned), and whose outputs no longer include them."""
+    values the compiled forward returned), without the outputs appended for them."""
     gm = differentiable_copy(forward_graph)
-    if num_random:
+    if random_index:
         output = gm.graph.output_node()
         outputs = list(output.args[0])
-        drawn = outputs[-num_random:]
-        output.args = (tuple(outputs[:-num_random]),)
+        drawn = [outputs[i] for i in random_index]
+        output.args = (tuple(outputs[:len(outputs) - num_appended]),)
         last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
         for i, node in enumerate(drawn):
             with gm.graph.inserting_after(last_input):
                 last_input = gm.graph.placeholder(f"random_{i}")
             last_input.meta = dict(node.meta)
-            node.replace_all_uses_with(last_input)
-            gm.graph.erase_node(node)
+            if node.target is operator.getitem and node.args[0].target is _NATIVE_DROPOUT:
+                _dropout_from_mask(gm.graph, node.args[0], last_input)
+            else:
+                node.replace_all_uses_with(last_input)
+                gm.graph.erase_node(node)
         gm.recompile()
     return gm
 
@@ -360,7 +417,13 @@ def _pair(captured, num_inputs, what):
         raise NotSupported(f"AOTAutograd deduplicated or added inputs of {what}")
     outputs = forward_graph.graph.output_node().args[0]
     num_outputs = meta.num_outputs
-    index_of = {n.name: i for i, n in enumerate(outputs) if isinstance(n, fx.Node)}
+    # where each saved value is, among the residuals: not among the draws appended last
+    # (dropout's mask is both), and not where the value is also a graph output
+    index_of = {}
+    random_index, num_appended = captured.get("random", ((), 0))
+    for i in range(num_outputs, len(outputs) - num_appended):
+        if isinstance(outputs[i], fx.Node):
+            index_of.setdefault(outputs[i].name, i)
     saved_order, tangent_names, tangent_layouts = [], [], []
     for p in backward_graph.graph.nodes:
         if p.op != "placeholder":
@@ -368,7 +431,7 @@ def _pair(captured, num_inputs, what):
         if p.name.startswith("tangents"):
             tangent_names.append(p.name)
             tangent_layouts.append(_layout(p.meta.get("val")))
-        elif p.name in index_of and index_of[p.name] >= num_outputs:
+        elif p.name in index_of:
             saved_order.append(index_of[p.name])
         else:
             raise NotSupported(f"backward input {p.name} of {what} is not a saved forward value")
@@ -398,7 +461,7 @@ def _pair(captured, num_inputs, what):
         saved_primals=saved_primals, tangent_outputs=tangent_outputs,
         tangent_layouts=tangent_layouts,
         differentiable_outputs=differentiable_outputs, saved_outputs=saved_outputs,
-        num_random=captured.get("num_random", 0),
+        random_index=random_index, num_appended=num_appended,
         donates=_donated_buffers(meta))
 
 
@@ -605,7 +668,8 @@ class TrainingGraph:
     def eager_forward(self):
         """The forward graph, differentiable (inputs: primals, then random draws)."""
         if self._eager_forward is None:
-            self._eager_forward = replay_copy(self.pair.forward_graph, self.pair.num_random)
+            self._eager_forward = replay_copy(self.pair.forward_graph, self.pair.random_index,
+                                              self.pair.num_appended)
         return self._eager_forward
 
 
@@ -683,8 +747,8 @@ class ForwardFn(torch.autograd.Function):
     def forward(ctx, graph, *primals):
         pair = graph.pair
         values = pair.forward(primals)
-        values, ctx.random_values = values[:len(values) - pair.num_random], \
-            values[len(values) - pair.num_random:]
+        ctx.random_values = [values[i] for i in pair.random_index]
+        values = values[:len(values) - pair.num_appended]
         outputs = values[:pair.num_outputs]
         residual_index = [i for i in range(pair.num_outputs, len(values))
                           if i not in pair.saved_primals and i not in pair.saved_outputs]

@@ -5,6 +5,9 @@
 - Falcon's eager attention: multi-query (one k/v head, broadcast by the matmuls) and the
   scores divided in place (`attention_scores /= math.sqrt(self.head_dim)`).
 - BART: encoder, decoder and cross-attention in one graph.
+- GPT-2 as configured by default for training (embedding and residual dropout 0.1; the
+  attention's own dropout off, which the op does not have): under inductor the dropout
+  masks are replayed in the second order, so every order equals eager from the same seed.
 Compiled with aot_eager around the rewritten graph, so that what differs from eager is
 attention alone; the loss is computed in float64 from the logits (HF's own loss upcasts
 to float32).
@@ -75,3 +78,21 @@ def test_replaced_and_exact(name, attn_implementation, tol):
     assert counters["fallback"] == 0 and counters["graphs"] == 1
     for e, g in zip(expected, got):
         assert ((g - e).norm() / e.norm()).item() < tol
+
+
+def test_gpt2_with_dropout_every_order_compiled_and_equal_to_eager():
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2,
+                                     n_head=2, attn_pdrop=0.0)   # resid, embd dropout: 0.1
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double().train()
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = _gradient_and_hvp(model, dict(input_ids=ids), ids)
+    compiled = torch.compile(model, backend="flashbob", options={"fallback": False})
+    torch.manual_seed(5)
+    got = _gradient_and_hvp(compiled, dict(input_ids=ids), ids)
+    for e, g in zip(expected, got):
+        assert ((g - e).norm() / e.norm()).item() < 1e-12
+    assert counters["sdpa_replaced"] == 2 and counters["route_training"] == 1
+    assert counters["compiled_double_backward"] == 1 and counters["compiled_residual_vjp"] == 1

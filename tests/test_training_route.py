@@ -342,6 +342,25 @@ def test_dropout_draws_are_replayed_in_the_second_order():
     assert recent_reports[-1].route == "training"
 
 
+def test_dropout_under_inductor_equals_eager_with_the_same_seed():
+    """Inductor compiles training graphs with aten's random ops (fallback_random), dropout
+    as one op whose mask the forward returns and the replay takes: every order compiled,
+    and the same draws as eager from the same seed, so gradient and HVP equal eager's."""
+    model = DropoutBlock().double().train()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob, options=INDUCTOR)
+    for run in range(2):                 # the second run: everything already compiled
+        torch.manual_seed(run)
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = hessian_vector_product(model, x)
+        torch.manual_seed(run)
+        got = hessian_vector_product(compiled, x)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    assert recent_reports[-1].route == "training" and counters["fallback"] == 0
+    assert counters["compiled_double_backward"] == 1 and counters["compiled_residual_vjp"] == 1
+
+
 # ---------------------------------------------------------------------------- memory, autocast
 def test_a_second_order_step_frees_its_graph_without_the_garbage_collector():
     """No reference cycle between a node and its own outputs: the double-backward values
