@@ -40,8 +40,8 @@ from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
 from .passes.causal_mask import failing_guards
 from .passes.inference import use_native_sdpa
-from .passes import report as report_counters
 from .passes.report import compiled_text, count, counters  # noqa: F401  (counters: re-exported for users)
+from .passes.report import restore as restore_counts, snapshot as snapshot_counts
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     before = dump.graph_text(gm)
     untouched = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     aot_calls = _aot_autograd_calls()
-    counts_before = report_counters.snapshot()
+    counts_before = snapshot_counts()
     if opts.dump_dir:
         try:
             dump.make_folder(report, opts.dump_dir)
@@ -89,7 +89,7 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
         # Dynamo's own control flow, not a failure: e.g. AOTAutograd's pass that turns
         # Python float scalars into tensors asks Dynamo to trace again with one specialized
         # (Gemma's embedding normalizer); Dynamo then calls this backend with the new graph.
-        report_counters.restore(counts_before)
+        restore_counts(counts_before)
         raise
     except Exception as e:
         if not opts.fallback:

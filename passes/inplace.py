@@ -21,7 +21,7 @@ import operator
 
 from torch import fx
 
-from .nodes import storage_key
+from .nodes import example_tensor, storage_key
 
 # call_function targets and call_method names with their out-of-place spellings
 _FUNCTIONS = {operator.iadd: operator.add, operator.isub: operator.sub,
@@ -50,6 +50,8 @@ def _private_groups(graph):
     groups = {}
     for node in graph.nodes:
         key = storage_key(node)
+        if key is None and example_tensor(node) is not None:
+            return []       # a tensor whose memory cannot be read could alias any group
         if key is not None:
             groups.setdefault(key, []).append(node)
     private = []
