@@ -361,6 +361,28 @@ def test_dropout_under_inductor_equals_eager_with_the_same_seed():
     assert counters["compiled_double_backward"] == 1 and counters["compiled_residual_vjp"] == 1
 
 
+def test_a_draw_the_backward_does_not_save_sends_the_graph_to_the_eager_route():
+    """Dropout on an input that needs no gradient: its mask is not saved, and under
+    inductor no output may be appended for it, so the graph runs eagerly (exact, same
+    draws as eager from the same seed), with the reason in the report."""
+    weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        return (nn.functional.dropout(x, 0.3, True) @ weight).sin().sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    compiled = torch.compile(f, backend=flashbob, options=INDUCTOR)
+    results = []
+    for fn in (compiled, f):
+        torch.manual_seed(0)
+        grad, = torch.autograd.grad(fn(x), weight, create_graph=True)
+        results.append((grad, *torch.autograd.grad(grad.sum(), weight)))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert recent_reports[-1].route == "eager"
+    assert "does not save" in recent_reports[-1].route_reason
+
+
 # ---------------------------------------------------------------------------- memory, autocast
 def test_a_second_order_step_frees_its_graph_without_the_garbage_collector():
     """No reference cycle between a node and its own outputs: the double-backward values
