@@ -128,7 +128,7 @@ def plot_maml(runs, png_path):
                      fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("MAML meta-gradient, 4-layer GPT (width 256, 4 heads), one inner SGD step "
+    fig.suptitle("MAML meta-gradient, 4-layer GPT (width 256, 4 heads),\none inner SGD step "
                  "with create_graph=True per task", fontsize=10)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)

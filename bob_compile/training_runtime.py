@@ -97,6 +97,13 @@ class CompiledPair:
     random_index: tuple = ()                # forward output index of each random draw
     num_appended: int = 0                   # outputs appended (last) for draws not saved
     donates: bool = False                   # backward overwrites saved values (run it once)
+    static_inputs: frozenset = frozenset()  # primal indices at fixed addresses (parameters)
+
+    def static_saved_values(self):
+        """Indices, among the backward's saved values, of the primals at fixed addresses:
+        what a graph derived from the backward (the double backward) may treat as static."""
+        return frozenset(j for j, i in enumerate(self.saved_order)
+                         if self.saved_primals.get(i, -1) in self.static_inputs)
 
     def backward_inputs(self, saved, cotangents, output_meta):
         """The backward's inputs: the saved values, then a tangent per differentiable output
@@ -109,22 +116,53 @@ class CompiledPair:
 
 
 def compile_pair(gm, example_inputs, compiler, config_patches=(), what="graph", nested=True,
-                 donate=False):
+                 donate=False, static_inputs=None):
     """Trace `gm` with AOTAutograd (the partition inductor uses) and compile both halves
     with `compiler` ("inductor" or "aot_eager"). `nested`: a graph derived from the one
     Dynamo handed the backend (see _tracing_context). `donate`: the compiled backward may
     write into the memory of saved values it no longer needs (AOTAutograd's donated
     buffers), so it must run at most once per forward (`CompiledPair.donates`).
-    Raises NotSupported."""
+    `static_inputs`: indices of the inputs at fixed addresses (CUDA graphs record them in
+    place instead of copying them in); None: those Dynamo marked in `gm` (see
+    `_static_input_marks`). Raises NotSupported."""
+    if static_inputs is None:
+        static_inputs = _static_input_marks(gm)
+    args = (compiler, config_patches, what, nested, donate, frozenset(static_inputs))
     _clone_outputs(gm, _outputs_aliasing_inputs(gm))
     try:
-        return _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, donate)
+        return _compile_pair(gm, example_inputs, *args)
     except _AliasedOutputs as aliased:
         # Outputs that are inputs or views AOTAutograd would rebuild at run time through its
         # view-replay wrappers, which we do not replicate: return copies instead (one copy
         # of that output; inductor usually writes it from the kernel that produces it).
         _clone_outputs(gm, aliased.indices)
-        return _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, donate)
+        return _compile_pair(gm, example_inputs, *args)
+
+
+def _static_input_marks(gm):
+    """Indices of the inputs Dynamo marked as static (parameters and buffers; see
+    bob_compile/static_inputs.py). AOTAutograd reads these marks only from Dynamo's own
+    graph module, whose Dynamo attributes a deep copy loses: it would call every input of
+    our copy dynamic, and CUDA graphs would copy every parameter in on each call."""
+    return frozenset(i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
+                     if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
+
+
+def _backward_static_inputs(backward_graph, forward_graph, static_inputs):
+    """The backward's inputs at fixed addresses, as AOTAutograd's inductor backward treats
+    them (every saved value), except primals saved as-is that are not static: ForwardFn
+    hands the backward the caller's tensor itself (a batch, MAML's fast weights), whose
+    address changes between calls; called static, CUDA graph trees would re-record the
+    backward for every new address."""
+    primal_index = {n.name: i for i, n in enumerate(forward_graph.graph.find_nodes(op="placeholder"))}
+
+    def is_static(node):
+        if node.name.startswith("tangents"):
+            return False
+        primal = primal_index.get(node.name)
+        return primal is None or primal in static_inputs
+    return [j for j, node in enumerate(backward_graph.graph.find_nodes(op="placeholder"))
+            if is_static(node)]
 
 
 class _AliasedOutputs(Exception):
@@ -133,7 +171,8 @@ class _AliasedOutputs(Exception):
         self.indices = indices
 
 
-def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, donate):
+def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, donate,
+                  static_inputs):
     captured = {}
 
     def capture(kind, inner, reports_strides):
@@ -148,6 +187,11 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
                 captured["metadata"] = meta = getattr(context, "fw_metadata", None)
                 _check_simple(meta, what)
                 captured["random"] = _return_random_values(graph, meta, what, reports_strides)
+                static = sorted(static_inputs)
+            else:
+                static = _backward_static_inputs(graph, captured["forward"], static_inputs)
+            if "static_input_idxs" in kwargs:      # inductor's: what CUDA graphs record in place
+                kwargs["static_input_idxs"] = static
             # outside the fake mode AOTAutograd compiles under: a tensor constant of the
             # graph (Mistral's sliding window as a 0-d tensor) would otherwise be copied onto
             # the meta device and fail
@@ -190,7 +234,7 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
                                   decompositions=select_decomp_table())
     if "backward" not in captured:
         raise NotSupported(f"AOTAutograd produced no backward for {what}")
-    return _pair(captured, len(example_inputs), what)
+    return _pair(captured, len(example_inputs), what, static_inputs)
 
 
 @contextlib.contextmanager
@@ -409,7 +453,7 @@ def _tracing_context(example_inputs, nested):
     return tracing(TracingContext(fake_mode or FakeTensorMode()))
 
 
-def _pair(captured, num_inputs, what):
+def _pair(captured, num_inputs, what, static_inputs):
     meta = captured["metadata"]
     forward_graph, backward_graph = captured["forward"], captured["backward"]
     primals = [n for n in forward_graph.graph.nodes if n.op == "placeholder"]
@@ -462,7 +506,7 @@ def _pair(captured, num_inputs, what):
         tangent_layouts=tangent_layouts,
         differentiable_outputs=differentiable_outputs, saved_outputs=saved_outputs,
         random_index=random_index, num_appended=num_appended,
-        donates=_donated_buffers(meta))
+        donates=_donated_buffers(meta), static_inputs=static_inputs)
 
 
 def _layout(fake):
@@ -654,8 +698,11 @@ class TrainingGraph:
     def _compile(self, what, graph, example_inputs):
         name = f"the {what.replace('_', ' ')} of {self.name}"
         log.info("flashbob: compiling %s", name)
+        # the parameters among the derived graph's inputs stay at fixed addresses
+        static = (self.pair.static_saved_values() if what == "double_backward"
+                  else self.pair.static_inputs)
         pair = compile_pair(_scalar_constants_inlined(copy.deepcopy(graph)), example_inputs,
-                            self.compiler, self.config_patches, name)
+                            self.compiler, self.config_patches, name, static_inputs=static)
         self.on_compile(what, pair)
         return pair
 

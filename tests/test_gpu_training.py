@@ -74,3 +74,29 @@ def test_cuda_graphs_replay_every_order(scenario):
     manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
     assert manager is not None and sum(len(nodes) for nodes in manager.roots.values()) > 0
     assert {r.route for r in recent_reports} == {"training"}
+
+
+def recorded_graphs():
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    return sum(1 + node.num_descendants() for nodes in manager.roots.values() for node in nodes)
+
+
+@pytest.mark.parametrize("scenario", [first_order, hvp, maml], ids=lambda f: f.__name__)
+def test_cuda_graphs_replay_for_new_batches_without_recording_again(scenario):
+    """Batches (and MAML's fast weights) come in at new addresses on every step: CUDA graphs
+    copy them in and replay. Only parameters are recorded in place; a backward that took the
+    caller's batch for static (it reads the batch it was saved with) recorded itself again
+    for each new address."""
+    model, batch = model_and_batch()
+    compiled = torch.compile(model, backend=flashbob, mode="reduce-overhead")
+    for _ in range(3):              # warm-up, record, replay
+        scenario(compiled, batch)
+    recorded = recorded_graphs()
+    batches = [tuple(t.clone() for t in batch) for _ in range(3)]   # all alive: new addresses
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = scenario(model, batches[-1])
+    for new_batch in batches:
+        actual = [g.clone() for g in scenario(compiled, new_batch)]
+    assert recorded_graphs() == recorded
+    assert relative_error(actual, expected) <= 1e-4

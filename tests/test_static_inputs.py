@@ -27,7 +27,7 @@ class BufferNet(torch.nn.Module):
         return self.out(torch.tanh(self.lin(x) + self.offset)).square().sum()
 
 
-def static_marks(mode, call):
+def static_marks(mode, call, model_class=BufferNet):
     """{input name: static mark} of each graph flashbob compiled, as its compilers saw it."""
     seen = []
     real = static_inputs.unmark_parameter_stand_ins
@@ -38,7 +38,7 @@ def static_marks(mode, call):
                      for n in gm.graph.find_nodes(op="placeholder")})
         return unmarked
     torch._dynamo.reset()
-    model = BufferNet()
+    model = model_class()
     compiled = torch.compile(model, backend=functools.partial(flashbob, mode=mode))
     original = static_inputs.unmark_parameter_stand_ins
     static_inputs.unmark_parameter_stand_ins = spy
@@ -72,3 +72,60 @@ def test_without_cuda_graphs_nothing_changes():
     assert static_marks("default", maml_like) == []      # never called
     assert static_marks("max-autotune-no-cudagraphs", maml_like) == []
     assert static_inputs.uses_cuda_graphs(dict(triton_cudagraphs=False)) is False
+
+
+
+class ScaledNet(BufferNet):
+    """BufferNet with a learned scale on its hidden layer, which the backward saves as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2, 4))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x) * self.scale + self.offset)).square().sum()
+
+
+def static_inputs_compiled(call, model_class):
+    """[(forward's, backward's) (placeholder names, names of the static inputs)] of every
+    pair flashbob compiled under mode="reduce-overhead", in order, as inductor got them."""
+    import torch._inductor.compile_fx as compile_fx
+    compiled = []
+    inner = compile_fx.compile_fx_inner
+
+    def spy(gm, example_inputs, **kwargs):
+        names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        compiled.append((names, [names[i] for i in kwargs.get("static_input_idxs", ())]))
+        return inner(gm, example_inputs, **kwargs)
+    compile_fx.compile_fx_inner = spy
+    try:
+        marks = static_marks("reduce-overhead", call, model_class)
+    finally:
+        compile_fx.compile_fx_inner = inner
+    return marks, list(zip(compiled[::2], compiled[1::2]))
+
+
+def test_compiled_halves_record_parameters_in_place_and_copy_everything_else():
+    marks, pairs = static_inputs_compiled(maml_like, ScaledNet)
+    support, query = ([i for i, mark in enumerate(graph.values()) if mark] for graph in marks)
+    assert len(support) == 6 and len(query) == 1     # 5 parameters and the buffer; the buffer
+    (forward_names, forward_static), (backward_names, _) = pairs[0]
+    assert [forward_names.index(n) for n in forward_static] == support
+    # compiled in this order: the support graph, the double backward (during the inner
+    # grad), the query graph (fast weights), the support graph's residual VJP
+    (query_names, query_static), _ = pairs[2]
+    assert len(query_names) == len(forward_names)
+    assert [query_names.index(n) for n in query_static] == query
+    for (names, static), (backward_names, backward_static) in pairs:
+        # a saved primal is static in the backward only where it is in the forward: the
+        # caller's x and MAML's fast weights come in anew at every call
+        saved_primals = set(names) & set(backward_names)
+        assert saved_primals, "every backward here reads some input"
+        assert set(backward_static) & saved_primals <= set(static)
+        assert not any(n.startswith("tangents") for n in backward_static)
+    # the double backward's pair: its inputs are the support backward's (saved values,
+    # then tangents); of those, the parameters saved as they are (the scale) stay
+    # in place, activations and tangents are copied in
+    (_, second_order_static), _ = pairs[1]
+    kept = [backward_names[int(n.split("_")[1]) - 1] for n in second_order_static]
+    assert kept and set(kept) <= set(forward_static)
