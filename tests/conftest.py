@@ -7,6 +7,9 @@ import torch
 
 from bob_compile.backend import counters, recent_reports
 from bob_compile.kernels import blockwise, settings
+from early_start import start_selected
+
+_early = []     # early_start.Subprocess objects this session started
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,6 +28,18 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the subprocesses of the selected tests now (early_start.py); under pytest-xdist
+    (a worker) each starts when its test asks for it."""
+    if not hasattr(session.config, "workerinput"):
+        _early.extend(start_selected(session.items))
+
+
+def pytest_sessionfinish(session):
+    for process in _early:
+        process.stop()
 
 
 @pytest.fixture(autouse=True)

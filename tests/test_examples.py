@@ -10,20 +10,60 @@ import subprocess
 import sys
 
 import pytest
+from early_start import Subprocess
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name, *args, timeout=300, python_prefix=()):
+def example(name, *args, timeout=300, python_prefix=()):
+    """The example run as `python examples/<name> <args>` (early_start.Subprocess)."""
     # One intra-op thread: the tiny default sizes gain nothing from more, and on a busy
     # 2-core machine torch's spinning OpenMP threads made the same run 5-10x slower.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [sys.executable, *python_prefix, str(EXAMPLES / name), *args]
-    result = subprocess.run(command, cwd=EXAMPLES.parent, capture_output=True, text=True,
-                            timeout=timeout, env=env)
+
+    def command():
+        prefix = python_prefix() if callable(python_prefix) else python_prefix
+        return [sys.executable, *prefix, str(EXAMPLES / name), *args]
+    return Subprocess(command, env=env, cwd=EXAMPLES.parent, timeout=timeout)
+
+
+def output_of(run):
+    """The example's stdout, once it exited 0."""
+    result = run.result()
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{output[-6000:]}"
+    assert result.returncode == 0, f"{result.args} exited with {result.returncode}:\n{output[-6000:]}"
     return result.stdout
+
+
+def run_example(name, *args, **kwargs):
+    return output_of(example(name, *args, **kwargs))
+
+
+def torchrun_two_processes():
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    return ("-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            f"--master-port={port}")
+
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+# The longer runs start when collection ends and run beside the rest of the suite
+# (early_start.py); each test below waits for its own.
+EARLY_SUBPROCESSES = {
+    "test_maml": example("maml.py"),
+    "test_sophia_h": example("sophia_h.py"),
+    "test_distributed_sophia_h": example("distributed_sophia_h.py",
+                                         python_prefix=torchrun_two_processes),
+    "test_func_hvp": example("func_hvp.py"),
+    "test_quickstart": example("quickstart.py"),
+    **({"test_hf_gpt2": example("hf_gpt2.py")} if HAS_TRANSFORMERS else {}),
+}
+
+
+def early_output(test_name):
+    return output_of(EARLY_SUBPROCESSES[test_name])
 
 
 @pytest.mark.parametrize("name", ["maml.py", "sophia_h.py", "func_hvp.py", "hf_gpt2.py",
@@ -33,7 +73,7 @@ def test_help(name):
 
 
 def test_maml():
-    out = run_example("maml.py")
+    out = early_output("test_maml")
     assert "first-order MAML differs from second-order" in out
     assert "stock torch.compile(backend='aot_eager')" in out  # its outcome is reported, whatever it is
     assert "check flashbob meta-gradient vs eager math attention (second order)" in out
@@ -41,7 +81,7 @@ def test_maml():
 
 
 def test_sophia_h():
-    out = run_example("sophia_h.py")
+    out = early_output("test_sophia_h")
     assert out.count("(with Hessian estimate)") >= 2
     assert "check Hessian-vector product (trained weights)" in out
     assert "all checks passed" in out
@@ -50,12 +90,7 @@ def test_sophia_h():
 def test_distributed_sophia_h():
     """torchrun with 2 CPU processes (gloo): DDP around the compiled model, the Hessian step
     averaged over the ranks, checked against one process on the concatenated batch."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    out = run_example("distributed_sophia_h.py", python_prefix=(
-        "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-        f"--master-port={port}"))
+    out = early_output("test_distributed_sophia_h")
     assert out.count("all checks passed") == 2
     assert "rank 1 Hessian-vector product (trained weights)" in out
     assert "samples/s" in out
@@ -68,16 +103,16 @@ def test_distributed_sophia_h_says_how_to_launch():
 
 
 def test_func_hvp():
-    out = run_example("func_hvp.py")
+    out = early_output("test_func_hvp")
     assert "check jvp(grad) HVP vs eager math attention" in out
     assert "check grad(grad) HVP vs eager math attention" in out
     assert "all checks passed" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                    reason="transformers is not installed (optional extra: pip install -e '.[examples]')")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed "
+                    "(optional extra: pip install -e '.[examples]')")
 def test_hf_gpt2():
-    out = run_example("hf_gpt2.py")
+    out = early_output("test_hf_gpt2")
     assert "check sdpa: Hessian-vector product" in out
     assert "check eager: Hessian-vector product" in out
     assert "all checks passed" in out
@@ -97,7 +132,7 @@ def test_hf_gpt2_skips_cleanly_without_transformers():
 
 def test_quickstart():
     """The README's main job."""
-    out = run_example("quickstart.py")
+    out = early_output("test_quickstart")
     assert "+" in out and "bob_compile_attention" in out      # it shows the graph diff
     assert "all checks passed" in out
 

@@ -10,11 +10,11 @@ fp32 and fp16 only: the interpreter mishandles bf16.
 """
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from early_start import Subprocess
 
 triton = pytest.importorskip("triton")
 
@@ -26,12 +26,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_interpreter = pytest.mark.interpreter_subprocess     # deselected outside it (conftest.py)
 
 
+# started when collection ends, beside the rest of the suite (early_start.py)
+EARLY_SUBPROCESSES = {} if INTERPRETED else {"test_kernels_under_the_interpreter": Subprocess(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+    env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)}
+
+
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter process")
 def test_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = EARLY_SUBPROCESSES["test_kernels_under_the_interpreter"].result()
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
 
 
