@@ -154,7 +154,8 @@ def _backward_static_inputs(backward_graph, forward_graph, static_inputs):
     hands the backward the caller's tensor itself (a batch, MAML's fast weights), whose
     address changes between calls; called static, CUDA graph trees would re-record the
     backward for every new address."""
-    primal_index = {n.name: i for i, n in enumerate(forward_graph.graph.find_nodes(op="placeholder"))}
+    primals = forward_graph.graph.find_nodes(op="placeholder")
+    primal_index = {node.name: i for i, node in enumerate(primals)}
 
     def is_static(node):
         if node.name.startswith("tangents"):
