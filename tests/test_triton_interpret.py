@@ -29,7 +29,9 @@ in_interpreter = pytest.mark.interpreter_subprocess     # deselected outside it 
 # started when collection ends, beside the rest of the suite (early_start.py)
 EARLY_SUBPROCESSES = {} if INTERPRETED else {"test_kernels_under_the_interpreter": Subprocess(
     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-    env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)}
+    # one intra-op thread: the shapes are tiny, and it runs beside the rest of the suite,
+    # where spinning OpenMP threads would slow both
+    env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"), timeout=900)}
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter process")
