@@ -135,6 +135,15 @@ def _native_forward_output(backend, q, k, v, scale, causal):
     return _flash_forward(q, k, v, 0.0, causal, False, scale=scale)[0]
 
 
+def _deterministic():
+    """Whether torch.use_deterministic_algorithms(True) (not warn_only) is in force. PyTorch's
+    fused backwards accumulate dq with atomics, and native SDPA then avoids cuDNN
+    (sdp_utils' check_cudnn_deterministic); the op runs the Triton backward instead, whose
+    default dq pass is deterministic (BOB_COMPILE_BWD_DQ=two_pass)."""
+    return torch.are_deterministic_algorithms_enabled() and \
+        not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
 _empty_seeds = {}
 
 
@@ -223,7 +232,7 @@ class CallPath:
         return layout.in_order_of(o, q)
 
     def backward(self, q, k, v, o, lse, do, dlse):
-        if dlse is None and self.native is not None:
+        if dlse is None and self.native is not None and not _deterministic():
             grads = _try_native(self.native, _native_backward, q, k, v, o, lse, do,
                                 self.params.scale, self.params.causal)
             if grads is None:
@@ -319,7 +328,7 @@ def backward(q, k, v, o, lse, do, dlse, params):
         return torch.zeros_like(q, memory_format=torch.contiguous_format), \
             torch.zeros_like(k, memory_format=torch.contiguous_format), \
             torch.zeros_like(v, memory_format=torch.contiguous_format)
-    if dlse is None:
+    if dlse is None and not _deterministic():
         backend = _native_backend(q, k, v, params)
         if backend is not None:
             out = _try_native(backend, _native_backward, q, k, v, o, lse, do, scale, causal)

@@ -148,6 +148,41 @@ def test_native_first_order_and_a_refusal(call_paths, monkeypatch):
     assert triton_attention._call_paths == {}        # every call path is decided again
 
 
+def test_deterministic_algorithms_keep_pytorchs_backward_out(call_paths, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the first-order backward runs our
+    kernels (PyTorch's fused backwards accumulate dq with atomics, and native SDPA then
+    avoids cuDNN); with warn_only=True, or without it, PyTorch's backward runs."""
+    native, calls = call_paths
+    native[0] = "cpu"
+    ran = []
+    monkeypatch.setattr(triton_attention, "_native_backward",
+                        lambda *a: ran.append(1) or cpu_flash_backward(*a))
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        for deterministic, warn_only, expected in ((True, False, []), (True, True, [1]),
+                                                   (False, False, [1])):
+            ran.clear()
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+            ours = first_order_step(*inputs(dtype=torch.float32))
+            assert ran == expected, (deterministic, warn_only)
+            want = general_path(first_order_step, monkeypatch, *inputs(dtype=torch.float32))
+            for a, b in zip(ours, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # the contract's own backward (the op's general path), PyTorch's kernel applying
+        monkeypatch.setattr(triton_attention, "_native_backend", lambda *a: "cpu")
+        q, k, v, do = (t.detach() for t in inputs(dtype=torch.float32))
+        params = AttentionParams(scale=0.5, causal=True)
+        o, lse = blockwise.forward(q, k, v, params)
+        for deterministic, expected in ((True, []), (False, [1])):
+            ran.clear()
+            torch.use_deterministic_algorithms(deterministic)
+            triton_attention.backward(q, k, v, o, lse, do, None, params)
+            assert ran == expected
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_backwards_under_a_mode_or_the_profiler_call_the_op(call_paths):
     """What observes ops sees them: a dispatch mode around the backward sees attn_bwd, and
     the profiler names it, as without call paths."""

@@ -52,6 +52,10 @@ def chain_step(q, k, v, do, gq, gk, gv, scale, causal, impl, mask=None):
             bv.double() + dv2.double(), gdo.double())
 
 
+def f64(*tensors):
+    return [None if t is None else t.double() for t in tensors]
+
+
 # --------------------------------------------------------------------------------------
 def check_against(name, ours, lowp, exact, report):
     ours_err = rel_err(ours, exact)
@@ -135,7 +139,6 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     k = torch.randn(B, Hkv, S, E, device=dev, dtype=dtype)
     v = torch.randn(B, Hkv, S, Ev, device=dev, dtype=dtype)
     assert triton_attention.supports(q, k, v)
-    f64 = lambda *ts: [None if t is None else t.double() for t in ts]  # noqa: E731
     report = []
 
     # first order: forward
@@ -249,6 +252,51 @@ def test_deterministic_two_pass(monkeypatch):
         again_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
         for a, b in zip(first + first_bwd, again + again_bwd):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_deterministic_algorithms_run_our_backward(monkeypatch, causal):
+    """Under torch.use_deterministic_algorithms(True) a first-order step through the op runs
+    our backward, not cuDNN's (whose dq accumulates by atomics; native SDPA then avoids
+    cuDNN too): bit-identical run to run, and as exact as the rule above."""
+    import bob_compile
+    ran = []
+    real = triton_attention._cudnn_backward
+    monkeypatch.setattr(triton_attention, "_cudnn_backward",
+                        lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    q, k, v, do = (torch.randn(2, 3, 1000, 64, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+
+    def first_order(attn, dtype=torch.bfloat16):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(attn(*leaves), leaves, do.to(dtype))
+
+    def ours(a, b, c):
+        return bob_compile.attention(a, b, c, is_causal=causal)
+    first_order(ours)
+    assert ran == [1]                       # cuDNN's backward by default
+    ran.clear()
+    with deterministic_algorithms():
+        first, again = first_order(ours), first_order(ours)
+    assert ran == [] and all(torch.equal(a, b) for a, b in zip(first, again))
+    exact = first_order(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+        a, b, c, is_causal=causal), torch.float64)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        lowp = first_order(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+            a, b, c, is_causal=causal))
+    report = []
+    for name, a, m, e in zip(("dq", "dk", "dv"), first, lowp, exact):
+        check_against(name, a, m, e, report)
+    print("\n".join(report))
+
+
+class deterministic_algorithms:
+    def __enter__(self):
+        self.before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.before)
 
 
 @pytest.mark.parametrize("causal", [False, True])
