@@ -24,7 +24,7 @@ CUDA-event medians after warm-up. Checks the masked steps against per-sequence u
 steps on the real tokens (the padded rows' outputs are excluded). `--profile` also prints
 each padded row's GPU time per step by kernel (torch.profiler), host time excluded.
 
-    python benchmarks/bench_masks.py --out results/ [--profile]
+    python benchmarks/bench_masks.py --out results/ [--profile] [--summary-per-call]
 """
 import argparse
 import json
@@ -89,10 +89,16 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--profile", action="store_true",
                    help="also print each padded row's GPU time per step by kernel")
+    p.add_argument("--summary-per-call", action="store_true",
+                   help="summarize the mask in every op call, as before the backwards reused "
+                        "their forward's summary (for comparison)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_masks.py needs a CUDA device")
         return
+    if args.summary_per_call:
+        from bob_compile.kernels import triton_masks
+        triton_masks.summary_of_forward = lambda mask, reuse: triton_masks.mask_summary(mask)
     dev, dtype, causal = "cuda", torch.bfloat16, True
     B, H, S, d = args.batch, args.heads, args.max_len, args.d
     g = torch.Generator().manual_seed(0)

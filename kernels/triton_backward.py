@@ -282,7 +282,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     dv = empty_like_order(v.shape, v)
     dq_acc = (torch.zeros((B, Hq, L, E), device=q.device, dtype=torch.float32)
               if dq_atomics else dk)
-    mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
+    mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
 
     def common():
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),

@@ -413,7 +413,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     gdq_arg = gdq if has_gdq else q
     gdk_arg = gdk if has_gdk else k
     gdv_arg = gdv if has_gdv else v
-    mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
+    mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind))
 
     def common():

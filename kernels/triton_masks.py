@@ -14,13 +14,15 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
                  (triton_common.apply_mask_tile, key_loops_within_mask,
                  row_loops_within_mask).
 
-The summary is computed on the device on every call, by two small kernels (per-row counts,
-then per (batch, head)) without a host synchronization: nothing about a mask's contents is
-remembered between calls, as a write through `.data` would not show in its version counter
+The summary is computed on the device by every forward, by two small kernels (per-row
+counts, then per (batch, head)) without a host synchronization; the backwards of that call
+reuse it ("One summary per forward" below). Nothing about a mask's contents is carried from
+one forward to the next, as a write through `.data` would not show in its version counter
 and a CUDA graph's outputs reuse their memory. `summarize_with_torch` is the same summary in
 PyTorch ops: the tests' reference, and the fallback where Triton cannot build the kernels.
 """
 import logging
+import weakref
 
 import torch
 import triton
@@ -35,14 +37,53 @@ NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
 READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL = 0, 1, 2      # a summary's structure
 
 
-def mask_kind_and_tensor(params, fallback):
+def mask_kind_and_tensor(params, fallback, reuse=False):
     """(MASK_KIND, the tensor to pass as MASK, KEY_RANGE = mask_summary(mask)): `fallback`
-    (never read) for both without a mask."""
+    (never read) for both without a mask. reuse=True (the backwards): the summary the last
+    forward made of this very mask, if there is one (see "One summary per forward" below)."""
     mask = params.mask
     if mask is None:
         return NO_MASK, fallback, fallback
     kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
-    return kind, mask, mask_summary(mask)
+    return kind, mask, summary_of_forward(mask, reuse)
+
+
+# --------------------------------------------------------------------------------------
+# One summary per forward
+# --------------------------------------------------------------------------------------
+# A forward's backward, BoB and second backward receive the very mask tensor the forward
+# read (autograd saved it, and refuses it if it was changed in place since), so they reuse
+# the forward's summary instead of making three more (a second-order step made four, each
+# two launches and a read of the whole mask). The summary is kept per mask view: the object
+# at the root of the view (`_base`), its version and address, and the view's geometry.
+# Every forward summarizes afresh, so nothing is carried from one step to the next (a write
+# through `.data` between steps does not show in the version); within a step, a backward
+# then sees the summary of the mask its forward read. Never while a CUDA graph is being
+# captured: a captured backward must not read memory that only the forward's graph writes.
+_forward_summaries = {}      # id(root) -> (weakref to root, key, summary)
+_FORWARD_SUMMARIES_LIMIT = 64
+
+
+def _summary_key(mask):
+    root = mask._base if mask._base is not None else mask
+    return root, (root._version, root.data_ptr(), mask.shape, mask.stride(),
+                  mask.storage_offset(), mask.dtype, mask.device)
+
+
+def summary_of_forward(mask, reuse):
+    """mask_summary(mask); for a backward (reuse) the one its forward made, if kept."""
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return mask_summary(mask)
+    root, key = _summary_key(mask)
+    if reuse:
+        kept = _forward_summaries.get(id(root))
+        if kept is not None and kept[0]() is root and kept[1] == key:
+            return kept[2]
+    summary = mask_summary(mask)
+    if len(_forward_summaries) >= _FORWARD_SUMMARIES_LIMIT:
+        _forward_summaries.clear()
+    _forward_summaries[id(root)] = (weakref.ref(root), key, summary)
+    return summary
 
 
 def mask_flags(kind):

@@ -101,3 +101,53 @@ def test_every_call_reads_the_mask_again():
     assert summary(mask)[1] == [0, 6, READ_THE_MASK]
     stored.data[1, ..., 4] = True
     assert summary(mask)[1] == [0, 6, KEYS_IN_RANGE]
+
+
+@pytest.fixture
+def summaries_made(monkeypatch):
+    """summary_of_forward with mask_summary counted (and computed by the PyTorch form)."""
+    from bob_compile.kernels import triton_masks
+    made = []
+
+    def counted(mask):
+        made.append(1)
+        return summarize_with_torch(mask)
+    monkeypatch.setattr(triton_masks, "mask_summary", counted)
+    monkeypatch.setattr(triton_masks, "_forward_summaries", {})
+    return triton_masks.summary_of_forward, made
+
+
+def test_backwards_reuse_the_summary_their_forward_made(summaries_made):
+    """A forward summarizes; the backwards of that call, which receive the same mask (each
+    through a new broadcast view of it, as ops.py makes one per call), reuse it."""
+    summary_of_forward, made = summaries_made
+    stored = padding([7, 4, 2])
+    first = summary_of_forward(stored.expand(B, H, L, S), False)
+    for _ in range(3):                                  # backward, BoB, second backward
+        assert summary_of_forward(stored.expand(B, H, L, S), True) is first
+    assert len(made) == 1
+    assert summary_of_forward(stored.expand(B, H, L, S), False) is not first  # a new forward
+    assert len(made) == 2
+
+
+def test_nothing_is_reused_across_forwards_or_changed_masks(summaries_made):
+    """Every forward summarizes afresh (a write through .data between steps is not seen by
+    the version counter), and a backward never reuses the summary of another mask, another
+    view of it, or a mask changed in place since."""
+    summary_of_forward, made = summaries_made
+    stored = padding([7, 4, 2])
+    summary_of_forward(stored.expand(B, H, L, S), False)
+    stored.data[1, ..., 5] = True                       # unseen by the version counter
+    assert summary(stored)[1] == [0, 6, READ_THE_MASK]
+    assert summary_of_forward(stored.expand(B, H, L, S), False)[1, 0, 0].tolist() == \
+        [0, 6, READ_THE_MASK]                           # the next forward sees it
+    assert len(made) == 2
+    stored[1, ..., 4] = True                            # in place: the version changes
+    kept = summary_of_forward(stored.expand(B, H, L, S), True)
+    assert kept[1, 0, 0].tolist() == [0, 6, KEYS_IN_RANGE] and len(made) == 3
+    assert summary_of_forward(stored[:, :, :, :].expand(B, H, L, S), True) is kept  # same view
+    other = padding([7, 4, 2])                          # same contents, another tensor
+    summary_of_forward(other.expand(B, H, L, S), True)
+    rows = stored.expand(B, 1, L, S)                    # another view of the same mask
+    summary_of_forward(rows, True)
+    assert len(made) == 5
