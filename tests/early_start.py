@@ -1,7 +1,8 @@
 """Subprocesses that tests wait for, started when collection ends.
 
 Some tests run a fresh interpreter (the examples, as a user runs them; the Triton interpreter
-suite, which needs TRITON_INTERPRET=1 before Triton is imported). Run one after another,
+suite, which needs TRITON_INTERPRET=1 before Triton is imported; the two gloo ranks of
+test_distributed.py). Run one after another,
 each keeps one core busy while the other idles; started together beside the suite on a
 2-core machine, `.ci/run`'s tests took 1,014 s instead of 1,157 s. A test module lists such subprocesses in `EARLY_SUBPROCESSES` (test function
 name -> Subprocess); conftest.py starts those of the selected tests as soon as collection

@@ -5,10 +5,13 @@ single process on the whole batch (<= 1e-9): DDP's first-order step, the average
 Hessian-vector product, the averaged MAML meta-gradient (one task per rank), and FSDP2's
 first-order step. The single-process answers use eager PyTorch with math attention.
 """
+import inspect
 import os
+import pathlib
+import shutil
 import socket
-import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import distributed_worker as worker
 from bob_compile import distributed
+from early_start import Subprocess
 from models import loss_of
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -32,14 +36,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+# The ranks run once, as a subprocess started when collection ends (tests/early_start.py), so
+# that they compute beside the rest of the suite; every test here reads their results.
+_ranks_out = []     # the folder the ranks write to, made when they start
+
+
+def _ranks_command():
+    _ranks_out.append(pathlib.Path(tempfile.mkdtemp(prefix="bob_compile_ranks_")))
+    return [sys.executable, worker.__file__, str(_ranks_out[0]), str(free_port()), str(WORLD)]
+
+
+_RANKS = Subprocess(_ranks_command, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=900)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    done = subprocess.run([sys.executable, worker.__file__, str(out), str(free_port()),
-                           str(WORLD)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+def ranks():
+    done = _RANKS.result()
+    try:
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+        yield [torch.load(_ranks_out[0] / f"rank{r}.pt") for r in range(WORLD)]
+    finally:
+        shutil.rmtree(_ranks_out[0], ignore_errors=True)
 
 
 def max_error(actual, expected):
@@ -121,3 +138,8 @@ def test_helpers_refuse_what_they_cannot_do():
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(ValueError, match="not differentiable"):
         distributed.gradient((x * x).sum(), [x], create_graph=True)
+
+
+# every test that reads the ranks' results starts them early
+EARLY_SUBPROCESSES = {name: _RANKS for name, test in list(globals().items())
+                      if name.startswith("test_") and "ranks" in inspect.signature(test).parameters}

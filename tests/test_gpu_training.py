@@ -100,3 +100,47 @@ def test_cuda_graphs_replay_for_new_batches_without_recording_again(scenario):
         actual = [g.clone() for g in scenario(compiled, new_batch)]
     assert recorded_graphs() == recorded
     assert relative_error(actual, expected) <= 1e-4
+
+
+class PaddedAttention(torch.nn.Module):
+    """One attention block over a right-padded batch: SDPA with a key-padding mask (B, 1, 1,
+    T), as Hugging Face passes `attention_mask`; the loss counts real tokens only."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, real):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).split(C, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                             attn_mask=real[:, None, None, :])
+        y = self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return (y.tanh() * real[..., None]).square().sum()
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_padding_masks_that_change_every_step(mode):
+    """A new padding mask every step, a Hessian-vector product each: the forward summarizes
+    its mask and that step's backwards reuse the summary (triton_masks.summary_of_forward),
+    never a summary of an earlier step's mask; under CUDA graphs the summary is made inside
+    the recorded graphs from the mask copied in."""
+    torch.manual_seed(0)
+    model = PaddedAttention().cuda()
+    compiled = torch.compile(model, backend=flashbob, mode=mode)
+    x = torch.randn(3, 40, 64, device="cuda")
+    for lengths in ((40, 17, 5), (9, 40, 33), (40, 17, 5), (2, 3, 40)):
+        real = torch.arange(40, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
+        params = list(model.parameters())
+
+        def step(fn):
+            grads = torch.autograd.grad(fn(x, real), params, create_graph=True)
+            return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = step(model)
+        actual = [g.clone() for g in step(compiled)]
+        assert relative_error(actual, expected) <= 1e-4, lengths
+    assert all(len(r.replaced) == 1 for r in recent_reports)
