@@ -103,11 +103,13 @@ _apply_state = threading.local()
 
 def _direct(call, name, args):
     """The op's implementation `call(kernels.select, *args)`, without the dispatcher;
-    under the profiler recorded under the op's name."""
+    under the profiler recorded under the op's name. A mask's summary may be kept for the
+    call's backwards here (AttentionParams.keep_mask_summary): plain eager code owns its
+    memory, unlike a compiled graph's CUDA-graph pool."""
     if _profiling():
         with torch.profiler.record_function(name):
-            return call(kernels.select, *args)
-    return call(kernels.select, *args)
+            return call(kernels.select, *args, keep_mask_summary=True)
+    return call(kernels.select, *args, keep_mask_summary=True)
 
 
 def _run(op_overload, call, name, args):

@@ -72,8 +72,11 @@ def _flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
     return mask.reshape(-1, *full[-3:]) if mask.dim() > 2 else mask.view(1, 1, *full)
 
 
-def _params(q, k, mask, scale, causal):
-    return AttentionParams(scale=scale, causal=causal, mask=_flat_mask(mask, q, k))
+def _params(q, k, mask, scale, causal, keep_mask_summary):
+    if mask is None:
+        return AttentionParams(scale=scale, causal=causal)
+    return AttentionParams(scale=scale, causal=causal, mask=_flat_mask(mask, q, k),
+                           keep_mask_summary=keep_mask_summary)
 
 
 def _unflat(t: Tensor, shape, like: Optional[Tensor]):
@@ -94,21 +97,23 @@ def call_path(pick, q, k, v, mask, scale, causal):
     return None
 
 
-def call_forward(pick, q, k, v, mask, scale, causal):
+def call_forward(pick, q, k, v, mask, scale, causal, keep_mask_summary=False):
     """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
     restore the leading dims and the output layout. The call_* functions below do the same
-    for each op."""
+    for each op. keep_mask_summary: see AttentionParams (True only from the plain eager
+    path of bob_compile/autograd.py, never from the ops themselves)."""
     known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
         out = known.forward(q, k, v)
         if out is not None:
             return out
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, _params(q, k, mask, scale, causal))
+    params = _params(q, k, mask, scale, causal, keep_mask_summary)
+    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
-def call_forward_output(pick, q, k, v, mask, scale, causal):
+def call_forward_output(pick, q, k, v, mask, scale, causal, keep_mask_summary=False):
     """o of call_forward, from the implementation's forward_output (no lse to compute)."""
     known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
@@ -116,11 +121,13 @@ def call_forward_output(pick, q, k, v, mask, scale, causal):
         if o is not None:
             return o
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    o = pick(qf, kf, vf).forward_output(qf, kf, vf, _params(q, k, mask, scale, causal))
+    params = _params(q, k, mask, scale, causal, keep_mask_summary)
+    o = pick(qf, kf, vf).forward_output(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q)
 
 
-def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal):
+def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal,
+                  keep_mask_summary=False):
     known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
         grads = known.backward(q, k, v, o, lse, do, dlse)
@@ -129,11 +136,12 @@ def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                            _flat_rows(dlse, qf),
-                                           _params(q, k, mask, scale, causal))
+                                           _params(q, k, mask, scale, causal, keep_mask_summary))
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
-def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
+def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
+             keep_mask_summary=False):
     known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
         outs = known.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
@@ -142,27 +150,28 @@ def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
                                 _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv),
-                                _params(q, k, mask, scale, causal))
+                                _params(q, k, mask, scale, causal, keep_mask_summary))
     likes = (q, k, v, o, None, do, None)
     return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                  for t, like in zip(outs, likes))
 
 
-def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal):
+def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal,
+                     keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq),
                                             _flat(tk), _flat(tv),
-                                            _params(q, k, mask, scale, causal))
+                                            _params(q, k, mask, scale, causal, keep_mask_summary))
     return _unflat(to, o.shape, o), _unflat(tlse, lse.shape, None)
 
 
 def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
-                      mask, scale, causal):
+                      mask, scale, causal, keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = pick(qf, kf, vf).backward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
         _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
-        _params(q, k, mask, scale, causal))
+        _params(q, k, mask, scale, causal, keep_mask_summary))
     return tuple(_unflat(t, like.shape, like) for t, like in zip(outs, (q, k, v)))
 
 

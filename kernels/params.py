@@ -23,11 +23,14 @@ class AttentionParams:
     mask: None, or a tensor of shape (B, Hq, L, S) (broadcast dims may have stride 0) that
     no derivative flows into: bool (True: the key is visible, SDPA's convention) or
     floating (added to the scaled scores; -inf, or any value <= HIDDEN_AT_OR_BELOW, hides
-    a key). It applies on top of causal.
+    a key). It applies on top of causal;
+    keep_mask_summary: whether the Triton kernels may keep this call's summary of its mask
+    for the backwards of the same call (triton_masks.py, "One summary per forward"): only
+    plain eager calls, where no compiled graph or CUDA graph owns the memory.
     Keyword-only, checked."""
-    __slots__ = ("scale", "causal", "mask")
+    __slots__ = ("scale", "causal", "mask", "keep_mask_summary")
 
-    def __init__(self, *, scale, causal, mask=None):
+    def __init__(self, *, scale, causal, mask=None, keep_mask_summary=False):
         if causal is not True and causal is not False:
             raise TypeError(f"AttentionParams: causal must be a bool, got {causal!r}")
         if scale is True or scale is False:
@@ -36,6 +39,7 @@ class AttentionParams:
             raise TypeError(f"AttentionParams: mask must be None or a 4-D tensor, got "
                             f"{type(mask).__name__}{tuple(getattr(mask, 'shape', ()))}")
         self.scale, self.causal, self.mask = scale, causal, mask
+        self.keep_mask_summary = keep_mask_summary
 
     def __repr__(self):
         mask = "None" if self.mask is None else f"<{self.mask.dtype} {tuple(self.mask.shape)}>"

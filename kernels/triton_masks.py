@@ -45,6 +45,8 @@ def mask_kind_and_tensor(params, fallback, reuse=False):
     if mask is None:
         return NO_MASK, fallback, fallback
     kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
+    if not params.keep_mask_summary:
+        return kind, mask, mask_summary(mask)
     return kind, mask, summary_of_forward(mask, reuse)
 
 
@@ -58,8 +60,10 @@ def mask_kind_and_tensor(params, fallback, reuse=False):
 # at the root of the view (`_base`), its version and address, and the view's geometry.
 # Every forward summarizes afresh, so nothing is carried from one step to the next (a write
 # through `.data` between steps does not show in the version); within a step, a backward
-# then sees the summary of the mask its forward read. Never while a CUDA graph is being
-# captured: a captured backward must not read memory that only the forward's graph writes.
+# then sees the summary of the mask its forward read. Only for plain eager calls
+# (AttentionParams.keep_mask_summary): a summary kept from a compiled graph's call would be
+# memory of its CUDA-graph pool that the graph does not account for (inductor's CUDA-graph
+# trees refuse to record then), and never while a CUDA graph is being captured.
 _forward_summaries = {}      # id(root) -> (weakref to root, key, summary)
 _FORWARD_SUMMARIES_LIMIT = 64
 

@@ -143,9 +143,9 @@ def _count_op_calls(monkeypatch):
     for name in ("call_forward", "call_forward_output", "call_backward"):
         real = getattr(ops, name)
 
-        def counted(*args, _real=real, _name=name):
+        def counted(*args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
-            return _real(*args)
+            return _real(*args, **kwargs)
         monkeypatch.setattr(ops, name, counted)
     return calls
 

@@ -151,3 +151,19 @@ def test_nothing_is_reused_across_forwards_or_changed_masks(summaries_made):
     rows = stored.expand(B, 1, L, S)                    # another view of the same mask
     summary_of_forward(rows, True)
     assert len(made) == 5
+
+
+def test_calls_that_may_not_keep_summarize_every_time(summaries_made):
+    """Calls through the op (AttentionParams.keep_mask_summary False: a compiled graph's,
+    whose CUDA-graph pool must not hold memory it does not account for) neither keep a
+    summary nor reuse one."""
+    from bob_compile.kernels import triton_masks
+    from bob_compile.kernels.params import AttentionParams
+    summary_of_forward, made = summaries_made
+    mask = padding([7, 4, 2]).expand(B, H, L, S)
+    for keep in (False, True):
+        params = AttentionParams(scale=1.0, causal=False, mask=mask, keep_mask_summary=keep)
+        triton_masks.mask_kind_and_tensor(params, mask)                 # a forward
+        triton_masks.mask_kind_and_tensor(params, mask, reuse=True)     # its backward
+        assert len(triton_masks._forward_summaries) == keep
+    assert len(made) == 3

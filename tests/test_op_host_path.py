@@ -165,3 +165,42 @@ def test_profiler_names_the_ops():
         torch.autograd.grad(o.sum(), (q, k, v))
     names = {e.key for e in prof.key_averages()}
     assert {"bob_compile::attn_fwd", "bob_compile::attn_bwd"} <= names
+
+
+def test_only_plain_eager_calls_keep_their_mask_summary(monkeypatch):
+    """AttentionParams.keep_mask_summary (triton_masks.py, "One summary per forward"): the
+    calls the autograd Functions make directly may keep a mask's summary for their
+    backwards; calls through the op (compiled graphs, whose memory a CUDA graph's pool may
+    own; modes; torch.func) never do."""
+    from bob_compile import kernels
+    from bob_compile.kernels import blockwise
+    kept = []
+
+    def recording(name):
+        def run(*args):
+            kept.append((name, args[-1].keep_mask_summary))
+            return getattr(blockwise, name)(*args)
+        return run
+    recorder = types.SimpleNamespace(**{name: recording(name) for name in (
+        "forward", "forward_output", "backward", "bob", "forward_jvp", "backward_jvp")})
+    monkeypatch.setattr(kernels, "select", lambda q, k, v: recorder)
+    q, k, v, do = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+                   for _ in range(4))
+    mask = torch.rand(5, 5) > 0.3
+
+    def second_order():
+        o = bob_compile.attention(q, k, v, mask)
+        grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        return torch.autograd.grad(grads, (q, k, v, do), [torch.ones_like(g) for g in grads])
+    expected = second_order()
+    assert [name for name, _ in kept] == ["forward", "backward", "bob", "backward"]
+    assert all(keep for _, keep in kept)
+    kept.clear()
+    with OpLog():                       # through the dispatcher: nothing kept
+        actual = second_order()
+    assert len(kept) == 4 and not any(keep for _, keep in kept)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+    kept.clear()
+    bob_compile.attention(q, k, v)      # without a mask there is nothing to keep
+    assert kept == [("forward", False)]
