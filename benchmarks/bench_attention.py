@@ -107,14 +107,15 @@ def math_step(q, k, v, do, gq, gk, gv, scale, causal):
     q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
     with sdpa_kernel(SDPBackend.MATH):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                             scale=scale)
+                                                             scale=scale, enable_gqa=gqa(q, k))
         dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
         return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
 
 
 def native_first_order(q, k, v, do, gq, gk, gv, scale, causal):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                         enable_gqa=gqa(q, k))
     return torch.autograd.grad(o, (q, k, v), do)
 
 
@@ -127,7 +128,7 @@ def bob_first_order(q, k, v, do, gq, gk, gv, scale, causal):
 def op_autograd(q, k, v, do, gq, gk, gv, scale, causal):
     import bob_compile
     q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
-    o = bob_compile.attention(q, k, v, is_causal=causal, scale=scale)
+    o = bob_compile.attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa(q, k))
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
 
@@ -135,7 +136,7 @@ def op_autograd(q, k, v, do, gq, gk, gv, scale, causal):
 def op_autograd_first_order(q, k, v, do, gq, gk, gv, scale, causal):
     import bob_compile
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o = bob_compile.attention(q, k, v, is_causal=causal, scale=scale)
+    o = bob_compile.attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa(q, k))
     return torch.autograd.grad(o, (q, k, v), do)
 
 
@@ -146,7 +147,8 @@ def op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale, causal):
     import bob_compile
 
     def loss(q, k, v):
-        return (bob_compile.attention(q, k, v, is_causal=causal, scale=scale) * do).sum()
+        return (bob_compile.attention(q, k, v, is_causal=causal, scale=scale,
+                                      enable_gqa=gqa(q, k)) * do).sum()
     return torch.func.jvp(torch.func.grad(loss, argnums=(0, 1, 2)), (q, k, v), (gq, gk, gv))
 
 
@@ -162,9 +164,15 @@ def visible_pairs(n, causal):
     return n * (n + 1) // 2 if causal else n * n
 
 
-def make_inputs(B, H, n, d, dtype, sets):
-    return [tuple(torch.randn(B, H, n, d, device="cuda", dtype=dtype) for _ in range(7))
+def make_inputs(B, H, n, d, dtype, sets, kv_heads=None):
+    """q, k, v, do, gq, gk, gv; k, v and their cotangents with kv_heads heads (GQA)."""
+    heads = (H, kv_heads or H, kv_heads or H, H, H, kv_heads or H, kv_heads or H)
+    return [tuple(torch.randn(B, h, n, d, device="cuda", dtype=dtype) for h in heads)
             for _ in range(sets)]
+
+
+def gqa(q, k):
+    return q.shape[1] != k.shape[1]
 
 
 def measure(fn, inputs, scale, causal, reps, warmup):
@@ -254,6 +262,8 @@ def main():
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="key/value heads (grouped-query attention; default: --heads)")
     ap.add_argument("--math-max-n", type=int, default=8192)
     ap.add_argument("--max-step-seconds", type=float, default=60.0,
                     help="skip larger N once one step of a provider takes longer")
@@ -275,7 +285,7 @@ def main():
     rows = []
     json_path = os.path.join(args.out, f"bench_attention{args.tag}.json")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                dtype=str(dtype), B=B, H=H,
+                dtype=str(dtype), B=B, H=H, kv_heads=args.kv_heads or H,
                 flop_convention="per visible pair: fwd 4d, bwd 10d, BoB 36d (step 50d)",
                 env={k: v for k, v in os.environ.items() if k.startswith("BOB_COMPILE")})
 
@@ -285,7 +295,7 @@ def main():
             for n in args.n:
                 scale = 1.0 / math.sqrt(d)
                 sets = 2 if n <= 65536 else 1
-                inputs = make_inputs(B, H, n, d, dtype, sets)
+                inputs = make_inputs(B, H, n, d, dtype, sets, args.kv_heads)
                 pairs = B * H * visible_pairs(n, causal)
                 for prov in args.providers + [f"bob_compile@{x}" for x in args.variants]:
                     variant = None
