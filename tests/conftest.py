@@ -2,8 +2,16 @@
 sequences cross tile borders (odd lengths, partial and diagonal tiles)."""
 import os
 
-import pytest
-import torch
+# One intra-op thread unless the environment asks for more: the tests' tensors are tiny, and
+# the examples, the Triton-interpreter suite and the distributed ranks run beside the suite
+# (early_start.py), so a second OpenMP thread only spins against them for the same cores.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"     # before torch is imported, for inductor's C++ too
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from bob_compile.backend import counters, recent_reports
 from bob_compile.kernels import blockwise, settings
