@@ -7,15 +7,19 @@ import os
 # (early_start.py), so a second OpenMP thread only spins against them for the same cores.
 if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"     # before torch is imported, for inductor's C++ too
+# Inductor compiles in-process: a pool of compile workers per process (this one, each
+# example, each rank) cost ~8 % more CPU on this suite's 2-core CI machine, all cores busy.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from bob_compile.backend import counters, recent_reports
-from bob_compile.kernels import blockwise, settings
-from early_start import start_selected
+import test_beside_the_suite as beside  # noqa: E402
+from bob_compile.backend import counters, recent_reports  # noqa: E402
+from bob_compile.kernels import blockwise, settings  # noqa: E402
+from early_start import start_selected  # noqa: E402
 
 _early = []     # early_start.Subprocess objects this session started
 
@@ -30,12 +34,29 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=elsewhere)
             items[:] = [item for item in items
                         if not item.get_closest_marker("interpreter_subprocess")]
+    move_beside(config, items)
     # tests marked gpu are skipped without a CUDA device
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def move_beside(config, items):
+    """Hand the selected tests of test_beside_the_suite.MODULES to the second pytest process
+    that test_beside_the_suite.py starts, when that test is selected too (a plain session,
+    not an xdist worker, not the second process itself)."""
+    if beside.INSIDE or hasattr(config, "workerinput"):
+        return
+    if not any(item.name == "test_modules_beside_the_suite" for item in items):
+        return
+    moved = [item for item in items if item.path.name in beside.MODULES]
+    if moved:
+        config.hook.pytest_deselected(items=moved)
+        kept = set(map(id, moved))
+        items[:] = [item for item in items if id(item) not in kept]
+        beside.NODE_IDS[:] = [item.nodeid for item in moved]
 
 
 def pytest_collection_finish(session):
