@@ -7,8 +7,9 @@ import os
 # (early_start.py), so a second OpenMP thread only spins against them for the same cores.
 if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"     # before torch is imported, for inductor's C++ too
-# Inductor compiles in-process: a pool of compile workers per process (this one, each
-# example, each rank) cost ~8 % more CPU on this suite's 2-core CI machine, all cores busy.
+# Inductor compiles in-process: a pool of compile workers in every process that compiles
+# (this one, each example, each rank) costs CPU that a 2-core machine, its cores all busy
+# here, does not have (examples/quickstart.py: 76.5 CPU-seconds with the pool, 69.9 without).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
@@ -35,6 +36,7 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items
                         if not item.get_closest_marker("interpreter_subprocess")]
     move_beside(config, items)
+    wait_last(items)
     # tests marked gpu are skipped without a CUDA device
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -57,6 +59,15 @@ def move_beside(config, items):
         kept = set(map(id, moved))
         items[:] = [item for item in items if id(item) not in kept]
         beside.NODE_IDS[:] = [item.nodeid for item in moved]
+
+
+def wait_last(items):
+    """Tests that wait for a subprocess (early_start.py) run after all others, so that this
+    process has run its own tests by the time it waits."""
+    def waits(item):
+        early = getattr(getattr(item, "module", None), "EARLY_SUBPROCESSES", {})
+        return getattr(item, "originalname", None) in early
+    items[:] = [item for item in items if not waits(item)] + [item for item in items if waits(item)]
 
 
 def pytest_collection_finish(session):
