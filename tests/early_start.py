@@ -2,12 +2,14 @@
 
 Some tests run a fresh interpreter (the examples, as a user runs them; the Triton interpreter
 suite, which needs TRITON_INTERPRET=1 before Triton is imported; the two gloo ranks of
-test_distributed.py). Run one after another,
-each keeps one core busy while the other idles; started together beside the suite on a
-2-core machine, `.ci/run`'s tests took 1,014 s instead of 1,157 s. A test module lists such subprocesses in `EARLY_SUBPROCESSES` (test function
-name -> Subprocess); conftest.py starts those of the selected tests as soon as collection
-ends, so they run beside the rest of the suite, and each test then waits for its own.
-Under pytest-xdist each subprocess starts when its test first asks for it instead.
+test_distributed.py). Run one after another, each keeps one core busy while the other
+idles; started together beside the suite on a 2-core machine, `.ci/run`'s tests took 1,014 s
+instead of 1,157 s. A test module lists such subprocesses in `EARLY_SUBPROCESSES` (test
+function name -> Subprocess); conftest.py starts those of the selected tests as soon as
+collection ends, so they run beside the rest of the suite, and runs the tests that wait for
+them after all others (a wait in the middle of the suite left this process idle while the
+subprocesses ran). Under pytest-xdist each subprocess starts when its test first asks for it
+instead. test_beside_the_suite.py uses the same mechanism for whole test modules.
 """
 import subprocess
 import tempfile
