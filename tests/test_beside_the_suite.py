@@ -2,9 +2,8 @@
 
 `.ci/run` runs on two cores. The examples, the Triton-interpreter suite and the distributed
 ranks (early_start.py) keep the second core busy only for the first half of the suite; these
-modules' tests (self-contained: Hugging Face models built from small configs, and the
-backend's scenarios on the models of tests/models.py) then run in a second pytest process
-started when collection ends, and this test reports its result.
+modules' tests (self-contained: Hugging Face models built from small configs) then run in a
+second pytest process started when collection ends, and this test reports its result.
 conftest.py moves the selected tests of MODULES into it whenever this test is selected too,
 in a plain (not pytest-xdist) session; run alone, or with this test deselected, they run in
 this process as usual.
@@ -16,8 +15,7 @@ import sys
 import pytest
 from early_start import Subprocess
 
-MODULES = ("test_hf_masks.py", "test_hf_architectures.py", "test_hf_checkpointing.py",
-           "test_backend_scenarios.py")
+MODULES = ("test_hf_masks.py", "test_hf_architectures.py", "test_hf_checkpointing.py")
 INSIDE = os.environ.get("BOB_COMPILE_TESTS_BESIDE") == "1"    # this is the second process
 NODE_IDS = []       # the tests conftest.py moved here, as pytest node ids
 
