@@ -5,7 +5,8 @@ import os
 # One intra-op thread unless the environment asks for more: the tests' tensors are tiny, and
 # the examples, the Triton-interpreter suite and the distributed ranks run beside the suite
 # (early_start.py), so a second OpenMP thread only spins against them for the same cores.
-if "OMP_NUM_THREADS" not in os.environ:
+ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
+if ONE_THREAD:
     os.environ["OMP_NUM_THREADS"] = "1"     # before torch is imported, for inductor's C++ too
 # Inductor compiles in-process: a pool of compile workers in every process that compiles
 # (this one, each example, each rank) costs CPU that a 2-core machine, its cores all busy
@@ -15,7 +16,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if ONE_THREAD:
+    torch.set_num_threads(1)    # in case a plugin imported torch before this file ran
 
 import test_beside_the_suite as beside  # noqa: E402
 from bob_compile.backend import counters, recent_reports  # noqa: E402

@@ -124,10 +124,11 @@ class PaddedAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_padding_masks_that_change_every_step(mode):
-    """A new padding mask every step, a Hessian-vector product each: the forward summarizes
-    its mask and that step's backwards reuse the summary (triton_masks.summary_of_forward),
-    never a summary of an earlier step's mask; under CUDA graphs the summary is made inside
-    the recorded graphs from the mask copied in."""
+    """A new padding mask every step, a Hessian-vector product each, exact every time. The
+    compiled graphs' op calls summarize their mask each (keeping a summary for the backwards
+    is for plain eager calls only, triton_masks.summary_of_forward): under CUDA graphs the
+    summaries are made inside the recorded graphs from the mask copied in, and the graphs
+    record (a summary kept across calls made CUDA-graph trees refuse to)."""
     torch.manual_seed(0)
     model = PaddedAttention().cuda()
     compiled = torch.compile(model, backend=flashbob, mode=mode)
