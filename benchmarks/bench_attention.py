@@ -2,12 +2,17 @@
 
 Providers
 - bob_compile: this package's kernels (kernels/triton_attention.py), one full second-order
-  step assembled from the chain-form contract exactly as autograd runs it:
+  step assembled from the contract exactly as autograd runs it: in the form
+  kernels.fold_bob picks (by default folded up to head dim 64, chain above), i.e.
+  bob_compile_folded or bob_compile_chain;
+- bob_compile_folded: the step in the folded form:
       o, lse = forward(q, k, v)                        # forward
       dq, dk, dv = backward(..., do, dlse=None)        # grad(o, (q,k,v), do, create_graph)
+      gq, gk, gv, gdo, _ = bob_folded(..., gdq, gdk, gdv)   # grad((dq,dk,dv), (q,k,v,do), ...)
+- bob_compile_chain: the same step in the chain form:
       gq, gk, gv, go, glse, gdo, _ = bob(..., gdq, gdk, gdv)
       dq2, dk2, dv2 = backward(..., do=go, dlse=glse)  # cotangents of o and lse flow back
-      results: gq + dq2, gk + dk2, gv + dv2, gdo       # grad((dq,dk,dv), (q,k,v,do), ...)
+      results: gq + dq2, gk + dk2, gv + dv2, gdo
 - torch_math: PyTorch eager, SDPBackend.MATH, forward + grad(create_graph=True) + grad
   (materializes L x S; run only where it fits in memory and time);
 - torch_fused_first_order: PyTorch's native fused SDPA (default backend choice), forward +
@@ -19,14 +24,16 @@ Providers
 - op_autograd / op_autograd_first_order: what a user runs, `bob_compile.attention` through
   autograd (the second-order step: forward, grad(create_graph=True), second grad w.r.t.
   q, k, v, dO; or forward + grad), host overhead included: compare op_autograd_first_order
-  with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K).
+  with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K);
+  op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_BOB_FORM=folded / chain.
 
 FLOP convention (per visible (query, key) pair, d = head dim): forward 4d, backward 10d,
 BoB 36d: the anchors' 50d per second-order step (4 + 10 + 36, FlashBoB's count), so that
-TFLOP/s compare directly with docs/baselines.md. The chain form actually executes more:
-`executed_flops` in the JSON counts forward 4d + backward 10d (2 x 7 GEMM units with
-the deterministic dq pass: 14d) + BoB (row pass 18d + column pass 16d = 34d; or 24d with
-atomics) + second backward 14d.
+TFLOP/s compare directly with docs/baselines.md. What runs differs from that count:
+the folded form executes forward 4d + backward 10d + BoB 38d (row pass 22d, column pass
+16d) = 52d; the chain form forward 4d + backward 10d + BoB 34d (row pass 18d + column pass
+16d; or 24d with atomics) + second backward 14d (2 x 7 GEMM units with the deterministic dq
+pass) = 62d.
 
 Timing: median of CUDA-event times of single calls after warm-up, rotating over 2 input
 sets (a call's host time counts in full: the GPU waits for its launches); and
@@ -68,6 +75,7 @@ def import_kernels():
 tri, reference = import_kernels()
 # the kernels read BOB_COMPILE_* once; --variants changes them in-process, then reloads
 kernel_settings = sys.modules[tri.__name__.rpartition(".")[0] + ".settings"]
+kernels_package = sys.modules[tri.__name__.rpartition(".")[0]]
 AttentionParams = importlib.import_module(tri.__name__.rpartition(".")[0] + ".params").AttentionParams
 MIB = 2 ** 20
 
@@ -76,6 +84,35 @@ MIB = 2 ** 20
 # The steps
 # --------------------------------------------------------------------------------------
 def bob_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
+    """The step in the form autograd takes for these inputs."""
+    step = bob_folded_step if kernels_package.fold_bob(q, k, v) else bob_chain_step
+    return step(q, k, v, do, gq, gk, gv, scale, causal, stage_times)
+
+
+def bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
+    """The folded form's step."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if stage_times is not None else None
+
+    def mark(i):
+        if events is not None:
+            events[i].record()
+
+    mark(0)
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = tri.forward(q, k, v, params)
+    mark(1)
+    dq, dk, dv = tri.backward(q, k, v, o, lse, do, None, params)
+    mark(2)
+    bq, bk, bv, gdo, _ = tri.bob_folded(q, k, v, o, lse, do, None, gq, gk, gv, params)
+    mark(3)
+    if events is not None:
+        torch.cuda.synchronize()
+        for name, a, b in zip(("forward", "backward", "bob_folded"), events, events[1:]):
+            stage_times.setdefault(name, []).append(a.elapsed_time(b))
+    return (dq, dk, dv), (bq, bk, bv, gdo)
+
+
+def bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
     events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if stage_times is not None else None
 
     def mark(i):
@@ -152,7 +189,9 @@ def op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale, causal):
     return torch.func.jvp(torch.func.grad(loss, argnums=(0, 1, 2)), (q, k, v), (gq, gk, gv))
 
 
-PROVIDERS = {"bob_compile": bob_step, "op_autograd": op_autograd,
+PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
+             "bob_compile_chain": bob_chain_step, "op_autograd": op_autograd,
+             "op_autograd_folded": op_autograd, "op_autograd_chain": op_autograd,
              "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order, "torch_math": math_step,
              "torch_fused_first_order": native_first_order,
@@ -225,18 +264,20 @@ def single_shot(fn, inputs, scale, causal):
     return start.elapsed_time(end), (torch.cuda.max_memory_allocated() - base) / MIB
 
 
-def stage_breakdown(inputs, scale, causal, reps):
+def stage_breakdown(step, inputs, scale, causal, reps):
     stages = {}
     for i in range(reps):
-        bob_step(*inputs[i % len(inputs)], scale, causal, stage_times=stages)
+        step(*inputs[i % len(inputs)], scale, causal, stage_times=stages)
     return {k: statistics.median(v) for k, v in stages.items()}
 
 
 def accuracy(B, H, n, d, causal, dtype):
-    """Relative L2 vs float64 of every output of the step, and of first order."""
+    """Relative L2 vs float64 of every output of the step (folded form; chain_* the chain
+    form's), and of first order."""
     scale = 1.0 / math.sqrt(d)
     q, k, v, do, gq, gk, gv = make_inputs(B, H, n, d, dtype, 1)[0]
-    first, second = bob_step(q, k, v, do, gq, gk, gv, scale, causal)
+    first, second = bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal)
+    chain = bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal)[1]
     params = AttentionParams(scale=scale, causal=causal)
     o, _ = tri.forward(q, k, v, params)
     x = [t.double() for t in (q, k, v, do, gq, gk, gv)]
@@ -248,6 +289,8 @@ def accuracy(B, H, n, d, causal, dtype):
                  gv=rb[2] + r2[2], gdo=rb[5])
     ours = dict(o=o, dq=first[0], dk=first[1], dv=first[2], gq=second[0], gk=second[1],
                 gv=second[2], gdo=second[3])
+    for name, t in zip(("gq", "gk", "gv", "gdo"), chain):
+        exact["chain_" + name], ours["chain_" + name] = exact[name], t
     return {name: ((ours[name].double() - e).norm() / e.norm()).item()
             for name, e in exact.items()}
 
@@ -274,7 +317,7 @@ def main():
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--variants", nargs="+", default=[],
-                    help="extra bob_compile rows as BOB_SCHEDULE:BWD_DQ pairs, e.g. atomic:two_pass")
+                    help="extra bob_compile_chain rows as BOB_SCHEDULE:BWD_DQ pairs, e.g. atomic:two_pass")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention: needs a CUDA device (it times the Triton kernels on a GPU)")
@@ -297,10 +340,14 @@ def main():
                 sets = 2 if n <= 65536 else 1
                 inputs = make_inputs(B, H, n, d, dtype, sets, args.kv_heads)
                 pairs = B * H * visible_pairs(n, causal)
-                for prov in args.providers + [f"bob_compile@{x}" for x in args.variants]:
+                for prov in args.providers + [f"bob_compile_chain@{x}" for x in args.variants]:
                     variant = None
-                    for key in ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ"):
+                    for key in ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ",
+                                "BOB_COMPILE_BOB_FORM"):
                         os.environ.pop(key, None)
+                    for form in ("folded", "chain"):
+                        if prov.split("@")[0].endswith("_" + form):
+                            os.environ["BOB_COMPILE_BOB_FORM"] = form
                     if "@" in prov:
                         variant = prov.split("@")[1].split(":")
                         os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = variant
@@ -331,7 +378,8 @@ def main():
                                peak_extra_mib=mib, first_call_s=first_s,
                                tflops=order * d * pairs / (ms * 1e-3) / 1e12)
                     if prov.startswith("bob_compile") and order == 50 and n < args.single_shot_n:
-                        row["stages_ms"] = stage_breakdown(inputs, scale, causal,
+                        row["stages_ms"] = stage_breakdown(PROVIDERS[prov.split("@")[0]],
+                                                           inputs, scale, causal,
                                                            min(reps, 3) if n <= 65536 else 1)
                     rows.append(row)
                     print(f"{prov:24s} d={d:3d} causal={causal!s:5s} N={n:7d} {ms:10.2f} ms "

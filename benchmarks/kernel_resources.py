@@ -73,15 +73,21 @@ def main(argv=None):
     tuned = [
         ("bob rows", bob._row_kernel, True, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
         ("bob columns", bob._column_kernel, True, {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
+        ("folded rows", bob._row_kernel, "fold", {64: (64, 32, 4, 2), 128: (64, 32, 4, 2)}),
+        ("folded rows", bob._row_kernel, "fold", {64: (64, 64, 8, 2), 128: (32, 64, 4, 2)}),
+        ("folded cols", bob._column_kernel, "fold", {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("bwd columns", bwd._column_kernel, False, {64: (32, 128, 4, 3), 128: (32, 64, 4, 2)}),
         ("bwd dq", bwd._dq_kernel, False, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
     ]
     for name, fn, is_bob, configs in tuned:
         for d, (bm, bn, warps, stages) in configs.items():
             consts = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_E=d, BLOCK_EV=d, BLOCK_M=bm,
-                          BLOCK_N=bn, CAUSAL=True, DOT_PRECISION="ieee")
+                          BLOCK_N=bn, CAUSAL=True, MASK_KIND=0, DOT_PRECISION="ieee")
             if is_bob:
-                consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True)
+                consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
+                              FOLD=is_bob == "fold")
+            if "HAS_DLSE" in fn.arg_names:
+                consts["HAS_DLSE"] = False
             if "ROW_ATOMICS" in fn.arg_names:
                 consts["ROW_ATOMICS"] = False
             if "DQ_ATOMICS" in fn.arg_names:

@@ -7,14 +7,19 @@ So each op is called from a new-style autograd.Function (`setup_context`, an exp
 
     AttnFn (attn_fwd)  --backward-->  AttnBwdFn (attn_bwd)  --backward-->  AttnBobFn (attn_bob)
 
-Factorization of the second order: the CHAIN form (docs/second-order.md). o and lse are
-inputs of attn_bwd, so attn_bob is the plain VJP of attn_bwd and returns cotangents for
-o and lse too; autograd sends those back through AttnFn.backward, i.e. one more attn_bwd
-with an incoming lse cotangent (free in an FA2 kernel: D = rowsum(dO∘O) - dlse). Chosen
-because attn_bob then needs no whole-row reduction before its column outputs (24·d FLOPs
-per pair against 36·d for the FlashBoB form), because in a real Hessian-vector product the
-extra attn_bwd merges with the backward through o that runs anyway, and because the same
-three ops serve AOTAutograd graphs unchanged (docs/routing.md).
+Factorization of the second order (docs/second-order.md). o and lse are inputs of
+attn_bwd, so its plain VJP (attn_bob, the CHAIN form) returns cotangents for o and lse
+too, and autograd sends those back through AttnFn.backward: one more attn_bwd with an
+incoming lse cotangent. The FOLDED form (attn_bob_folded, the default) uses that o and lse
+are AttnFn's outputs for the same q, k, v: it returns their cotangents already sent
+through the forward, inside those of q, k, v, so no second backward runs. It takes two
+row scalars first (a row pass, then a column pass: 38·d FLOPs per pair against the chain's
+34·d + 14·d for the extra attn_bwd), sums every term of gq, gk, gv in fp32 before one
+rounding, and leaves the backward of a Hessian-vector product's cotangent through o (from
+the rest of the model) to PyTorch's fused kernels. BOB_COMPILE_BOB_FORM=chain (or the
+backend option bob_form) selects the chain form, =folded the folded form; by default
+(auto) the Triton kernels fold up to head dim 64, where it was measured faster
+(kernels.fold_bob, benchmarks/README.md).
 
 Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; explicit
 formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP of
@@ -218,6 +223,7 @@ def _canonical_twin(call):
 _forward_twin = _canonical_twin(ops.call_forward)
 _backward_twin = _canonical_twin(ops.call_backward)
 _bob_twin = _canonical_twin(ops.call_bob)
+_bob_folded_twin = _canonical_twin(ops.call_bob_folded)
 _forward_jvp_twin = _canonical_twin(ops.call_forward_jvp)
 _backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
 
@@ -284,6 +290,8 @@ def _like_positions(op_overload, **like):
 
 
 _BOB_LIKE = _like_positions(op.attn_bob.default, dlse="lse", gdq="q", gdk="k", gdv="v")
+_BOB_FOLDED_LIKE = _like_positions(op.attn_bob_folded.default, dlse="lse", gdq="q", gdk="k",
+                                   gdv="v")
 _FWD_JVP_LIKE = _like_positions(op.attn_fwd_jvp.default, tq="q", tk="k", tv="v")
 _BWD_JVP_LIKE = _like_positions(op.attn_bwd_jvp.default, dlse="lse", tq="q", tk="k", tv="v",
                                 to="o", tlse="lse", tdo="do", tdlse="lse")
@@ -303,6 +311,23 @@ class AttnBobFn(_Fused):
     @staticmethod
     def backward(ctx, *grads):
         return _third_order(_bob_twin, ctx, grads, _BOB_LIKE)
+
+
+class AttnBobFoldedFn(_Fused):
+    """attn_bob_folded, the second-order kernel of the folded form; its own backward is
+    third order (math twin: reference.bob_folded, differentiable in o and lse as well)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
+        return _run(op.attn_bob_folded, ops.call_bob_folded, "bob_compile::attn_bob_folded",
+                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal))
+
+    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _third_order(_bob_folded_twin, ctx, grads, _BOB_FOLDED_LIKE)
 
 
 class AttnFwdJvpFn(_Fused):
@@ -340,7 +365,13 @@ class AttnBwdJvpFn(_Fused):
 
 # ----------------------------------------------------------------------------- second order
 class AttnBwdFn(_Fused):
-    """attn_bwd, the first backward; its backward is the fused BoB."""
+    """attn_bwd, the first backward; its backward is the fused BoB.
+
+    Applied only by AttnFn.backward (and, in compiled training graphs, where AttnFn's
+    backward was traced): its o and lse are always AttnFn's outputs for the same q, k, v.
+    That is what lets the folded BoB (the default) return the cotangents of o and lse
+    already sent through the forward, as parts of those of q, k, v (and None for o and
+    lse), so that no second backward runs."""
     generate_vmap_rule = True
 
     @staticmethod
@@ -371,16 +402,29 @@ class AttnBwdFn(_Fused):
         if gdq is None and gdk is None and gdv is None:
             return (None,) * 10
         q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
-        outs = None
-        if _call_path_applies(ctx, (gdq, gdk, gdv)):
-            outs = ctx.call_path.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
-        if outs is None:
-            bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else AttnBobFn.apply
-            # under the kernel choices in force at forward time (this runs later, on the
-            # autograd engine's thread)
-            outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse,
-                                            gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
-        gq, gk, gv, go, glse, gdo, gdlse = outs
+        # under the kernel choices in force at forward time (this runs later, on the
+        # autograd engine's thread)
+        if kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v):
+            outs = None
+            if _call_path_applies(ctx, (gdq, gdk, gdv)):
+                outs = ctx.call_path.bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+            if outs is None:
+                bob = _bob_folded_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) \
+                    else AttnBobFoldedFn.apply
+                outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do,
+                                                dlse, gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
+            gq, gk, gv, gdo, gdlse = outs
+            go = glse = None
+        else:
+            outs = None
+            if _call_path_applies(ctx, (gdq, gdk, gdv)):
+                outs = ctx.call_path.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+            if outs is None:
+                bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) \
+                    else AttnBobFn.apply
+                outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do,
+                                                dlse, gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
+            gq, gk, gv, go, glse, gdo, gdlse = outs
         return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
 
     @staticmethod

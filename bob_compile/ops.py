@@ -4,6 +4,9 @@
     attn_bwd(q, k, v, o, lse, do, dlse?, mask?, scale, causal) -> (dq, dk, dv)
     attn_bob(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, mask?, scale, causal)
                                    -> (gq, gk, gv, go, glse, gdo, gdlse)   VJP of attn_bwd
+    attn_bob_folded(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, mask?, scale, causal)
+                                   -> (gq, gk, gv, gdo, gdlse)   VJP of attn_bwd where o and lse
+                                      are attn_fwd(q, k, v)'s: their cotangents are folded in
     attn_fwd_jvp(q, k, v, o, lse, tq?, tk?, tv?, mask?, scale, causal) -> (to, tlse)
     attn_bwd_jvp(q, k, v, o, lse, do, dlse?, tq?, tk?, tv?, to?, tlse?, tdo?, tdlse?, mask?,
                  scale, causal)    -> (tdq, tdk, tdv)                       JVP of attn_bwd
@@ -156,6 +159,22 @@ def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal
                  for t, like in zip(outs, likes))
 
 
+def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
+                    keep_mask_summary=False):
+    known = call_path(pick, q, k, v, mask, scale, causal)
+    if known is not None:
+        outs = known.bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+        if outs is not None:
+            return outs
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    outs = pick(qf, kf, vf).bob_folded(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
+                                       _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv),
+                                       _params(q, k, mask, scale, causal, keep_mask_summary))
+    likes = (q, k, v, do, None)
+    return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
+                 for t, like in zip(outs, likes))
+
+
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal,
                      keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
@@ -225,6 +244,20 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
     return _like(q), _like(k), _like(v), _like(o), _rows(lse), _like(do), _rows(lse)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::attn_bob_folded", mutates_args=(), tags=_TAGS)
+def attn_bob_folded(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                    dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
+                    gdv: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return call_bob_folded(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask,
+                           scale, causal)
+
+
+@attn_bob_folded.register_fake
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
+    return _like(q), _like(k), _like(v), _like(do), _rows(lse)
+
+
 # ----------------------------------------------------------------------------- forward mode
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=(), tags=_TAGS)
 def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
@@ -281,5 +314,6 @@ def _vmap_rule(op, n_out):
     return rule
 
 
-for _op, _n_out in ((attn_fwd, 2), (attn_bwd, 3), (attn_bob, 7), (attn_fwd_jvp, 2), (attn_bwd_jvp, 3)):
+for _op, _n_out in ((attn_fwd, 2), (attn_bwd, 3), (attn_bob, 7), (attn_bob_folded, 5),
+                    (attn_fwd_jvp, 2), (attn_bwd_jvp, 3)):
     torch.library.register_vmap(_op, _vmap_rule(_op, _n_out))

@@ -22,6 +22,8 @@ environment variable named, else the automatic choice; kernels/settings.py):
                                                                (BOB_COMPILE_NATIVE_BACKEND)
     bwd_dq           "two_pass" or "atomic"                    (BOB_COMPILE_BWD_DQ)
     bob_schedule     "two_pass" or "atomic"                    (BOB_COMPILE_BOB_SCHEDULE)
+    bob_form         "auto", "folded" or "chain": the factorization of the second order
+                     (docs/second-order.md)                    (BOB_COMPILE_BOB_FORM)
     tune             bool: time candidate launch configs       (BOB_COMPILE_TUNE)
 
 `mode` (torch.compile's argument) is passed on to inductor where inductor compiles
@@ -55,9 +57,10 @@ class Options:
 
 
 VALID_KEYS = ("dump_dir", "compiler", "fallback", "kernels", "native_backend", "bwd_dq",
-              "bob_schedule", "tune")
+              "bob_schedule", "bob_form", "tune")
 _CHOICES = {"kernels": kernel_settings.KERNELS, "native_backend": kernel_settings.NATIVE_BACKENDS,
-            "bwd_dq": kernel_settings.SCHEDULES, "bob_schedule": kernel_settings.SCHEDULES}
+            "bwd_dq": kernel_settings.SCHEDULES, "bob_schedule": kernel_settings.SCHEDULES,
+            "bob_form": kernel_settings.BOB_FORMS}
 REMOVED_KEYS = {
     "double_backward": "options['double_backward'] was removed: training graphs compile in "
                        "every order, and a step without double backward runs what stock "
@@ -99,5 +102,5 @@ def parse(options=None, mode=None):
         kernel_choices=kernel_settings.KernelChoices.of(
             kernels=options.get("kernels"), native_backend=options.get("native_backend"),
             bwd_dq_atomics=schedule["bwd_dq"], bob_row_atomics=schedule["bob_schedule"],
-            tune=options.get("tune")),
+            bob_form=options.get("bob_form"), tune=options.get("tune")),
     )

@@ -578,6 +578,10 @@ def differentiable_attn_bob(*args):
     return bob_autograd.AttnBobFn.apply(*args)
 
 
+def differentiable_attn_bob_folded(*args):
+    return bob_autograd.AttnBobFoldedFn.apply(*args)
+
+
 def differentiable_attn_fwd_jvp(*args):
     return bob_autograd.AttnFwdJvpFn.apply(*args)
 
@@ -590,6 +594,7 @@ _DIFFERENTIABLE = {
     _OPS.attn_fwd.default: differentiable_attn_fwd,
     _OPS.attn_bwd.default: differentiable_attn_bwd,
     _OPS.attn_bob.default: differentiable_attn_bob,
+    _OPS.attn_bob_folded.default: differentiable_attn_bob_folded,
     _OPS.attn_fwd_jvp.default: differentiable_attn_fwd_jvp,
     _OPS.attn_bwd_jvp.default: differentiable_attn_bwd_jvp,
 }

@@ -18,6 +18,8 @@ differentiated, that every function applies where it forms the scores):
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
     bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)         the VJP of `backward`
+    bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
+        -> (gq, gk, gv, gdo, gdlse)                   the same where o, lse = forward(q, k, v)
     forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
@@ -67,6 +69,23 @@ def call_path(q, k, v, scale, causal):
         return None
     tri = _triton()
     return None if tri is None else tri.call_path(q, k, v, scale, causal)
+
+
+def fold_bob(q, k, v):
+    """Whether the BoB of a first backward on these inputs runs in the folded form
+    (`bob_folded`: the cotangents of o and lse folded into those of q, k, v, so that no
+    second backward runs; docs/second-order.md) rather than the chain form (`bob`).
+    BOB_COMPILE_BOB_FORM=folded|chain decides; auto (the default) folds except where the
+    Triton kernels' folded row pass is measured slower (triton_attention.folded_bob_pays).
+    The atomic BoB schedule exists in the chain form only, so it implies the chain form."""
+    s = settings.current()
+    if s.bob_row_atomics or s.bob_form == "chain":
+        return False
+    if s.bob_form == "folded":
+        return True
+    on_triton = s.kernels == "triton" or (s.kernels is None and q.is_cuda)
+    tri = _triton() if on_triton else None
+    return tri is None or tri.folded_bob_pays(q, v)
 
 
 def select(q, k, v):

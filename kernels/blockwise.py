@@ -200,6 +200,78 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     return tuple(t.to(d) for t, d in zip(outs, dts + [dts[4]]))
 
 
+def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+    """The folded form (docs/second-order.md): per query tile, a first sweep over its key
+    tiles gathers the row scalars alpha = rowsum(P F) and E = rowsum(P (C + F (dP - D))) -
+    alpha dlse with the row outputs' alpha-free sums; a second sweep adds the column
+    outputs, whose every term carries the row's alpha and E."""
+    scale, causal = params.scale, params.causal
+    dts, hkv = [t.dtype for t in (q, k, v, do, lse)], k.shape[1]
+    q, k, v, gdk, gdv = _prepare(q, k, v, gdk, gdv)
+    dt = q.dtype
+    o, lse, do, dlse, gdq = _up(o, dt), _up(lse, dt), _up(do, dt), _up(dlse, dt), _up(gdq, dt)
+    L, S = q.shape[2], k.shape[2]
+    D = _row_delta(do, o, dlse)
+    gq, gk, gv, gdo = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
+    alpha = torch.zeros_like(D)
+    has_f = gdq is not None or gdk is not None      # F = 0 (so alpha = 0) when both are None
+
+    def tile(rows, cols, masked):
+        """P, dS, F (None when zero) and C + F (dP - D), the alpha-free cotangent of P."""
+        q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
+        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
+        F = None
+        if has_f:
+            F = torch.zeros_like(p)
+            if gdq is not None:
+                F = F + scale * gdq[:, :, rows] @ k_j.transpose(-2, -1)
+            if gdk is not None:
+                F = F + scale * q_i @ gdk[:, :, cols].transpose(-2, -1)
+        p_bar = torch.zeros_like(p) if F is None else F * dp_shifted
+        if gdv is not None:
+            p_bar = p_bar + do_i @ gdv[:, :, cols].transpose(-2, -1)
+        return p, dp_shifted, F, p_bar
+
+    for rows in _row_tiles(L):
+        key_tiles = list(_key_tiles(rows, S, causal))
+        q_i, do_i = q[:, :, rows], do[:, :, rows]
+        a_i = torch.zeros_like(D[:, :, rows])
+        e_i = torch.zeros_like(a_i)
+        omega, r, b = torch.zeros_like(q_i), torch.zeros_like(q_i), torch.zeros_like(q_i)
+        for cols, masked in key_tiles:
+            p, dp_shifted, F, p_bar = tile(rows, cols, masked)
+            k_j, v_j = k[:, :, cols], v[:, :, cols]
+            ds = p * dp_shifted
+            e_i += (p * p_bar).sum(-1)
+            omega += (p * p_bar) @ k_j
+            b += p @ k_j
+            if gdv is not None:
+                gdo[:, :, rows] += p @ gdv[:, :, cols]
+            if gdk is not None:
+                omega += ds @ gdk[:, :, cols]
+            if F is not None:
+                a_i += (p * F).sum(-1)
+                r += ds @ k_j
+                gdo[:, :, rows] += (p * F) @ v_j
+        if dlse is not None:
+            e_i = e_i - a_i * dlse[:, :, rows]
+        gq[:, :, rows] = scale * (omega - a_i.unsqueeze(-1) * r - e_i.unsqueeze(-1) * b)
+        gdo[:, :, rows] -= a_i.unsqueeze(-1) * o[:, :, rows]
+        alpha[:, :, rows] = a_i
+        for cols, masked in key_tiles:
+            p, dp_shifted, F, p_bar = tile(rows, cols, masked)
+            # Sbar = P (C + (F - alpha)(dP - D) - E)
+            s_bar = p * (p_bar - a_i.unsqueeze(-1) * dp_shifted - e_i.unsqueeze(-1))
+            gk[:, :, cols] += scale * s_bar.transpose(-2, -1) @ q_i
+            if gdq is not None:
+                gk[:, :, cols] += scale * (p * dp_shifted).transpose(-2, -1) @ gdq[:, :, rows]
+            if F is not None:
+                gv[:, :, cols] += (p * (F - a_i.unsqueeze(-1))).transpose(-2, -1) @ do_i
+    outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), gdo, alpha)
+    return tuple(t.to(d) for t, d in zip(outs, dts))
+
+
 # ----------------------------------------------------------------------------- forward mode
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     scale, causal = params.scale, params.causal

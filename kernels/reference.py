@@ -24,6 +24,8 @@ from .params import HIDDEN_AT_OR_BELOW
 
 # Cotangent names of `bob` outputs, in order: the VJP of `backward` w.r.t. all its tensors.
 BOB_OUTPUTS = ("gq", "gk", "gv", "go", "glse", "gdo", "gdlse")
+# ... and of `bob_folded`: o and lse are the forward's, their cotangents folded into q, k, v.
+BOB_FOLDED_OUTPUTS = ("gq", "gk", "gv", "gdo", "gdlse")
 
 
 def acc_dtype(dtype):
@@ -223,6 +225,25 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
         gdo = gdo + p @ gdv
     outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), go, glse, gdo, Dg)
     return tuple(t.to(dt) for t, dt in zip(outs, dts + [dts[4]]))
+
+
+def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
+    """The folded backward-over-backward: the VJP of `backward` where o and lse are
+    forward(q, k, v)'s, so that their cotangents reach q, k, v through the forward.
+
+    By the chain rule, independently of the kernels' affine formulas (docs/second-order.md):
+    `bob`, then the cotangents (go, glse) of o and lse sent through `backward` (do := go,
+    dlse := glse) and added, before any rounding to the inputs' dtypes. Returns the five
+    cotangents named in BOB_FOLDED_OUTPUTS."""
+    dts = [t.dtype for t in (q, k, v, do, lse)]
+    if upcast:
+        q, k, v, o, lse, do, dlse, gdq, gdk, gdv = _upcast(q, k, v, o, lse, do, dlse, gdq, gdk,
+                                                           gdv)
+    gq, gk, gv, go, glse, gdo, gdlse = bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params,
+                                           upcast=upcast)
+    dq, dk, dv = backward(q, k, v, o, lse, go, glse, params, upcast=upcast)
+    outs = (gq + dq, gk + dk, gv + dv, gdo, gdlse)
+    return tuple(t.to(dt) for t, dt in zip(outs, dts))
 
 
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):

@@ -16,7 +16,10 @@ starts, or before the first call, needs nothing.
     BOB_COMPILE_NATIVE_BACKEND  cudnn | flash | none: which of them (unset: cudnn for head
                                 dims <= 128, none above)
     BOB_COMPILE_BWD_DQ          two_pass (default) | atomic: dq of the Triton backward
-    BOB_COMPILE_BOB_SCHEDULE    two_pass (default) | atomic: BoB row outputs
+    BOB_COMPILE_BOB_SCHEDULE    two_pass (default) | atomic: BoB row outputs (atomic: chain
+                                form only)
+    BOB_COMPILE_BOB_FORM        auto (default) | folded | chain: how a second-order step
+                                factors (docs/second-order.md; kernels.fold_bob)
     BOB_COMPILE_TUNE            1 | 0: 0 takes the first candidate launch config, no timing
     BOB_COMPILE_FAST_LAUNCH     1 | 0: 0 sends every Triton launch through JITFunction.run
                                 (default: a launch that specializes like an earlier one
@@ -27,7 +30,7 @@ starts, or before the first call, needs nothing.
                                 itself reads it when the kernels are defined)
 
 Per compiled graph, the flashbob backend's options `kernels`, `native_backend`, `bwd_dq`,
-`bob_schedule` and `tune` replace the matching variables while that graph's code runs, in
+`bob_schedule`, `bob_form` and `tune` replace the matching variables while that graph's code runs, in
 every order of derivative (`using()`, `overridden()`; bob_compile/options.py).
 """
 import contextlib
@@ -40,6 +43,7 @@ from typing import Optional
 KERNELS = ("blockwise", "reference", "triton")
 NATIVE_BACKENDS = ("cudnn", "flash", "none")
 SCHEDULES = ("two_pass", "atomic")
+BOB_FORMS = ("auto", "folded", "chain")
 SWITCH = ("1", "0")
 
 
@@ -59,6 +63,7 @@ class Settings:
     native_backend: Optional[str]     # None: the default by head dim
     bwd_dq_atomics: bool
     bob_row_atomics: bool
+    bob_form: str
     tune: bool
     cache_dir: str
     interpret: bool
@@ -75,6 +80,7 @@ class Settings:
             bwd_dq_atomics=_choice(env, "BOB_COMPILE_BWD_DQ", SCHEDULES, "two_pass") == "atomic",
             bob_row_atomics=_choice(env, "BOB_COMPILE_BOB_SCHEDULE", SCHEDULES,
                                     "two_pass") == "atomic",
+            bob_form=_choice(env, "BOB_COMPILE_BOB_FORM", BOB_FORMS, "auto"),
             tune=_choice(env, "BOB_COMPILE_TUNE", SWITCH, "1") == "1" and not interpret,
             cache_dir=env.get("BOB_COMPILE_CACHE_DIR",
                               os.path.join(os.path.expanduser("~"), ".cache", "bob_compile")),
@@ -95,11 +101,13 @@ class Settings:
 @dataclass(frozen=True)
 class KernelChoices:
     """Kernel settings chosen for one compiled graph (None: the environment's); the
-    flashbob options `kernels`, `native_backend`, `bwd_dq`, `bob_schedule`, `tune`."""
+    flashbob options `kernels`, `native_backend`, `bwd_dq`, `bob_schedule`, `bob_form`,
+    `tune`."""
     kernels: Optional[str] = None
     native_backend: Optional[str] = None
     bwd_dq_atomics: Optional[bool] = None
     bob_row_atomics: Optional[bool] = None
+    bob_form: Optional[str] = None
     tune: Optional[bool] = None
 
     @classmethod

@@ -5,6 +5,7 @@
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
     bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)
+    bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params) -> (gq, gk, gv, gdo, gdlse)
     forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
@@ -40,9 +41,18 @@ from .triton_forward_mode import attention_backward_jvp, attention_forward_jvp
 log = logging.getLogger("bob_compile.kernels")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Widest head dim at which the folded BoB (two more fp32 row accumulators in its row pass)
+# beat the chain form's BoB + second backward on the H200 (benchmarks/README.md, "The folded
+# form"): at 64 the step is 1.15x faster; at 128 the row pass spills and is 4.7x slower.
+FOLDED_MAX_HEAD_DIM = 64
 # Widest head dim per dtype whose tiles were run on the H200 (tests/test_gpu_kernels.py):
 # 256 for half types; float32 rows take twice the shared memory, so 128.
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
+
+
+def folded_bob_pays(q, v):
+    """Whether the folded BoB is the faster form for these head dims (kernels.fold_bob)."""
+    return max(q.shape[-1], v.shape[-1]) <= FOLDED_MAX_HEAD_DIM
 
 
 def supports(q, k, v):
@@ -254,6 +264,15 @@ class CallPath:
         return (in_order_of(gq, q), in_order_of(gk, k), in_order_of(gv, v), in_order_of(go, o),
                 glse, in_order_of(gdo, do), gdlse)
 
+    def bob_folded(self, q, k, v, o, lse, do, dlse, gdq, gdk, gdv):
+        if gdq is None and gdk is None and gdv is None:
+            return None
+        gq, gk, gv, gdo, gdlse = attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
+                                               self.params, fold=True)
+        in_order_of = layout.in_order_of
+        return (in_order_of(gq, q), in_order_of(gk, k), in_order_of(gv, v),
+                in_order_of(gdo, do), gdlse)
+
 
 _call_paths = {}        # signature -> CallPath, or None: not this module, or nothing to run
 _CALL_PATHS_LIMIT = 1024
@@ -348,6 +367,14 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
         return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
     return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params,
                          row_atomics=settings.current().bob_row_atomics)
+
+
+def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+    S, L = k.shape[2], q.shape[2]
+    if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
+        like = (q, k, v, do, lse)
+        return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
+    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True)
 
 
 # Forward mode: the Triton kernels of triton_forward_mode.py, except with a mask tensor or an

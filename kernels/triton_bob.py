@@ -57,14 +57,14 @@ def _store_row_outputs(gq, gdo_sum, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev
 # Row pass: gq, gdo, go, glse, gdlse (query-block major, deterministic)
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
+def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
                mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
                L, S, qk_scale_log2, scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -82,9 +82,15 @@ def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
             gdv = load_tile(gdv_base, offs_n, offs_ev, sgvn, sgve, S, HEAD_DIM_V, MASKED, PAD_EV)
             cot_scores = tl.dot(do, tl.trans(gdv), input_precision=DOT_PRECISION)
             gdo += tl.dot(p.to(gdv.dtype), gdv, input_precision=DOT_PRECISION)
+        if HAS_GDK or (FOLD and HAS_F):
+            ds = (p * delta).to(k.dtype)
         if HAS_GDK:
             gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
-            gq += tl.dot((p * delta).to(gdk.dtype), gdk, input_precision=DOT_PRECISION)
+            gq += tl.dot(ds, gdk, input_precision=DOT_PRECISION)
+        if FOLD:        # B = P k, and R = dS k where alpha can be non-zero
+            b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
+            if HAS_F:
+                r_acc += tl.dot(ds, k, input_precision=DOT_PRECISION)
         if HAS_F:
             if HAS_GDQ and HAS_GDK:
                 f = (tl.dot(gdq, tl.trans(k), input_precision=DOT_PRECISION)
@@ -103,12 +109,12 @@ def _row_steps(gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d,
         sbar = p * cot_scores
         sbar_sum += tl.sum(sbar, 1)
         gq += tl.dot(sbar.to(k.dtype), k, input_precision=DOT_PRECISION)
-    return gq, gdo, dg, sbar_sum
+    return gq, gdo, dg, sbar_sum, r_acc, b_acc
 
 
 @triton.jit
-def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE, MASK,
-                KEY_RANGE,
+def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE, ROW_E,
+                MASK, KEY_RANGE,
                 sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                 sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                 sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
@@ -119,7 +125,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASK_KIND: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -137,6 +143,12 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
     gdo = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     dg = tl.zeros([BLOCK_M], tl.float32)
     sbar_sum = tl.zeros([BLOCK_M], tl.float32)
+    if FOLD:
+        r_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+        b_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    else:       # never updated: the loop drops them
+        r_acc = tl.zeros([1, 1], tl.float32)
+        b_acc = tl.zeros([1, 1], tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     gdk_base = GDK + b * sgkb + hk * sgkh
@@ -148,26 +160,42 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE,
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-    gq, gdo, dg, sbar_sum = _row_steps(
-        gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
-        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end, structure,
-        offs_m, offs_e,
+    gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+        gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+        gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
+        structure, offs_m, offs_e,
         offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, DOT_PRECISION)
-    gq, gdo, dg, sbar_sum = _row_steps(
-        gq, gdo, dg, sbar_sum, q, do, gdq, lse2, d, k_base, v_base, gdk_base, gdv_base,
-        skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end, structure,
-        offs_m, offs_e,
+        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD, DOT_PRECISION)
+    gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+        gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+        gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
+        structure, offs_m, offs_e,
         offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
+        BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD,
         DOT_PRECISION)
 
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
-    _store_row_outputs(gq * scale, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
-                       GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
-                       GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
-                       HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
+    if FOLD:
+        # alpha = Dg; E = rowsum(Sbar) - alpha dlse; gq = scale (Omega - alpha R - E B)
+        e = sbar_sum
+        if HAS_DLSE:
+            e -= dg * load_row_vector(DLSE + row, offs_m, L)
+        gq -= e[:, None] * b_acc
+        if HAS_GDQ or HAS_GDK:
+            gq -= dg[:, None] * r_acc
+        store_tile(GQ + row * HEAD_DIM, (gq * scale).to(GQ.dtype.element_ty), offs_m, offs_e,
+                   HEAD_DIM, 1, L, HEAD_DIM, PAD_E)
+        gdo -= dg[:, None] * o.to(tl.float32)
+        store_tile(GDO + row * HEAD_DIM_V, gdo.to(GDO.dtype.element_ty), offs_m, offs_ev,
+                   HEAD_DIM_V, 1, L, HEAD_DIM_V, PAD_EV)
+        tl.store(GDLSE + row + offs_m, dg.to(GDLSE.dtype.element_ty), mask=offs_m < L)
+        tl.store(ROW_E + row + offs_m, e, mask=offs_m < L)
+    else:
+        _store_row_outputs(gq * scale, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
+                           GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
+                           GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
+                           HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
 
 
 strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
@@ -179,7 +207,7 @@ strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK=
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
-                  row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme, first, end,
+                  alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme, first, end,
                   structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
                   DG_ACC, SBAR_ACC,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -187,7 +215,7 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-                  ROW_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
@@ -200,6 +228,10 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         do = load_tile(do_base, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
         lse2 = load_lse2_for_probabilities(lse_ptr, offs_m, L)
         d = load_row_vector(d_ptr, offs_m, L)
+        if FOLD:        # the row pass's scalars: Sbar = P (C + (F - alpha)(dP - D) - E)
+            e = load_row_vector(e_ptr, offs_m, L)
+            if HAS_F:
+                alpha = load_row_vector(alpha_ptr, offs_m, L)
         # tiles are [keys, queries] so that gk, gv accumulate without transposes
         s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
@@ -221,12 +253,16 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                 ft = tl.dot(k, tl.trans(gdq), input_precision=DOT_PRECISION) * scale
             else:
                 ft = tl.dot(gdk, tl.trans(q), input_precision=DOT_PRECISION) * scale
+            if FOLD:
+                ft -= alpha[None, :]
             at = pt * ft
             gv += tl.dot(at.to(do.dtype), do, input_precision=DOT_PRECISION)
             if HAS_GDV:
                 cot_scores_t += ft * deltat
             else:
                 cot_scores_t = ft * deltat
+        if FOLD:
+            cot_scores_t -= e[None, :]
         sbart = pt * cot_scores_t
         gk += tl.dot(sbart.to(q.dtype), q, input_precision=DOT_PRECISION)
         if HAS_GDQ or (ROW_ATOMICS and HAS_GDK):
@@ -260,7 +296,7 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
 
 
 @triton.jit
-def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
+def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK, KEY_RANGE,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
@@ -272,7 +308,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-                   ROW_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -308,17 +344,17 @@ def _column_kernel(Q, K, V, DO, LSE, D, GDQ, GDK, GDV, GK, GV,
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
-                               D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
-                               first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
+                               D + row, ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl,
+                               sde, sgql, sgqe, sml, sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
-                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
+                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD, DOT_PRECISION)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
-                               D + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
-                               first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
+                               D + row, ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl,
+                               sde, sgql, sgqe, sml, sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND,
-                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, DOT_PRECISION)
+                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD, DOT_PRECISION)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
     store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),
@@ -365,15 +401,19 @@ strides_of(_finish_rows_kernel, O="so", DO="sd")
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-def row_candidates(dtype, head_dim, head_dim_v):
+def row_candidates(dtype, head_dim, head_dim_v, fold):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
     if nbytes > 256:
-        return wide_candidates(nbytes, column=False)
+        return wide_candidates(nbytes * (2 if fold else 1), column=False)
     if nbytes > 128:
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
+    if fold:    # two more (BLOCK_M x E) fp32 accumulators: narrower key tiles, or 8 warps
+        return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
     # measured on the H200 (benchmarks/README.md): 64 x 64 with 4 warps wins at every length
     return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
@@ -396,8 +436,11 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics):
             dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)]
 
 
-def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=False):
-    """(gq, gk, gv, go, glse, gdo, gdlse); S > 0 and at least one of gdq/gdk/gdv given."""
+def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=False,
+                  fold=False):
+    """S > 0 and at least one of gdq/gdk/gdv given. Chain form: (gq, gk, gv, go, glse, gdo,
+    gdlse); folded (fold=True, two passes: row, then column): (gq, gk, gv, gdo, gdlse)."""
+    assert not (fold and row_atomics), "the folded form needs the row pass's scalars first"
     scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -406,20 +449,43 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     d = row_dot(do, o, dlse)
     # contiguous outputs, each shaped like an input (empty_like: half the host time of empty)
     dense = torch.contiguous_format
-    gq, gk, gv, go, gdo, glse, gdlse = (torch.empty_like(t, memory_format=dense)
-                                        for t in (q, k, v, o, do, lse, lse))
+    gq, gk, gv, gdo, gdlse = (torch.empty_like(t, memory_format=dense)
+                              for t in (q, k, v, do, lse))
+    if fold:
+        go = glse = None
+        row_e = torch.empty_like(lse, dtype=torch.float32, memory_format=dense)
+    else:
+        go, glse = torch.empty_like(o, memory_format=dense), torch.empty_like(lse,
+                                                                              memory_format=dense)
+        row_e = d       # never read without FOLD
     has_gdq, has_gdk, has_gdv = gdq is not None, gdk is not None, gdv is not None
     # a missing cotangent is never read (constexpr flag); any tensor stands in for the pointer
     gdq_arg = gdq if has_gdq else q
     gdk_arg = gdk if has_gdk else k
     gdv_arg = gdv if has_gdv else v
+    has_dlse = fold and dlse is not None
+    dlse_arg = dlse.contiguous() if has_dlse else d
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
-    flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind))
+    flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind), int(fold))
 
     def common():
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
                     CAUSAL=causal, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
-                    HAS_GDQ=has_gdq, HAS_GDK=has_gdk, HAS_GDV=has_gdv)
+                    HAS_GDQ=has_gdq, HAS_GDK=has_gdk, HAS_GDV=has_gdv, FOLD=fold)
+
+    def launch_rows(plan):
+        plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
+             Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, DLSE=dlse_arg, GDQ=gdq_arg, GDK=gdk_arg,
+             GDV=gdv_arg, GQ=gq, GO=gq if fold else go, GDO=gdo, GLSE=row_e if fold else glse,
+             GDLSE=gdlse, ROW_E=row_e, MASK=mask, KEY_RANGE=key_range,
+             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             scale=scale)
+
+    def run_rows():
+        launch_rows(launch_plan(
+            "bob_rows", q, k, v, causal, (*flag_key, int(has_dlse)),
+            lambda: row_candidates(q.dtype, E, Ev, fold),
+            lambda: dict(common(), HAS_DLSE=has_dlse), launch_rows, pairs=L * S))
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)
@@ -434,15 +500,20 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
             for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
                 t.zero_()
         plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
-             GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc, DG_ACC=dg_acc, SBAR_ACC=sbar_acc,
-             MASK=mask, KEY_RANGE=key_range, num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, ALPHA=gdlse, ROW_E=row_e, GDQ=gdq_arg,
+             GDK=gdk_arg, GDV=gdv_arg, GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc,
+             DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range,
+             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
+    if fold:        # the column pass reads the row pass's alpha (gdlse) and E
+        run_rows()
     launch_columns(launch_plan(
         "bob_columns", q, k, v, causal, (row_atomics, *flag_key),
         lambda: column_candidates(q.dtype, E, Ev, row_atomics),
         lambda: dict(common(), ROW_ATOMICS=row_atomics), launch_columns, pairs=L * S))
+    if fold:
+        return gq, gk, gv, gdo, gdlse
 
     if row_atomics:
         block_m = 16 if interpreting() else 64
@@ -453,15 +524,5 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              GQ_ACC=gq_acc, GDO_ACC=gdo_acc, DG_ACC=dg_acc, SBAR_ACC=sbar_acc, O=o, DO=do,
              GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse, num_q_heads=Hq, L=L)
         return gq, gk, gv, go, glse, gdo, gdlse
-
-    def launch_rows(plan):
-        plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, GDQ=gdq_arg, GDK=gdk_arg, GDV=gdv_arg,
-             GQ=gq, GO=go, GDO=gdo, GLSE=glse, GDLSE=gdlse, MASK=mask, KEY_RANGE=key_range,
-             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-             scale=scale)
-
-    launch_rows(launch_plan(
-        "bob_rows", q, k, v, causal, flag_key, lambda: row_candidates(q.dtype, E, Ev), common,
-        launch_rows, pairs=L * S))
+    run_rows()
     return gq, gk, gv, go, glse, gdo, gdlse

@@ -43,7 +43,8 @@ def call_paths(monkeypatch):
     monkeypatch.setattr(triton_attention, "attention_backward",
                         lambda *a, dq_atomics: blockwise.backward(*a))
     monkeypatch.setattr(triton_attention, "attention_bob",
-                        lambda *a, row_atomics: blockwise.bob(*a))
+                        lambda *a, row_atomics=False, fold=False:
+                        blockwise.bob_folded(*a) if fold else blockwise.bob(*a))
     monkeypatch.setattr(triton_attention, "_native_forward", cpu_flash_forward)
     monkeypatch.setattr(triton_attention, "_native_forward_output", cpu_flash_forward_output)
     monkeypatch.setattr(triton_attention, "_native_backward", cpu_flash_backward)
@@ -51,7 +52,7 @@ def call_paths(monkeypatch):
     class CountedPath(triton_attention.CallPath):
         __slots__ = ()
 
-    for name in ("forward", "forward_output", "backward", "bob"):
+    for name in ("forward", "forward_output", "backward", "bob", "bob_folded"):
         def counted(self, *args, _name=name):
             calls.append(_name)
             return getattr(triton_attention.CallPath, _name)(self, *args)
@@ -112,16 +113,22 @@ def test_first_order_backward_runs_its_call_path_without_the_backward_function(c
         assert torch.equal(a, b)
 
 
-def test_second_order_records_its_graph_then_runs_its_call_path(call_paths, monkeypatch):
+@pytest.mark.parametrize("form", ["folded", "chain"])
+def test_second_order_records_its_graph_then_runs_its_call_path(call_paths, monkeypatch, form):
     """grad(create_graph=True) needs AttnBwdFn's node (its backward is the BoB); the final
-    backward records nothing, so the BoB and the second backward run the call path's kernels
-    directly, without AttnBobFn."""
+    backward records nothing, so the BoB (and, in the chain form, the second backward) run
+    the call path's kernels directly, without AttnBobFn/AttnBobFoldedFn."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", form)
+    settings.reload()
     native, calls = call_paths
     backward_function = spy(monkeypatch, autograd.AttnBwdFn)
     bob_function = spy(monkeypatch, autograd.AttnBobFn)
+    folded_function = spy(monkeypatch, autograd.AttnBobFoldedFn)
     ours = second_order_step(*inputs())
-    assert backward_function == [1] and bob_function == []
-    assert calls == ["forward", "backward", "bob", "backward"]
+    assert backward_function == [1] and bob_function == [] and folded_function == []
+    # folded: nothing reaches o and lse, so the forward's backward does not run again
+    assert calls == (["forward", "backward", "bob_folded"] if form == "folded"
+                     else ["forward", "backward", "bob", "backward"])
     expected = general_path(second_order_step, monkeypatch, *inputs())
     for a, b in zip(ours, expected):
         assert torch.equal(a, b)

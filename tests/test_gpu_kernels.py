@@ -52,6 +52,15 @@ def chain_step(q, k, v, do, gq, gk, gv, scale, causal, impl, mask=None):
             bv.double() + dv2.double(), gdo.double())
 
 
+def folded_step(q, k, v, do, gq, gk, gv, scale, causal, impl, mask=None):
+    """The same step in the folded form (what autograd runs by default)."""
+    params = AttentionParams(scale=scale, causal=causal, mask=mask)
+    o, lse = impl.forward(q, k, v, params)
+    impl.backward(q, k, v, o, lse, do, None, params)
+    bq, bk, bv, gdo, _ = impl.bob_folded(q, k, v, o, lse, do, None, gq, gk, gv, params)
+    return bq.double(), bk.double(), bv.double(), gdo.double()
+
+
 def f64(*tensors):
     return [None if t is None else t.double() for t in tensors]
 
@@ -171,6 +180,12 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     lowp = reference.bob(q, k, v, o, lse, do, dlse, *cot, params, upcast=False)
     for name, a, m, e in zip(reference.BOB_OUTPUTS, ours, lowp, exact):
         check_against(name, a, m, e, report)
+    ours = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
+    exact = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot), params)
+    lowp = reference.bob_folded(q, k, v, o, lse, do, dlse, *cot, params, upcast=False)
+    for name, a, m, e in zip(reference.BOB_FOLDED_OUTPUTS, ours, lowp, exact):
+        assert a.dtype == m.dtype and a.is_contiguous()
+        check_against("folded." + name, a, m, e, report)
 
     # the full second-order step (what a user's double backward computes)
     if Hq == Hkv and E == Ev:
@@ -188,6 +203,10 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
                     a, b, c, attn_mask=sdpa_mask, is_causal=sdpa_causal, scale=scale),
                 q, k, v, do, *cot)
         for name, a, m, e in zip(("step.gq", "step.gk", "step.gv", "step.gdo"), ours, lowp, exact):
+            check_against(name, a, m, e, report)
+        ours = folded_step(q, k, v, do, *cot, scale, causal, triton_attention, mask)
+        for name, a, m, e in zip(("folded_step.gq", "folded_step.gk", "folded_step.gv",
+                                  "folded_step.gdo"), ours, lowp, exact):
             check_against(name, a, m, e, report)
     print("\n".join(report))
 
@@ -251,10 +270,12 @@ def test_deterministic_two_pass(monkeypatch):
     cot = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
     first = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
     first_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
+    first_folded = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
     for _ in range(3):
         again = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
         again_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
-        for a, b in zip(first + first_bwd, again + again_bwd):
+        again_folded = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
+        for a, b in zip(first + first_bwd + first_folded, again + again_bwd + again_folded):
             assert torch.equal(a, b)
 
 

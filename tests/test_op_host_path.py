@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import bob_compile
 from bob_compile import autograd
 
-OPS = ("attn_fwd", "attn_bwd", "attn_bob", "attn_fwd_jvp", "attn_bwd_jvp")
+OPS = ("attn_fwd", "attn_bwd", "attn_bob", "attn_bob_folded", "attn_fwd_jvp", "attn_bwd_jvp")
 
 
 class PassThrough(TorchFunctionMode):
@@ -72,7 +72,7 @@ def test_eager_skips_the_dispatcher_and_matches_the_op_bitwise(op_calls, causal)
     assert op_calls == []
     with OpLog() as log:
         through_op = second_order_step(causal)
-    assert op_calls == log.seen == ["attn_fwd", "attn_bwd", "attn_bob", "attn_bwd"]
+    assert op_calls == log.seen == ["attn_fwd", "attn_bwd", "attn_bob_folded"]
     for a, b in zip(direct, through_op):
         assert torch.equal(a, b)
 
@@ -182,7 +182,8 @@ def test_only_plain_eager_calls_keep_their_mask_summary(monkeypatch):
             return getattr(blockwise, name)(*args)
         return run
     recorder = types.SimpleNamespace(**{name: recording(name) for name in (
-        "forward", "forward_output", "backward", "bob", "forward_jvp", "backward_jvp")})
+        "forward", "forward_output", "backward", "bob", "bob_folded", "forward_jvp",
+        "backward_jvp")})
     monkeypatch.setattr(kernels, "select", lambda q, k, v: recorder)
     q, k, v, do = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
                    for _ in range(4))
@@ -193,12 +194,12 @@ def test_only_plain_eager_calls_keep_their_mask_summary(monkeypatch):
         grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
         return torch.autograd.grad(grads, (q, k, v, do), [torch.ones_like(g) for g in grads])
     expected = second_order()
-    assert [name for name, _ in kept] == ["forward", "backward", "bob", "backward"]
+    assert [name for name, _ in kept] == ["forward", "backward", "bob_folded"]
     assert all(keep for _, keep in kept)
     kept.clear()
     with OpLog():                       # through the dispatcher: nothing kept
         actual = second_order()
-    assert len(kept) == 4 and not any(keep for _, keep in kept)
+    assert len(kept) == 3 and not any(keep for _, keep in kept)
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
     kept.clear()

@@ -1,12 +1,15 @@
 """The custom ops as ops: schema, fake implementations (strides included), AOT dispatch,
 vmap rules; gradcheck/gradgradcheck of the public function; gradcheck of the first
-backward over all seven of its tensor inputs (which proves attn_bob independently of the
-forward chain)."""
+backward over all seven of its tensor inputs in the chain form (which proves attn_bob
+independently of the forward chain), and over q, k, v, do, dlse with o and lse the
+forward's in the folded form (attn_bob_folded)."""
 import pytest
 import torch
 
 import bob_compile
 from bob_compile.autograd import AttnBwdFn, AttnFn
+from bob_compile import kernels
+from bob_compile.kernels import settings
 
 op = torch.ops.bob_compile
 
@@ -55,6 +58,8 @@ def test_opcheck_every_op_with_permuted_inputs(causal, gqa, mask_kind):
         (op.attn_bwd, (q, k, v, o, lse, do, dlse, mask, 0.5, causal)),
         (op.attn_bob, (q, k, v, o, lse, do, dlse, *g, mask, 0.5, causal)),
         (op.attn_bob, (q, k, v, o, lse, do, None, None, g[1], None, mask, 0.5, causal)),
+        (op.attn_bob_folded, (q, k, v, o, lse, do, dlse, *g, mask, 0.5, causal)),
+        (op.attn_bob_folded, (q, k, v, o, lse, do, None, g[0], None, g[2], mask, 0.5, causal)),
         (op.attn_fwd_jvp, (q, k, v, o, lse, *t[:3], mask, 0.5, causal)),
         (op.attn_bwd_jvp, (q, k, v, o, lse, do, dlse, *t, mask, 0.5, causal)),
         (op.attn_bwd_jvp, (q, k, v, o, lse, do, None, None, t[1], None, None, t[4], None, None,
@@ -121,14 +126,57 @@ def test_gradcheck_and_gradgradcheck(causal, gqa):
 
 @CAUSAL
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
-def test_gradcheck_first_backward_over_all_seven_inputs(causal, mask_kind):
-    """attn_bob is the VJP of attn_bwd w.r.t. q, k, v, o, lse, do and dlse."""
+def test_gradcheck_first_backward_over_all_seven_inputs(monkeypatch, causal, mask_kind):
+    """In the chain form, attn_bob is the VJP of attn_bwd w.r.t. q, k, v, o, lse, do and
+    dlse."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", "chain")
+    settings.reload()
     mask = make_mask(mask_kind)
     q, k, v, = first_order_state(causal, gqa=True)[:3]
     o, lse = op.attn_fwd(q, k, v, mask, 0.5, causal)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
     assert torch.autograd.gradcheck(lambda *a: AttnBwdFn.apply(*a, mask, 0.5, causal), inputs)
+
+
+@CAUSAL
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+def test_gradcheck_first_backward_through_the_forward_folded(causal, mask_kind):
+    """In the folded form (the default), attn_bob_folded is the VJP of attn_bwd w.r.t. q, k,
+    v, do and dlse where o and lse are attn_fwd(q, k, v)'s, as AttnFn.backward calls it."""
+    mask = make_mask(mask_kind)
+    q, k, v, o, lse, _ = first_order_state(causal, gqa=True)
+    assert kernels.fold_bob(q, k, v)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, do, dlse)]
+
+    def first_backward(q, k, v, do, dlse):
+        o, lse = AttnFn.apply(q, k, v, mask, 0.5, causal)
+        return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, 0.5, causal)
+    assert torch.autograd.gradcheck(first_backward, inputs)
+
+
+@pytest.mark.parametrize("form,schedule,folds", [
+    ("auto", "two_pass", True), ("folded", "two_pass", True), ("chain", "two_pass", False),
+    ("auto", "atomic", False), ("folded", "atomic", False)])
+def test_which_form_the_second_order_takes(monkeypatch, form, schedule, folds):
+    """BOB_COMPILE_BOB_FORM decides; auto folds on the blockwise path, and on the Triton
+    kernels up to head dim 64 (where folding was measured faster); the atomic BoB schedule
+    exists in the chain form only."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", form)
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    settings.reload()
+    q = torch.randn(1, 2, 3, 128)
+    assert kernels.fold_bob(q, q, q) is folds
+
+
+def test_triton_kernels_fold_up_to_head_dim_64():
+    triton_attention = pytest.importorskip("bob_compile.kernels.triton_attention")
+    meta = lambda d: torch.empty(1, 1, 8, d, device="meta")  # noqa: E731
+    assert triton_attention.folded_bob_pays(meta(64), meta(64))
+    assert triton_attention.folded_bob_pays(meta(32), meta(48))
+    assert not triton_attention.folded_bob_pays(meta(128), meta(128))
+    assert not triton_attention.folded_bob_pays(meta(64), meta(128))
 
 
 def test_first_order_keeps_lse_cotangent_none():
