@@ -43,7 +43,8 @@ log = logging.getLogger("bob_compile.kernels")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest head dim at which the folded BoB (two more fp32 row accumulators in its row pass)
 # beat the chain form's BoB + second backward on the H200 (benchmarks/README.md, "The folded
-# form"): at 64 the step is 1.15x faster; at 128 the row pass spills and is 4.7x slower.
+# form"): at 64 the step is 1.13-1.17x faster; at 128 the row pass spills and the step is
+# 1.6x slower.
 FOLDED_MAX_HEAD_DIM = 64
 # Widest head dim per dtype whose tiles were run on the H200 (tests/test_gpu_kernels.py):
 # 256 for half types; float32 rows take twice the shared memory, so 128.

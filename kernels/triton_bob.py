@@ -19,6 +19,13 @@ schedules:
   fp32 buffers (12 GEMMs per tile instead of 17, plus (E + Ev + 2) fp32 atomics per row and
   key block), then `_finish_rows_kernel` turns them into the outputs.
 gdq/gdk/gdv = None are constexpr flags: their GEMMs are not emitted.
+
+Folded form (FOLD; `bob_folded`: o and lse are the forward's, and their cotangents go
+into those of q, k, v; docs/second-order.md). The row pass runs first: with the row
+scalars alpha = Dg and E = rowsum(Sbar) - alpha dlse it also accumulates B = P k and (where
+F is non-zero) R = dS k, and returns gq = scale (Sbar k + dS gdk - alpha R - E B), gdo,
+gdlse = alpha, and E in an fp32 row buffer. The column pass then forms
+Sbar' = P (dO gdv^T + (F - alpha)(dP - D) - E) and A' = P (F - alpha) for gk and gv.
 """
 import torch
 import triton
