@@ -89,54 +89,61 @@ def bob_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
     return step(q, k, v, do, gq, gk, gv, scale, causal, stage_times)
 
 
-def bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
-    """The folded form's step."""
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if stage_times is not None else None
+class Stages:
+    """CUDA events between the named stages of one step, into stage_times (name -> list of
+    ms); does nothing when stage_times is None."""
 
-    def mark(i):
-        if events is not None:
-            events[i].record()
+    def __init__(self, stage_times):
+        self.stage_times, self.marks = stage_times, []
 
-    mark(0)
+    def mark(self, name=None):
+        if self.stage_times is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+
+    def done(self):
+        if self.stage_times is None:
+            return
+        torch.cuda.synchronize()
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            self.stage_times.setdefault(name, []).append(a.elapsed_time(b))
+
+
+def first_order_of_step(stages, q, k, v, do, scale, causal):
+    """The forward and the first backward that start every second-order step."""
+    stages.mark()
     params = AttentionParams(scale=scale, causal=causal)
     o, lse = tri.forward(q, k, v, params)
-    mark(1)
-    dq, dk, dv = tri.backward(q, k, v, o, lse, do, None, params)
-    mark(2)
+    stages.mark("forward")
+    first = tri.backward(q, k, v, o, lse, do, None, params)
+    stages.mark("backward")
+    return params, o, lse, first
+
+
+def bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
+    """The folded form's step."""
+    stages = Stages(stage_times)
+    params, o, lse, first = first_order_of_step(stages, q, k, v, do, scale, causal)
     bq, bk, bv, gdo, _ = tri.bob_folded(q, k, v, o, lse, do, None, gq, gk, gv, params)
-    mark(3)
-    if events is not None:
-        torch.cuda.synchronize()
-        for name, a, b in zip(("forward", "backward", "bob_folded"), events, events[1:]):
-            stage_times.setdefault(name, []).append(a.elapsed_time(b))
-    return (dq, dk, dv), (bq, bk, bv, gdo)
+    stages.mark("bob_folded")
+    stages.done()
+    return first, (bq, bk, bv, gdo)
 
 
 def bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if stage_times is not None else None
-
-    def mark(i):
-        if events is not None:
-            events[i].record()
-
-    mark(0)
-    params = AttentionParams(scale=scale, causal=causal)
-    o, lse = tri.forward(q, k, v, params)
-    mark(1)
-    dq, dk, dv = tri.backward(q, k, v, o, lse, do, None, params)
-    mark(2)
+    """The chain form's step."""
+    stages = Stages(stage_times)
+    params, o, lse, first = first_order_of_step(stages, q, k, v, do, scale, causal)
     bq, bk, bv, go, glse, gdo, _ = tri.bob(q, k, v, o, lse, do, None, gq, gk, gv, params)
-    mark(3)
+    stages.mark("bob")
     dq2, dk2, dv2 = tri.backward(q, k, v, o, lse, go, glse, params)
     bq += dq2
     bk += dk2
     bv += dv2
-    mark(4)
-    if events is not None:
-        torch.cuda.synchronize()
-        for name, a, b in zip(("forward", "backward", "bob", "backward2"), events, events[1:]):
-            stage_times.setdefault(name, []).append(a.elapsed_time(b))
-    return (dq, dk, dv), (bq, bk, bv, gdo)
+    stages.mark("backward2")
+    stages.done()
+    return first, (bq, bk, bv, gdo)
 
 
 def math_step(q, k, v, do, gq, gk, gv, scale, causal):

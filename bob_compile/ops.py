@@ -143,36 +143,33 @@ def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal,
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
-def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
-             keep_mask_summary=False):
+def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask,
+                       scale, causal, keep_mask_summary):
+    """The implementation's `method` (bob or bob_folded); likes: the input each output is
+    shaped and laid out like (None: a row vector shaped like lse)."""
     known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
-        outs = known.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+        outs = getattr(known, method)(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
         if outs is not None:
             return outs
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    outs = pick(qf, kf, vf).bob(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
-                                _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv),
-                                _params(q, k, mask, scale, causal, keep_mask_summary))
-    likes = (q, k, v, o, None, do, None)
+    outs = getattr(pick(qf, kf, vf), method)(
+        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(gdq),
+        _flat(gdk), _flat(gdv), _params(q, k, mask, scale, causal, keep_mask_summary))
     return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                  for t, like in zip(outs, likes))
+
+
+def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
+             keep_mask_summary=False):
+    return _call_second_order("bob", (q, k, v, o, None, do, None), pick, q, k, v, o, lse, do,
+                              dlse, gdq, gdk, gdv, mask, scale, causal, keep_mask_summary)
 
 
 def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
                     keep_mask_summary=False):
-    known = call_path(pick, q, k, v, mask, scale, causal)
-    if known is not None:
-        outs = known.bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
-        if outs is not None:
-            return outs
-    qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    outs = pick(qf, kf, vf).bob_folded(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
-                                       _flat_rows(dlse, qf), _flat(gdq), _flat(gdk), _flat(gdv),
-                                       _params(q, k, mask, scale, causal, keep_mask_summary))
-    likes = (q, k, v, do, None)
-    return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
-                 for t, like in zip(outs, likes))
+    return _call_second_order("bob_folded", (q, k, v, do, None), pick, q, k, v, o, lse, do,
+                              dlse, gdq, gdk, gdv, mask, scale, causal, keep_mask_summary)
 
 
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal,
