@@ -18,6 +18,7 @@ from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 
 from bob_compile.kernels.reference import sdpa_math as math_attention
 from bob_compile import attention
+from bob_compile.kernels import settings
 
 TOL = 1e-10
 
@@ -202,9 +203,13 @@ def test_hessian_and_jacrev_jacrev(case, causal):
                  jacrev(jacrev(f_ref, argnums=1), argnums=1)(q, k, v))
 
 
+@pytest.mark.parametrize("form", ["folded", "chain"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_third_order_falls_back_to_exact_math(causal):
-    """Third order is unfused, but exact: d/dq of an HVP."""
+def test_third_order_falls_back_to_exact_math(monkeypatch, causal, form):
+    """Third order is unfused, but exact: d/dq of an HVP, through either form's BoB
+    (docs/second-order.md) and its closed-form twin."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", form)
+    settings.reload()
     inputs, _, _, f, f_ref = setup("gqa", causal)
 
     def third(fn):

@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bob_compile.training_runtime as training_runtime
 from bob_compile.backend import counters, flashbob, recent_reports
+from bob_compile.kernels import settings
 from models import CASES, SDPABlock, exact_twin, loss_of
 
 AOT_EAGER = {"compiler": "aot_eager", "fallback": False}
@@ -302,8 +303,13 @@ def third_order(model, x):
     return torch.autograd.grad(sum(h.square().sum() for h in hvps), params)
 
 
-@pytest.mark.parametrize("name", ["sdpa", "nanogpt"])
-def test_third_order_is_exact(name):
+@pytest.mark.parametrize("name,form", [("sdpa", "folded"), ("nanogpt", "folded"),
+                                       ("sdpa", "chain")])
+def test_third_order_is_exact(monkeypatch, name, form):
+    """Every order through the compiled runtime, with either factorization of the second
+    order (docs/second-order.md)."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", form)
+    settings.reload()
     model = CASES[name].model()
     x, = CASES[name].batch(0)
     with math_sdpa():
