@@ -191,6 +191,10 @@ class StubKernels:
     def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
         return StubKernels._like(q, k, v, o, lse, do, lse)
 
+    @staticmethod
+    def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+        return StubKernels._like(q, k, v, do, lse)
+
 
 @contextlib.contextmanager
 def stub_kernels():
