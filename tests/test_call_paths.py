@@ -134,6 +134,36 @@ def test_second_order_records_its_graph_then_runs_its_call_path(call_paths, monk
         assert torch.equal(a, b)
 
 
+def test_hvp_through_a_model_runs_a_plain_backward_for_the_cotangent_of_o(call_paths,
+                                                                        monkeypatch):
+    """A Hessian-vector product through a model whose loss is not linear in o: in the folded
+    form the cotangent reaching o from the rest of the model is the only one there, so the
+    forward's backward runs once more without an lse cotangent (on CUDA: PyTorch's fused
+    backward); the chain form merges it with the BoB's (go, glse), dlse included."""
+    native, calls = call_paths
+    dlse_seen = []
+    monkeypatch.setattr(triton_attention, "attention_backward",
+                        lambda *a, dq_atomics: dlse_seen.append(a[6]) or blockwise.backward(*a))
+
+    def hvp():
+        q, k, v, _ = inputs()
+        o = bob_compile.attention(q, k, v, is_causal=True)
+        grads = torch.autograd.grad(o.square().sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad(grads, (q, k, v), [torch.ones_like(g) for g in grads])
+    folded = hvp()
+    assert calls == ["forward", "backward", "bob_folded", "backward"]
+    assert dlse_seen == [None, None]
+    calls.clear()
+    dlse_seen.clear()
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", "chain")
+    settings.reload()
+    chain = hvp()
+    assert calls == ["forward", "backward", "bob", "backward"]
+    assert dlse_seen[0] is None and dlse_seen[1] is not None
+    for a, b in zip(folded, chain):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_native_first_order_and_a_refusal(call_paths, monkeypatch):
     """With PyTorch's kernels as the call path's first order, results match the general path
     to rounding; a refusal by them falls back to the general path, exactly."""
