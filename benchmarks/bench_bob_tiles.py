@@ -12,7 +12,6 @@ pair into its kernels with torch.profiler. This is how the folded form's head-di
 import argparse
 import json
 import os
-import statistics
 
 os.environ["BOB_COMPILE_TUNE"] = "0"    # each config is forced, one at a time
 
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 
 from bob_compile.kernels import settings, triton_attention, triton_bob  # noqa: E402
 from bob_compile.kernels.params import AttentionParams  # noqa: E402
+from bench_masks import median_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 def config(block_m, block_n, warps):
@@ -34,21 +34,6 @@ COLUMNS = {64: [config(64, 64, 4), config(64, 128, 8), config(32, 128, 8)],
            128: [config(32, 64, 4), config(64, 32, 4), config(64, 64, 8)]}
 
 
-def median_ms(fn, reps=5):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def forced(row, column):
     """Only these configs are candidates (the settings reload forgets earlier choices)."""
     triton_bob.row_candidates = lambda *args: [row]
@@ -58,7 +43,7 @@ def forced(row, column):
 
 def timed_or_error(fn):
     try:
-        return median_ms(fn)
+        return median_ms(fn, reps=5)
     except Exception as e:      # a config Triton cannot build for this head dim
         return repr(e)[:80]
 

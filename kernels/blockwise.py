@@ -157,14 +157,20 @@ def backward(q, k, v, o, lse, do, dlse, params):
 
 
 # ----------------------------------------------------------------------------- backward-over-backward
-def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
-    scale, causal = params.scale, params.causal
-    dts, hkv = [t.dtype for t in (q, k, v, o, lse, do)], k.shape[1]
+def _second_order_inputs(q, k, v, o, lse, do, dlse, gdq, gdk, gdv):
+    """Every input in the accumulation dtype, key/value heads expanded, and D."""
     q, k, v, gdk, gdv = _prepare(q, k, v, gdk, gdv)
     dt = q.dtype
     o, lse, do, dlse, gdq = _up(o, dt), _up(lse, dt), _up(do, dt), _up(dlse, dt), _up(gdq, dt)
+    return q, k, v, o, lse, do, dlse, gdq, gdk, gdv, _row_delta(do, o, dlse)
+
+
+def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+    scale, causal = params.scale, params.causal
+    dts, hkv = [t.dtype for t in (q, k, v, o, lse, do)], k.shape[1]
+    q, k, v, o, lse, do, dlse, gdq, gdk, gdv, D = _second_order_inputs(
+        q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
     L, S = q.shape[2], k.shape[2]
-    D = _row_delta(do, o, dlse)
     gq, gk, gv, gdo = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
     Dg, glse = torch.zeros_like(D), torch.zeros_like(D)
     has_f = gdq is not None or gdk is not None      # F = 0 (so A = 0) when both are None
@@ -207,11 +213,9 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     outputs, whose every term carries the row's alpha and E."""
     scale, causal = params.scale, params.causal
     dts, hkv = [t.dtype for t in (q, k, v, do, lse)], k.shape[1]
-    q, k, v, gdk, gdv = _prepare(q, k, v, gdk, gdv)
-    dt = q.dtype
-    o, lse, do, dlse, gdq = _up(o, dt), _up(lse, dt), _up(do, dt), _up(dlse, dt), _up(gdq, dt)
+    q, k, v, o, lse, do, dlse, gdq, gdk, gdv, D = _second_order_inputs(
+        q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
     L, S = q.shape[2], k.shape[2]
-    D = _row_delta(do, o, dlse)
     gq, gk, gv, gdo = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
     alpha = torch.zeros_like(D)
     has_f = gdq is not None or gdk is not None      # F = 0 (so alpha = 0) when both are None
