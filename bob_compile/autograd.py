@@ -5,12 +5,14 @@ refuses (and forward-mode AD through it silently yields zero tangents: docs/torc
 So each op is called from a new-style autograd.Function (`setup_context`, an explicit
 `jvp`, `generate_vmap_rule`), and the Functions chain:
 
-    AttnFn (attn_fwd)  --backward-->  AttnBwdFn (attn_bwd)  --backward-->  AttnBobFn (attn_bob)
+    AttnFn (attn_fwd)  --backward-->  AttnBwdFn (attn_bwd)  --backward-->  AttnBobFoldedFn
+                                                                         (attn_bob_folded)
+                                                                      or AttnBobFn (attn_bob)
 
 Factorization of the second order (docs/second-order.md). o and lse are inputs of
 attn_bwd, so its plain VJP (attn_bob, the CHAIN form) returns cotangents for o and lse
 too, and autograd sends those back through AttnFn.backward: one more attn_bwd with an
-incoming lse cotangent. The FOLDED form (attn_bob_folded, the default) uses that o and lse
+incoming lse cotangent. The FOLDED form (attn_bob_folded) uses that o and lse
 are AttnFn's outputs for the same q, k, v: it returns their cotangents already sent
 through the forward, inside those of q, k, v, so no second backward runs. It takes two
 row scalars first (a row pass, then a column pass: 38·d FLOPs per pair against the chain's
@@ -369,7 +371,7 @@ class AttnBwdFn(_Fused):
 
     Applied only by AttnFn.backward (and, in compiled training graphs, where AttnFn's
     backward was traced): its o and lse are always AttnFn's outputs for the same q, k, v.
-    That is what lets the folded BoB (the default) return the cotangents of o and lse
+    That is what lets the folded BoB return the cotangents of o and lse
     already sent through the forward, as parts of those of q, k, v (and None for o and
     lse), so that no second backward runs."""
     generate_vmap_rule = True
@@ -404,26 +406,19 @@ class AttnBwdFn(_Fused):
         q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
         # under the kernel choices in force at forward time (this runs later, on the
         # autograd engine's thread)
-        if kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v):
-            outs = None
-            if _call_path_applies(ctx, (gdq, gdk, gdv)):
-                outs = ctx.call_path.bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
-            if outs is None:
-                bob = _bob_folded_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) \
-                    else AttnBobFoldedFn.apply
-                outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do,
-                                                dlse, gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
-            gq, gk, gv, gdo, gdlse = outs
-            go = glse = None
+        fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
+        method, twin, function = (("bob_folded", _bob_folded_twin, AttnBobFoldedFn) if fold
+                                  else ("bob", _bob_twin, AttnBobFn))
+        outs = None
+        if _call_path_applies(ctx, (gdq, gdk, gdv)):
+            outs = getattr(ctx.call_path, method)(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+        if outs is None:
+            bob = twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else function.apply
+            outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse,
+                                            gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
+        if fold:        # nothing for o and lse: their cotangents are in gq, gk, gv
+            (gq, gk, gv, gdo, gdlse), go, glse = outs, None, None
         else:
-            outs = None
-            if _call_path_applies(ctx, (gdq, gdk, gdv)):
-                outs = ctx.call_path.bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
-            if outs is None:
-                bob = _bob_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) \
-                    else AttnBobFn.apply
-                outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do,
-                                                dlse, gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
             gq, gk, gv, go, glse, gdo, gdlse = outs
         return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
 
