@@ -3,6 +3,7 @@ recompilation. Numerics of the model × scenario matrix are in test_backend_scen
 import collections
 import os
 import re
+import subprocess
 import sys
 import textwrap
 import warnings
@@ -21,7 +22,6 @@ from bob_compile import ops, options
 from bob_compile.kernels.reference import sdpa_math
 from bob_compile.backend import flashbob, recent_reports
 from bob_compile.passes import counters
-from early_start import Subprocess
 from bob_compile.passes.patterns import PATTERNS
 from models import CASES, NanoGPTBlock, exact_twin, loss_of
 
@@ -79,10 +79,8 @@ def test_dump_dir_from_environment(monkeypatch, tmp_path):
 
 
 # ---------------------------------------------------------------------------- registration
-# A fresh interpreter: the registry must not know "flashbob" before the backend is asked for.
-# Started when collection ends, beside the rest of the suite (early_start.py).
-EARLY_SUBPROCESSES = {"test_entry_point_registration_in_a_fresh_process": Subprocess(
-    [sys.executable, "-c", textwrap.dedent("""
+def test_entry_point_registration_in_a_fresh_process():
+    script = textwrap.dedent("""
         import torch, bob_compile
         from torch._dynamo.backends import registry
         assert "flashbob" not in registry._COMPILER_FNS, "importing bob_compile registered it"
@@ -94,11 +92,8 @@ EARLY_SUBPROCESSES = {"test_entry_point_registration_in_a_fresh_process": Subpro
         f(torch.randn(1, 1, 4, 2))
         assert len(bob_compile.backend.recent_reports[-1].replaced) == 1
         print("ok")
-    """)], timeout=300)}
-
-
-def test_entry_point_registration_in_a_fresh_process():
-    result = EARLY_SUBPROCESSES["test_entry_point_registration_in_a_fresh_process"].result()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
