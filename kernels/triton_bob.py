@@ -48,15 +48,18 @@ from .triton_masks import mask_flags, mask_kind_and_tensor
 def _store_row_outputs(gq, gdo_sum, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
                        GQ, GO, GDO, GLSE, GDLSE, sgql, sgol, sgdol,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                       PAD_E: tl.constexpr, PAD_EV: tl.constexpr):
-    """gq (already scaled), gdo = sum - Dg o, go = -Dg dO, glse = -rowsum(Sbar), gdlse = Dg."""
+                       PAD_E: tl.constexpr, PAD_EV: tl.constexpr, FOLD: tl.constexpr):
+    """gq (already scaled), gdo = sum - Dg o, gdlse = Dg; in the chain form (not FOLD) also
+    go = -Dg dO and glse = -rowsum(Sbar), which the folded form sends through the forward."""
     store_tile(GQ, gq.to(GQ.dtype.element_ty), offs_m, offs_e, sgql, 1, L, HEAD_DIM, PAD_E)
     gdo = gdo_sum - dg[:, None] * o.to(tl.float32)
     store_tile(GDO, gdo.to(GDO.dtype.element_ty), offs_m, offs_ev, sgdol, 1, L, HEAD_DIM_V,
                PAD_EV)
-    go = -dg[:, None] * do.to(tl.float32)
-    store_tile(GO, go.to(GO.dtype.element_ty), offs_m, offs_ev, sgol, 1, L, HEAD_DIM_V, PAD_EV)
-    tl.store(GLSE + row + offs_m, (-sbar_sum).to(GLSE.dtype.element_ty), mask=offs_m < L)
+    if not FOLD:
+        go = -dg[:, None] * do.to(tl.float32)
+        store_tile(GO, go.to(GO.dtype.element_ty), offs_m, offs_ev, sgol, 1, L, HEAD_DIM_V,
+                   PAD_EV)
+        tl.store(GLSE + row + offs_m, (-sbar_sum).to(GLSE.dtype.element_ty), mask=offs_m < L)
     tl.store(GDLSE + row + offs_m, dg.to(GDLSE.dtype.element_ty), mask=offs_m < L)
 
 
@@ -191,18 +194,11 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, 
         gq -= e[:, None] * b_acc
         if HAS_GDQ or HAS_GDK:
             gq -= dg[:, None] * r_acc
-        store_tile(GQ + row * HEAD_DIM, (gq * scale).to(GQ.dtype.element_ty), offs_m, offs_e,
-                   HEAD_DIM, 1, L, HEAD_DIM, PAD_E)
-        gdo -= dg[:, None] * o.to(tl.float32)
-        store_tile(GDO + row * HEAD_DIM_V, gdo.to(GDO.dtype.element_ty), offs_m, offs_ev,
-                   HEAD_DIM_V, 1, L, HEAD_DIM_V, PAD_EV)
-        tl.store(GDLSE + row + offs_m, dg.to(GDLSE.dtype.element_ty), mask=offs_m < L)
         tl.store(ROW_E + row + offs_m, e, mask=offs_m < L)
-    else:
-        _store_row_outputs(gq * scale, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
-                           GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
-                           GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
-                           HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
+    _store_row_outputs(gq * scale, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
+                       GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
+                       GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
+                       HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV, FOLD)
 
 
 strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
@@ -214,9 +210,9 @@ strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK=
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
-                  alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme, first, end,
-                  structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
-                  DG_ACC, SBAR_ACC,
+                  alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
+                  first, end, structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC,
+                  GDO_ACC, DG_ACC, SBAR_ACC,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -352,13 +348,15 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
                                D + row, ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl,
-                               sde, sgql, sgqe, sml, sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
+                               sde, sgql, sgqe, sml, sme, first, end, structure, m_lo, m_mid, n0,
+                               L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD, DOT_PRECISION)
         gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
                                D + row, ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl,
-                               sde, sgql, sgqe, sml, sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
+                               sde, sgql, sgqe, sml, sme, first, end, structure, m_mid, m_hi, n0,
+                               L, S, qk_scale_log2, scale,
                                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
                                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND,
                                HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD, DOT_PRECISION)
@@ -399,7 +397,7 @@ def _finish_rows_kernel(GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, O, DO, GQ, GO, GDO, G
     _store_row_outputs(gq, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
                        GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
                        GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
-                       HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV)
+                       HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV, False)
 
 
 strides_of(_finish_rows_kernel, O="so", DO="sd")
