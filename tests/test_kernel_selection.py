@@ -38,6 +38,7 @@ def test_forced_reference_is_used_by_the_op(monkeypatch):
     ("BOB_COMPILE_NATIVE_BACKEND", "cudnn9", r"cudnn, flash, none"),
     ("BOB_COMPILE_BWD_DQ", "atomics", r"two_pass, atomic"),
     ("BOB_COMPILE_BOB_SCHEDULE", "twopass", r"two_pass, atomic"),
+    ("BOB_COMPILE_BOB_FORM", "flashbob", r"auto, folded, chain"),
     ("BOB_COMPILE_TUNE", "no", r"1, 0"),
     ("BOB_COMPILE_NATIVE_SDPA", "false", r"1, 0"),
     ("BOB_COMPILE_FAST_LAUNCH", "off", r"1, 0"),
@@ -131,12 +132,25 @@ def test_options_choose_the_kernels_of_every_order(selections, compiler):
     ({"kernels": "cuda"}, r"options\['kernels'\]='cuda'; expected one of \['blockwise', "),
     ({"native_backend": "cudnn9"}, r"\['cudnn', 'flash', 'none'\]"),
     ({"bwd_dq": "atomics"}, r"\['two_pass', 'atomic'\]"),
+    ({"bob_form": "fold"},
+     r"options\['bob_form'\]='fold'; expected one of \['auto', 'folded', 'chain'\]"),
     ({"tune": "no"}, r"options\['tune'\] must be True or False"),
 ])
 def test_bad_kernel_options_say_what_is_valid(options, error):
     from bob_compile import options as options_module
     with pytest.raises((ValueError, TypeError), match=error):
         options_module.parse(options)
+
+
+def test_bob_form_option_applies_over_the_environment():
+    """options={'bob_form': ...} reaches kernels.fold_bob through the graph's KernelChoices."""
+    from bob_compile import kernels, options as options_module
+    settings.reload()
+    q = torch.randn(1, 1, 3, 8)
+    assert kernels.fold_bob(q, q, q)                            # auto, blockwise: folded
+    with settings.using(options_module.parse({"bob_form": "chain"}).kernel_choices):
+        assert not kernels.fold_bob(q, q, q)
+    assert kernels.fold_bob(q, q, q)
 
 
 def test_choices_apply_over_the_environment(monkeypatch):
