@@ -8,7 +8,7 @@ Providers
 - bob_compile_folded: the step in the folded form:
       o, lse = forward(q, k, v)                        # forward
       dq, dk, dv = backward(..., do, dlse=None)        # grad(o, (q,k,v), do, create_graph)
-      gq, gk, gv, gdo, _ = bob_folded(..., gdq, gdk, gdv)   # grad((dq,dk,dv), (q,k,v,do), ...)
+      gq, gk, gv, gdo, _ = bob_folded(..., gdq, gdk, gdv, dq)   # grad((dq,dk,dv), (q,k,v,do), ...)
 - bob_compile_chain: the same step in the chain form:
       gq, gk, gv, go, glse, gdo, _ = bob(..., gdq, gdk, gdv)
       dq2, dk2, dv2 = backward(..., do=go, dlse=glse)  # cotangents of o and lse flow back
@@ -125,7 +125,8 @@ def bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal, stage_times=None):
     """The folded form's step."""
     stages = Stages(stage_times)
     params, o, lse, first = first_order_of_step(stages, q, k, v, do, scale, causal)
-    bq, bk, bv, gdo, _ = tri.bob_folded(q, k, v, o, lse, do, None, gq, gk, gv, params)
+    # R read from the first backward's dq, as autograd runs it
+    bq, bk, bv, gdo, _ = tri.bob_folded(q, k, v, o, lse, do, None, gq, gk, gv, first[0], params)
     stages.mark("bob_folded")
     stages.done()
     return first, (bq, bk, bv, gdo)

@@ -192,7 +192,7 @@ class StubKernels:
         return StubKernels._like(q, k, v, o, lse, do, lse)
 
     @staticmethod
-    def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+    def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
         return StubKernels._like(q, k, v, do, lse)
 
 

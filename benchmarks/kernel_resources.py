@@ -75,6 +75,10 @@ def main(argv=None):
         ("bob columns", bob._column_kernel, True, {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("folded rows", bob._row_kernel, "fold", {64: (64, 32, 4, 2), 128: (64, 32, 4, 2)}),
         ("folded rows", bob._row_kernel, "fold", {64: (64, 64, 8, 2), 128: (32, 64, 4, 2)}),
+        # R read from the first backward's dq (HAS_DQ, what autograd runs): one accumulator less
+        ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 32, 4, 2), 128: (64, 32, 4, 2)}),
+        ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
+        ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 64, 8, 2), 128: (64, 64, 8, 2)}),
         ("folded cols", bob._column_kernel, "fold", {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("bwd columns", bwd._column_kernel, False, {64: (32, 128, 4, 3), 128: (32, 64, 4, 2)}),
         ("bwd dq", bwd._dq_kernel, False, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
@@ -85,7 +89,9 @@ def main(argv=None):
                           BLOCK_N=bn, CAUSAL=True, MASK_KIND=0, DOT_PRECISION="ieee")
             if is_bob:
                 consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
-                              FOLD=is_bob == "fold")
+                              FOLD=is_bob in ("fold", "fold_dq"))
+            if "HAS_DQ" in fn.arg_names:
+                consts["HAS_DQ"] = is_bob == "fold_dq"
             if "HAS_DLSE" in fn.arg_names:
                 consts["HAS_DLSE"] = False
             if "ROW_ATOMICS" in fn.arg_names:

@@ -293,7 +293,7 @@ def _like_positions(op_overload, **like):
 
 _BOB_LIKE = _like_positions(op.attn_bob.default, dlse="lse", gdq="q", gdk="k", gdv="v")
 _BOB_FOLDED_LIKE = _like_positions(op.attn_bob_folded.default, dlse="lse", gdq="q", gdk="k",
-                                   gdv="v")
+                                   gdv="v", dq="q")
 _FWD_JVP_LIKE = _like_positions(op.attn_fwd_jvp.default, tq="q", tk="k", tv="v")
 _BWD_JVP_LIKE = _like_positions(op.attn_bwd_jvp.default, dlse="lse", tq="q", tk="k", tv="v",
                                 to="o", tlse="lse", tdo="do", tdlse="lse")
@@ -321,9 +321,9 @@ class AttnBobFoldedFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
+    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal):
         return _run(op.attn_bob_folded, ops.call_bob_folded, "bob_compile::attn_bob_folded",
-                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal))
+                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal))
 
     setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
 
@@ -366,6 +366,25 @@ class AttnBwdJvpFn(_Fused):
 
 
 # ----------------------------------------------------------------------------- second order
+def _keep_dq(ctx, dq):
+    """Keep the first backward's dq for the folded BoB (which reads R = dS k from it, one
+    GEMM per tile less): detached, so that keeping it neither makes a reference cycle nor
+    forbids the caller to modify dq in place (a modified dq is then not used, see
+    _kept_dq). Not under torch.func or legacy vmap, whose wrappers of dq belong to their
+    level (and legacy vmap has no detach): there the kernels recompute R."""
+    if _functorch_active() or _is_functorch_wrapped(dq) or _is_legacy_batched(dq):
+        ctx.dq = None
+        return
+    ctx.dq, ctx.dq_version = dq.detach(), dq._version
+
+
+def _kept_dq(ctx):
+    """The kept dq, or None (not kept, or modified in place since: the BoB then recomputes
+    R itself, exact either way)."""
+    dq = ctx.dq
+    return dq if dq is not None and dq._version == ctx.dq_version else None
+
+
 class AttnBwdFn(_Fused):
     """attn_bwd, the first backward; its backward is the fused BoB.
 
@@ -398,6 +417,7 @@ class AttnBwdFn(_Fused):
             ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
+        _keep_dq(ctx, output[0])
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv):
@@ -409,13 +429,14 @@ class AttnBwdFn(_Fused):
         fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
         method, twin, function = (("bob_folded", _bob_folded_twin, AttnBobFoldedFn) if fold
                                   else ("bob", _bob_twin, AttnBobFn))
+        cotangents = (gdq, gdk, gdv, _kept_dq(ctx)) if fold else (gdq, gdk, gdv)
         outs = None
         if _call_path_applies(ctx, (gdq, gdk, gdv)):
-            outs = getattr(ctx.call_path, method)(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+            outs = getattr(ctx.call_path, method)(q, k, v, o, lse, do, dlse, *cotangents)
         if outs is None:
             bob = twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else function.apply
             outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse,
-                                            gdq, gdk, gdv, mask, ctx.scale, ctx.causal)
+                                            *cotangents, mask, ctx.scale, ctx.causal)
         if fold:        # nothing for o and lse: their cotangents are in gq, gk, gv
             (gq, gk, gv, gdo, gdlse), go, glse = outs, None, None
         else:

@@ -4,9 +4,11 @@
     attn_bwd(q, k, v, o, lse, do, dlse?, mask?, scale, causal) -> (dq, dk, dv)
     attn_bob(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, mask?, scale, causal)
                                    -> (gq, gk, gv, go, glse, gdo, gdlse)   VJP of attn_bwd
-    attn_bob_folded(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, mask?, scale, causal)
+    attn_bob_folded(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, dq?, mask?, scale, causal)
                                    -> (gq, gk, gv, gdo, gdlse)   VJP of attn_bwd where o and lse
-                                      are attn_fwd(q, k, v)'s: their cotangents are folded in
+                                      are attn_fwd(q, k, v)'s: their cotangents are folded in;
+                                      dq, if given, is attn_bwd's (the kernels read a row
+                                      term from it instead of recomputing it)
     attn_fwd_jvp(q, k, v, o, lse, tq?, tk?, tv?, mask?, scale, causal) -> (to, tlse)
     attn_bwd_jvp(q, k, v, o, lse, do, dlse?, tq?, tk?, tv?, to?, tlse?, tdo?, tdlse?, mask?,
                  scale, causal)    -> (tdq, tdk, tdv)                       JVP of attn_bwd
@@ -143,19 +145,20 @@ def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal,
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
-def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask,
-                       scale, causal, keep_mask_summary):
-    """The implementation's `method` (bob or bob_folded); likes: the input each output is
-    shaped and laid out like (None: a row vector shaped like lse)."""
+def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, shaped_like_q_k_v,
+                       mask, scale, causal, keep_mask_summary):
+    """The implementation's `method` (bob or bob_folded); shaped_like_q_k_v: its optional
+    arguments after dlse (gdq, gdk, gdv, and bob_folded's dq); likes: the input each output
+    is shaped and laid out like (None: a row vector shaped like lse)."""
     known = call_path(pick, q, k, v, mask, scale, causal)
     if known is not None:
-        outs = getattr(known, method)(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+        outs = getattr(known, method)(q, k, v, o, lse, do, dlse, *shaped_like_q_k_v)
         if outs is not None:
             return outs
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     outs = getattr(pick(qf, kf, vf), method)(
-        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(gdq),
-        _flat(gdk), _flat(gdv), _params(q, k, mask, scale, causal, keep_mask_summary))
+        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf),
+        *map(_flat, shaped_like_q_k_v), _params(q, k, mask, scale, causal, keep_mask_summary))
     return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                  for t, like in zip(outs, likes))
 
@@ -163,13 +166,16 @@ def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, gdq, gdk,
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
              keep_mask_summary=False):
     return _call_second_order("bob", (q, k, v, o, None, do, None), pick, q, k, v, o, lse, do,
-                              dlse, gdq, gdk, gdv, mask, scale, causal, keep_mask_summary)
+                              dlse, (gdq, gdk, gdv), mask, scale, causal, keep_mask_summary)
 
 
-def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
+def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal,
                     keep_mask_summary=False):
+    if dq is not None and dq.shape != q.shape:
+        raise ValueError(f"attn_bob_folded: dq must be shaped like q {tuple(q.shape)} (it is "
+                         f"attn_bwd's dq for the same inputs), got {tuple(dq.shape)}")
     return _call_second_order("bob_folded", (q, k, v, do, None), pick, q, k, v, o, lse, do,
-                              dlse, gdq, gdk, gdv, mask, scale, causal, keep_mask_summary)
+                              dlse, (gdq, gdk, gdv, dq), mask, scale, causal, keep_mask_summary)
 
 
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal,
@@ -244,14 +250,14 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
 @torch.library.custom_op(f"{NAMESPACE}::attn_bob_folded", mutates_args=(), tags=_TAGS)
 def attn_bob_folded(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                     dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
-                    gdv: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return call_bob_folded(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask,
+                    gdv: Optional[Tensor], dq: Optional[Tensor], mask: Optional[Tensor],
+                    scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return call_bob_folded(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
                            scale, causal)
 
 
 @attn_bob_folded.register_fake
-def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal):
     return _like(q), _like(k), _like(v), _like(do), _rows(lse)
 
 

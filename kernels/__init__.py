@@ -18,8 +18,9 @@ differentiated, that every function applies where it forms the scores):
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
     bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)         the VJP of `backward`
-    bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
+    bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params)
         -> (gq, gk, gv, gdo, gdlse)                   the same where o, lse = forward(q, k, v)
+                                                      (and dq, if given, = backward(...)'s)
     forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)

@@ -206,15 +206,17 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     return tuple(t.to(d) for t, d in zip(outs, dts + [dts[4]]))
 
 
-def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
     """The folded form (docs/second-order.md): per query tile, a first sweep over its key
     tiles gathers the row scalars alpha = rowsum(P F) and E = rowsum(P (C + F (dP - D))) -
     alpha dlse with the row outputs' alpha-free sums; a second sweep adds the column
-    outputs, whose every term carries the row's alpha and E."""
+    outputs, whose every term carries the row's alpha and E. R = dS k is read from the
+    first backward's dq (= scale R) where it is given."""
     scale, causal = params.scale, params.causal
     dts, hkv = [t.dtype for t in (q, k, v, do, lse)], k.shape[1]
     q, k, v, o, lse, do, dlse, gdq, gdk, gdv, D = _second_order_inputs(
         q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+    dq = _up(dq, q.dtype)
     L, S = q.shape[2], k.shape[2]
     gq, gk, gv, gdo = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
     alpha = torch.zeros_like(D)
@@ -256,8 +258,11 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
                 omega += ds @ gdk[:, :, cols]
             if F is not None:
                 a_i += (p * F).sum(-1)
-                r += ds @ k_j
+                if dq is None:
+                    r += ds @ k_j
                 gdo[:, :, rows] += (p * F) @ v_j
+        if dq is not None:
+            r = dq[:, :, rows] / scale
         if dlse is not None:
             e_i = e_i - a_i * dlse[:, :, rows]
         gq[:, :, rows] = scale * (omega - a_i.unsqueeze(-1) * r - e_i.unsqueeze(-1) * b)

@@ -227,9 +227,10 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
     return tuple(t.to(dt) for t, dt in zip(outs, dts + [dts[4]]))
 
 
-def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
+def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, upcast=True):
     """The folded backward-over-backward: the VJP of `backward` where o and lse are
-    forward(q, k, v)'s, so that their cotangents reach q, k, v through the forward.
+    forward(q, k, v)'s, so that their cotangents reach q, k, v through the forward. dq
+    (backward's, which the kernels may read) is not used: the oracle derives everything.
 
     By the chain rule, independently of the kernels' affine formulas (docs/second-order.md):
     `bob`, then the cotangents (go, glse) of o and lse sent through `backward` (do := go,

@@ -5,7 +5,7 @@
     backward(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv)
     bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
         -> (gq, gk, gv, go, glse, gdo, gdlse)
-    bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params) -> (gq, gk, gv, gdo, gdlse)
+    bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params) -> (gq, gk, gv, gdo, gdlse)
     forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
@@ -265,11 +265,11 @@ class CallPath:
         return (in_order_of(gq, q), in_order_of(gk, k), in_order_of(gv, v), in_order_of(go, o),
                 glse, in_order_of(gdo, do), gdlse)
 
-    def bob_folded(self, q, k, v, o, lse, do, dlse, gdq, gdk, gdv):
+    def bob_folded(self, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq):
         if gdq is None and gdk is None and gdv is None:
             return None
         gq, gk, gv, gdo, gdlse = attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
-                                               self.params, fold=True)
+                                               self.params, fold=True, dq=dq)
         in_order_of = layout.in_order_of
         return (in_order_of(gq, q), in_order_of(gk, k), in_order_of(gv, v),
                 in_order_of(gdo, do), gdlse)
@@ -370,12 +370,12 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
                          row_atomics=settings.current().bob_row_atomics)
 
 
-def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
+def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
     S, L = k.shape[2], q.shape[2]
     if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
         like = (q, k, v, do, lse)
         return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
-    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True)
+    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True, dq=dq)
 
 
 # Forward mode: the Triton kernels of triton_forward_mode.py, except with a mask tensor or an

@@ -24,7 +24,8 @@ Folded form (FOLD; `bob_folded`: o and lse are the forward's, and their cotangen
 into those of q, k, v; docs/second-order.md). The row pass runs first: with the row
 scalars alpha = Dg and E = rowsum(Sbar) - alpha dlse it also accumulates B = P k and (where
 F is non-zero) R = dS k, and returns gq = scale (Sbar k + dS gdk - alpha R - E B), gdo,
-gdlse = alpha, and E in an fp32 row buffer. The column pass then forms
+gdlse = alpha, and E in an fp32 row buffer. Given the first backward's dq (= scale R, HAS_DQ),
+R is read from it instead of accumulated: one GEMM per tile and one accumulator fewer. The column pass then forms
 Sbar' = P (dO gdv^T + (F - alpha)(dP - D) - E) and A' = P (F - alpha) for gk and gv.
 """
 import torch
@@ -74,8 +75,9 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-               FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               FOLD: tl.constexpr, HAS_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
+    ACCUMULATE_R: tl.constexpr = FOLD and HAS_F and not HAS_DQ
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -92,14 +94,14 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
             gdv = load_tile(gdv_base, offs_n, offs_ev, sgvn, sgve, S, HEAD_DIM_V, MASKED, PAD_EV)
             cot_scores = tl.dot(do, tl.trans(gdv), input_precision=DOT_PRECISION)
             gdo += tl.dot(p.to(gdv.dtype), gdv, input_precision=DOT_PRECISION)
-        if HAS_GDK or (FOLD and HAS_F):
+        if HAS_GDK or ACCUMULATE_R:
             ds = (p * delta).to(k.dtype)
         if HAS_GDK:
             gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
             gq += tl.dot(ds, gdk, input_precision=DOT_PRECISION)
-        if FOLD:        # B = P k, and R = dS k where alpha can be non-zero
+        if FOLD:        # B = P k, and R = dS k where alpha can be non-zero (unless read)
             b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
-            if HAS_F:
+            if ACCUMULATE_R:
                 r_acc += tl.dot(ds, k, input_precision=DOT_PRECISION)
         if HAS_F:
             if HAS_GDQ and HAS_GDK:
@@ -123,19 +125,20 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
 
 
 @triton.jit
-def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, GDLSE, ROW_E,
-                MASK, KEY_RANGE,
+def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, GQ, GO, GDO, GLSE, GDLSE,
+                ROW_E, MASK, KEY_RANGE,
                 sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                 sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
-                sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
-                srb, srh, srl, sre,
+                sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, sdqb, sdqh, sdql, sdqe,
+                smb, smh, sml, sme, srb, srh, srl, sre,
                 num_q_heads, kv_group, L, S, qk_scale_log2, scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASK_KIND: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-                FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -153,12 +156,13 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, 
     gdo = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     dg = tl.zeros([BLOCK_M], tl.float32)
     sbar_sum = tl.zeros([BLOCK_M], tl.float32)
+    # accumulators a configuration never updates are [1, 1]: the loop drops them
+    r_acc = tl.zeros([1, 1], tl.float32)
+    b_acc = tl.zeros([1, 1], tl.float32)
     if FOLD:
-        r_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
         b_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
-    else:       # never updated: the loop drops them
-        r_acc = tl.zeros([1, 1], tl.float32)
-        b_acc = tl.zeros([1, 1], tl.float32)
+        if (HAS_GDQ or HAS_GDK) and not HAS_DQ:
+            r_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     gdk_base = GDK + b * sgkb + hk * sgkh
@@ -175,14 +179,15 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, 
         gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
         structure, offs_m, offs_e,
         offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD, DOT_PRECISION)
+        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD, HAS_DQ,
+        DOT_PRECISION)
     gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
         gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
         gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
         structure, offs_m, offs_e,
         offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD,
-        DOT_PRECISION)
+        HAS_DQ, DOT_PRECISION)
 
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
@@ -192,17 +197,22 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, GQ, GO, GDO, GLSE, 
         if HAS_DLSE:
             e -= dg * load_row_vector(DLSE + row, offs_m, L)
         gq -= e[:, None] * b_acc
-        if HAS_GDQ or HAS_GDK:
+        if (HAS_GDQ or HAS_GDK) and not HAS_DQ:
             gq -= dg[:, None] * r_acc
         tl.store(ROW_E + row + offs_m, e, mask=offs_m < L)
-    _store_row_outputs(gq * scale, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
+    gq *= scale
+    if FOLD and HAS_DQ and (HAS_GDQ or HAS_GDK):     # scale alpha R = alpha dq
+        dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_e, sdql, sdqe, L, HEAD_DIM, True,
+                       PAD_E)
+        gq -= dg[:, None] * dq.to(tl.float32)
+    _store_row_outputs(gq, gdo, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev, L, row,
                        GQ + row * HEAD_DIM, GO + row * HEAD_DIM_V, GDO + row * HEAD_DIM_V,
                        GLSE, GDLSE, HEAD_DIM, HEAD_DIM_V, HEAD_DIM_V,
                        HEAD_DIM, HEAD_DIM_V, PAD_E, PAD_EV, FOLD)
 
 
 strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv", MASK="sm", KEY_RANGE="sr")
+           GDV="sgv", DQ="sdq", MASK="sm", KEY_RANGE="sr")
 
 
 # --------------------------------------------------------------------------------------
@@ -442,9 +452,10 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics):
 
 
 def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=False,
-                  fold=False):
+                  fold=False, dq=None):
     """S > 0 and at least one of gdq/gdk/gdv given. Chain form: (gq, gk, gv, go, glse, gdo,
-    gdlse); folded (fold=True, two passes: row, then column): (gq, gk, gv, gdo, gdlse)."""
+    gdlse); folded (fold=True, two passes: row, then column): (gq, gk, gv, gdo, gdlse), where
+    dq, if given, is backward(q, k, v, o, lse, do, dlse)'s (the folded row pass reads R from it)."""
     assert not (fold and row_atomics), "the folded form needs the row pass's scalars first"
     scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
@@ -470,6 +481,8 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     gdv_arg = gdv if has_gdv else v
     has_dlse = fold and dlse is not None
     dlse_arg = dlse.contiguous() if has_dlse else d
+    has_dq = fold and dq is not None and (has_gdq or has_gdk)
+    dq_arg = dq if has_dq else q
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind), int(fold))
 
@@ -481,16 +494,16 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, DLSE=dlse_arg, GDQ=gdq_arg, GDK=gdk_arg,
-             GDV=gdv_arg, GQ=gq, GO=gq if fold else go, GDO=gdo, GLSE=row_e if fold else glse,
+             GDV=gdv_arg, DQ=dq_arg, GQ=gq, GO=gq if fold else go, GDO=gdo, GLSE=row_e if fold else glse,
              GDLSE=gdlse, ROW_E=row_e, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
     def run_rows():
         launch_rows(launch_plan(
-            "bob_rows", q, k, v, causal, (*flag_key, int(has_dlse)),
+            "bob_rows", q, k, v, causal, (*flag_key, int(has_dlse), int(has_dq)),
             lambda: row_candidates(q.dtype, E, Ev, fold),
-            lambda: dict(common(), HAS_DLSE=has_dlse), launch_rows, pairs=L * S))
+            lambda: dict(common(), HAS_DLSE=has_dlse, HAS_DQ=has_dq), launch_rows, pairs=L * S))
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)

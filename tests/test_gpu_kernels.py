@@ -56,8 +56,8 @@ def folded_step(q, k, v, do, gq, gk, gv, scale, causal, impl, mask=None):
     """The same step in the folded form (what autograd runs by default)."""
     params = AttentionParams(scale=scale, causal=causal, mask=mask)
     o, lse = impl.forward(q, k, v, params)
-    impl.backward(q, k, v, o, lse, do, None, params)
-    bq, bk, bv, gdo, _ = impl.bob_folded(q, k, v, o, lse, do, None, gq, gk, gv, params)
+    dq = impl.backward(q, k, v, o, lse, do, None, params)[0]
+    bq, bk, bv, gdo, _ = impl.bob_folded(q, k, v, o, lse, do, None, gq, gk, gv, dq, params)
     return bq.double(), bk.double(), bv.double(), gdo.double()
 
 
@@ -180,12 +180,15 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     lowp = reference.bob(q, k, v, o, lse, do, dlse, *cot, params, upcast=False)
     for name, a, m, e in zip(reference.BOB_OUTPUTS, ours, lowp, exact):
         check_against(name, a, m, e, report)
-    ours = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
-    exact = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot), params)
-    lowp = reference.bob_folded(q, k, v, o, lse, do, dlse, *cot, params, upcast=False)
-    for name, a, m, e in zip(reference.BOB_FOLDED_OUTPUTS, ours, lowp, exact):
-        assert a.dtype == m.dtype and a.is_contiguous()
-        check_against("folded." + name, a, m, e, report)
+    exact = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+    lowp = reference.bob_folded(q, k, v, o, lse, do, dlse, *cot, None, params, upcast=False)
+    # R recomputed in the row pass, and read from the first backward's dq (what autograd runs)
+    first_dq = triton_attention.backward(q, k, v, o, lse, do, dlse, params)[0]
+    for dq, tag in ((None, ""), (first_dq, ".dq")):
+        ours = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, dq, params)
+        for name, a, m, e in zip(reference.BOB_FOLDED_OUTPUTS, ours, lowp, exact):
+            assert a.dtype == m.dtype and a.is_contiguous()
+            check_against("folded." + name + tag, a, m, e, report)
 
     # the full second-order step (what a user's double backward computes)
     if Hq == Hkv and E == Ev:
@@ -270,11 +273,12 @@ def test_deterministic_two_pass(monkeypatch):
     cot = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
     first = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
     first_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
-    first_folded = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
+    first_folded = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, None, params)
     for _ in range(3):
         again = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
         again_bwd = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
-        again_folded = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
+        again_folded = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, None,
+                                                   params)
         for a, b in zip(first + first_bwd + first_folded, again + again_bwd + again_folded):
             assert torch.equal(a, b)
 

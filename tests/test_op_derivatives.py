@@ -231,3 +231,51 @@ def test_reverse_over_forward(case):
     q, k, v = inputs
     assert_close(jacrev(torch.func.jacfwd(f, argnums=2), argnums=2)(q, k, v),
                  jacrev(torch.func.jacfwd(f_ref, argnums=2), argnums=2)(q, k, v))
+
+
+def _record_first_backward_dq(monkeypatch):
+    """Whether each folded BoB call got the first backward's dq (autograd keeps it: the row
+    pass then reads R = dS k from it)."""
+    from bob_compile.kernels import blockwise
+    given, real = [], blockwise.bob_folded
+
+    def recorded(*args):
+        given.append(args[10] is not None)      # bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params)
+        return real(*args)
+    monkeypatch.setattr(blockwise, "bob_folded", recorded)
+    return given
+
+
+@pytest.mark.parametrize("case", ["gqa", "key_padding_mask"])
+def test_autograd_third_order_through_the_bob_that_read_dq(monkeypatch, case):
+    """d/dq of an autograd HVP (create_graph twice): the BoB got dq from the first backward,
+    and its own backward (the closed-form twin, which derives R itself) is still exact."""
+    given = _record_first_backward_dq(monkeypatch)
+    inputs, _, _, f, f_ref = setup(case, True)
+
+    def third(fn):
+        q, k, v = (t.detach().requires_grad_() for t in inputs)
+        gq, gk, gv = torch.autograd.grad(fn(q, k, v), (q, k, v), create_graph=True)
+        hvp = torch.autograd.grad(gq.sum() + (gk * gk).sum() + gv.sum(), (q, k, v),
+                                  create_graph=True)
+        return torch.autograd.grad(sum((h * h).sum() for h in hvp), (q, k, v))
+    assert_close(third(f), third(f_ref))
+    assert given and all(given)
+
+
+def test_dq_changed_in_place_before_the_second_grad(monkeypatch):
+    """A dq modified in place after the first backward is not read (autograd's version
+    counter says so): the BoB recomputes R, and the second order stays exact."""
+    given = _record_first_backward_dq(monkeypatch)
+    (q, k, v), kw = make_inputs("bhle_l_lt_s", True)
+
+    def steps(attn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = attn(*leaves, **kw)
+        dq, dk, dv = torch.autograd.grad(torch.sin(o).sum(), leaves, create_graph=True)
+        first = torch.autograd.grad((dq * dq).sum() + (dk * dv).sum(), leaves, retain_graph=True)
+        dq.mul_(2)
+        second = torch.autograd.grad((dq * dq).sum() + (dk * dv).sum(), leaves)
+        return first + second
+    assert_close(steps(attention), steps(math_attention))
+    assert given == [True, False]

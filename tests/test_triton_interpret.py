@@ -133,11 +133,13 @@ def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None):
         check(name, a, e.to(a.dtype), dtype)
 
     # the folded form (one schedule of its own: the row pass, then the column pass)
+    # R recomputed in its row pass, and read from the first backward's dq (as autograd runs it)
     if not settings.current().bob_row_atomics:
-        outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
-        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot), params)
-        for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
-            check("folded " + name, a, e.to(a.dtype), dtype)
+        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+        for dq, tag in ((None, ""), (grads[0], " (dq given)")):
+            outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, dq, params)
+            for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+                check("folded " + name + tag, a, e.to(a.dtype), dtype)
 
 
 CASES = [
@@ -193,8 +195,24 @@ def test_folded_with_and_without_dlse_on_one_shape():
     o, lse = triton_attention.forward(q, k, v, params)
     do, cot = torch.randn_like(o), [torch.randn_like(t) for t in (q, k, v)]
     for dlse in (torch.randn_like(lse), None, torch.randn_like(lse)):
-        outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, params)
-        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot), params)
+        outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, None, params)
+        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+        for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+            check(name, a, e.to(a.dtype), torch.float32)
+
+
+@in_interpreter
+def test_folded_with_and_without_dq_on_one_shape():
+    """The folded row pass reads R from dq only when given (HAS_DQ): calls that differ in
+    that alone must not share a launch plan's compiled kernel."""
+    q, k, v = make_inputs(1, 2, 2, 21, 21, 16, 16, torch.float32)
+    params = AttentionParams(scale=0.25, causal=True)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, cot = torch.randn_like(o), [torch.randn_like(t) for t in (q, k, v)]
+    dq = triton_attention.backward(q, k, v, o, lse, do, None, params)[0]
+    expected = reference.bob_folded(*f64(q, k, v, o, lse, do, None, *cot, None), params)
+    for given in (dq, None, dq):
+        outs = triton_attention.bob_folded(q, k, v, o, lse, do, None, *cot, given, params)
         for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
             check(name, a, e.to(a.dtype), torch.float32)
 
