@@ -3,7 +3,7 @@
 Providers
 - bob_compile: this package's kernels (kernels/triton_attention.py), one full second-order
   step assembled from the contract exactly as autograd runs it: in the form
-  kernels.fold_bob picks (by default folded up to head dim 64, chain above), i.e.
+  kernels.fold_bob picks (by default folded up to head dim 128, chain above), i.e.
   bob_compile_folded or bob_compile_chain;
 - bob_compile_folded: the step in the folded form:
       o, lse = forward(q, k, v)                        # forward

@@ -20,7 +20,7 @@ row scalars first (a row pass, then a column pass: 38·d FLOPs per pair against 
 rounding, and leaves the backward of a Hessian-vector product's cotangent through o (from
 the rest of the model) to PyTorch's fused kernels. BOB_COMPILE_BOB_FORM=chain (or the
 backend option bob_form) selects the chain form, =folded the folded form; by default
-(auto) the Triton kernels fold up to head dim 64, where it was measured faster
+(auto) the Triton kernels fold up to head dim 128, where it was measured faster
 (kernels.fold_bob, benchmarks/README.md).
 
 Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; explicit

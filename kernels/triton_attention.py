@@ -41,11 +41,14 @@ from .triton_forward_mode import attention_backward_jvp, attention_forward_jvp
 log = logging.getLogger("bob_compile.kernels")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Widest head dim at which the folded BoB (two more fp32 row accumulators in its row pass)
-# beat the chain form's BoB + second backward on the H200 (benchmarks/README.md, "The folded
-# form"): at 64 the step is 1.13-1.17x faster; at 128 the row pass spills and the step is
-# 1.6x slower.
-FOLDED_MAX_HEAD_DIM = 64
+# Widest head dim at which the folded BoB was measured to beat the chain form's BoB + second
+# backward on the H200 (benchmarks/README.md, "The folded form": 1.15-1.27x faster steps at
+# 64 and 128); wider heads (256: not measured) keep the chain form.
+FOLDED_MAX_HEAD_DIM = 128
+# Widest head dim at which the folded row pass accumulates B = P k itself; wider heads get B
+# from one more attention forward (keys as values: PyTorch's fused kernel where it applies),
+# since a (BLOCK_M x 128) fp32 accumulator more spills thousands of bytes per thread.
+ACCUMULATE_B_MAX_HEAD_DIM = 64
 # Widest head dim per dtype whose tiles were run on the H200 (tests/test_gpu_kernels.py):
 # 256 for half types; float32 rows take twice the shared memory, so 128.
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
@@ -268,8 +271,9 @@ class CallPath:
     def bob_folded(self, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq):
         if gdq is None and gdk is None and gdv is None:
             return None
+        keys_out = _keys_out(q, k, self.params, self.native)
         gq, gk, gv, gdo, gdlse = attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
-                                               self.params, fold=True, dq=dq)
+                                               self.params, fold=True, dq=dq, keys_out=keys_out)
         in_order_of = layout.in_order_of
         return (in_order_of(gq, q), in_order_of(gk, k), in_order_of(gv, v),
                 in_order_of(gdo, do), gdlse)
@@ -375,7 +379,22 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
     if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
         like = (q, k, v, do, lse)
         return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
-    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True, dq=dq)
+    keys_out = _keys_out(q, k, params, _native_backend(q, k, k, params))
+    return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True, dq=dq,
+                         keys_out=keys_out)
+
+
+def _keys_out(q, k, params, native):
+    """B = P k (the attention output with the keys as values) for the folded row pass of
+    heads wider than ACCUMULATE_B_MAX_HEAD_DIM, else None (the row pass accumulates it)."""
+    if q.shape[3] <= ACCUMULATE_B_MAX_HEAD_DIM:
+        return None
+    if native is not None:
+        keys_out = _try_native(native, _native_forward_output, q, k, k, params.scale,
+                               params.causal)
+        if keys_out is not None:
+            return keys_out
+    return attention_forward(q, k, k, params)[0]
 
 
 # Forward mode: the Triton kernels of triton_forward_mode.py, except with a mask tensor or an

@@ -25,7 +25,9 @@ into those of q, k, v; docs/second-order.md). The row pass runs first: with the 
 scalars alpha = Dg and E = rowsum(Sbar) - alpha dlse it also accumulates B = P k and (where
 F is non-zero) R = dS k, and returns gq = scale (Sbar k + dS gdk - alpha R - E B), gdo,
 gdlse = alpha, and E in an fp32 row buffer. Given the first backward's dq (= scale R, HAS_DQ),
-R is read from it instead of accumulated: one GEMM per tile and one accumulator fewer. The column pass then forms
+R is read from it instead of accumulated: one GEMM per tile and one accumulator fewer; given
+B (HAS_B: an attention forward with the keys as values), B is read too, so that wide heads
+keep no more accumulators than the chain form's row pass. The column pass then forms
 Sbar' = P (dO gdv^T + (F - alpha)(dP - D) - E) and A' = P (F - alpha) for gk and gv.
 """
 import torch
@@ -75,7 +77,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-               FOLD: tl.constexpr, HAS_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               FOLD: tl.constexpr, HAS_DQ: tl.constexpr, HAS_B: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
     ACCUMULATE_R: tl.constexpr = FOLD and HAS_F and not HAS_DQ
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -99,10 +102,11 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         if HAS_GDK:
             gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
             gq += tl.dot(ds, gdk, input_precision=DOT_PRECISION)
-        if FOLD:        # B = P k, and R = dS k where alpha can be non-zero (unless read)
+        # B = P k, and R = dS k where alpha can be non-zero (each unless read)
+        if FOLD and not HAS_B:
             b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
-            if ACCUMULATE_R:
-                r_acc += tl.dot(ds, k, input_precision=DOT_PRECISION)
+        if ACCUMULATE_R:
+            r_acc += tl.dot(ds, k, input_precision=DOT_PRECISION)
         if HAS_F:
             if HAS_GDQ and HAS_GDK:
                 f = (tl.dot(gdq, tl.trans(k), input_precision=DOT_PRECISION)
@@ -125,12 +129,12 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
 
 
 @triton.jit
-def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, GQ, GO, GDO, GLSE, GDLSE,
-                ROW_E, MASK, KEY_RANGE,
+def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, GO, GDO, GLSE,
+                GDLSE, ROW_E, MASK, KEY_RANGE,
                 sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                 sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                 sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, sdqb, sdqh, sdql, sdqe,
-                smb, smh, sml, sme, srb, srh, srl, sre,
+                skob, skoh, skol, skoe, smb, smh, sml, sme, srb, srh, srl, sre,
                 num_q_heads, kv_group, L, S, qk_scale_log2, scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -138,7 +142,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, GQ, GO, GDO, GL
                 MASK_KIND: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                HAS_B: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -160,7 +164,8 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, GQ, GO, GDO, GL
     r_acc = tl.zeros([1, 1], tl.float32)
     b_acc = tl.zeros([1, 1], tl.float32)
     if FOLD:
-        b_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+        if not HAS_B:
+            b_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
         if (HAS_GDQ or HAS_GDK) and not HAS_DQ:
             r_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     k_base = K + b * skb + hk * skh
@@ -180,14 +185,14 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, GQ, GO, GDO, GL
         structure, offs_m, offs_e,
         offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
         CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD, HAS_DQ,
-        DOT_PRECISION)
+        HAS_B, DOT_PRECISION)
     gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
         gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
         gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
         structure, offs_m, offs_e,
         offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD,
-        HAS_DQ, DOT_PRECISION)
+        HAS_DQ, HAS_B, DOT_PRECISION)
 
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
@@ -196,6 +201,9 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, GQ, GO, GDO, GL
         e = sbar_sum
         if HAS_DLSE:
             e -= dg * load_row_vector(DLSE + row, offs_m, L)
+        if HAS_B:
+            b_acc = load_tile(KEYS_OUT + b * skob + h * skoh, offs_m, offs_e, skol, skoe, L,
+                              HEAD_DIM, True, PAD_E).to(tl.float32)
         gq -= e[:, None] * b_acc
         if (HAS_GDQ or HAS_GDK) and not HAS_DQ:
             gq -= dg[:, None] * r_acc
@@ -212,7 +220,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, GQ, GO, GDO, GL
 
 
 strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv", DQ="sdq", MASK="sm", KEY_RANGE="sr")
+           GDV="sgv", DQ="sdq", KEYS_OUT="sko", MASK="sm", KEY_RANGE="sr")
 
 
 # --------------------------------------------------------------------------------------
@@ -422,12 +430,15 @@ def row_candidates(dtype, head_dim, head_dim_v, fold):
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
     if nbytes > 256:
         return wide_candidates(nbytes * (2 if fold else 1), column=False)
-    if nbytes > 128:
+    if nbytes > 128:    # 128 x 32 with 8 warps: the fewest spills at d = 128 (kernel_resources.py)
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-                dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
-    if fold:    # two more (BLOCK_M x E) fp32 accumulators: narrower key tiles, or 8 warps
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
+    if fold:    # one or two more (BLOCK_M x E) fp32 accumulators (B; R without dq)
+        # 128 x 32 with 8 warps: with dq given, almost no spills (kernel_resources.py)
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
     # measured on the H200 (benchmarks/README.md): 64 x 64 with 4 warps wins at every length
@@ -452,10 +463,11 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics):
 
 
 def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=False,
-                  fold=False, dq=None):
+                  fold=False, dq=None, keys_out=None):
     """S > 0 and at least one of gdq/gdk/gdv given. Chain form: (gq, gk, gv, go, glse, gdo,
     gdlse); folded (fold=True, two passes: row, then column): (gq, gk, gv, gdo, gdlse), where
-    dq, if given, is backward(q, k, v, o, lse, do, dlse)'s (the folded row pass reads R from it)."""
+    dq, if given, is backward(q, k, v, o, lse, do, dlse)'s (the folded row pass reads R from it)
+    and keys_out, if given, is B = forward(q, k, k)'s o (read instead of accumulated)."""
     assert not (fold and row_atomics), "the folded form needs the row pass's scalars first"
     scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
@@ -483,6 +495,8 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     dlse_arg = dlse.contiguous() if has_dlse else d
     has_dq = fold and dq is not None and (has_gdq or has_gdk)
     dq_arg = dq if has_dq else q
+    has_b = fold and keys_out is not None
+    keys_out_arg = keys_out if has_b else q
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind), int(fold))
 
@@ -494,16 +508,17 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, DLSE=dlse_arg, GDQ=gdq_arg, GDK=gdk_arg,
-             GDV=gdv_arg, DQ=dq_arg, GQ=gq, GO=gq if fold else go, GDO=gdo, GLSE=row_e if fold else glse,
+             GDV=gdv_arg, DQ=dq_arg, KEYS_OUT=keys_out_arg, GQ=gq, GO=gq if fold else go, GDO=gdo, GLSE=row_e if fold else glse,
              GDLSE=gdlse, ROW_E=row_e, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
     def run_rows():
         launch_rows(launch_plan(
-            "bob_rows", q, k, v, causal, (*flag_key, int(has_dlse), int(has_dq)),
-            lambda: row_candidates(q.dtype, E, Ev, fold),
-            lambda: dict(common(), HAS_DLSE=has_dlse, HAS_DQ=has_dq), launch_rows, pairs=L * S))
+            "bob_rows", q, k, v, causal, (*flag_key, int(has_dlse), int(has_dq), int(has_b)),
+            lambda: row_candidates(q.dtype, E, Ev, fold and not has_b),
+            lambda: dict(common(), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b), launch_rows,
+            pairs=L * S))
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)

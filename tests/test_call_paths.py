@@ -43,7 +43,7 @@ def call_paths(monkeypatch):
     monkeypatch.setattr(triton_attention, "attention_backward",
                         lambda *a, dq_atomics: blockwise.backward(*a))
     monkeypatch.setattr(triton_attention, "attention_bob",
-                        lambda *a, row_atomics=False, fold=False, dq=None:
+                        lambda *a, row_atomics=False, fold=False, dq=None, keys_out=None:
                         blockwise.bob_folded(*a[:-1], dq, a[-1]) if fold else blockwise.bob(*a))
     monkeypatch.setattr(triton_attention, "_native_forward", cpu_flash_forward)
     monkeypatch.setattr(triton_attention, "_native_forward_output", cpu_flash_forward_output)

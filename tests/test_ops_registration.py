@@ -165,7 +165,7 @@ def test_gradcheck_first_backward_through_the_forward_folded(causal, mask_kind):
     ("auto", "atomic", False), ("folded", "atomic", False)])
 def test_which_form_the_second_order_takes(monkeypatch, form, schedule, folds):
     """BOB_COMPILE_BOB_FORM decides; auto folds on the blockwise path, and on the Triton
-    kernels up to head dim 64 (where folding was measured faster); the atomic BoB schedule
+    kernels up to head dim 128 (where folding was measured faster); the atomic BoB schedule
     exists in the chain form only."""
     monkeypatch.setenv("BOB_COMPILE_BOB_FORM", form)
     monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
@@ -174,13 +174,15 @@ def test_which_form_the_second_order_takes(monkeypatch, form, schedule, folds):
     assert kernels.fold_bob(q, q, q) is folds
 
 
-def test_triton_kernels_fold_up_to_head_dim_64():
+def test_triton_kernels_fold_up_to_head_dim_128():
     triton_attention = pytest.importorskip("bob_compile.kernels.triton_attention")
     meta = lambda d: torch.empty(1, 1, 8, d, device="meta")  # noqa: E731
     assert triton_attention.folded_bob_pays(meta(64), meta(64))
     assert triton_attention.folded_bob_pays(meta(32), meta(48))
-    assert not triton_attention.folded_bob_pays(meta(128), meta(128))
-    assert not triton_attention.folded_bob_pays(meta(64), meta(128))
+    assert triton_attention.folded_bob_pays(meta(128), meta(128))
+    assert triton_attention.folded_bob_pays(meta(64), meta(128))
+    assert not triton_attention.folded_bob_pays(meta(256), meta(256))
+    assert not triton_attention.folded_bob_pays(meta(128), meta(160))
 
 
 def test_first_order_keeps_lse_cotangent_none():

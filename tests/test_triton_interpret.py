@@ -504,3 +504,23 @@ def test_row_whose_scores_are_all_minus_inf_is_zero():
     check_nonfinite("lse", lse, rlse, same_places=True)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
         check_nonfinite(name, a, e, same_places=True)
+
+
+@in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_folded_row_pass_reading_b_from_a_forward(monkeypatch, causal):
+    """Wide heads get B = P k from an attention forward with the keys as values (HAS_B)
+    instead of a row-pass accumulator: exact (here forced at every head dim), with and
+    without dq, GQA and L != S included."""
+    monkeypatch.setattr(triton_attention, "ACCUMULATE_B_MAX_HEAD_DIM", 0)
+    q, k, v = make_inputs(1, 4, 2, 19, 19 if causal else 27, 16, 8, torch.float32)
+    params = AttentionParams(scale=0.3, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    cot = [torch.randn_like(t) for t in (q, k, v)]
+    dq = triton_attention.backward(q, k, v, o, lse, do, dlse, params)[0]
+    expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+    for given in (None, dq):
+        outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, given, params)
+        for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+            check(name, a, e.to(a.dtype), torch.float32)
