@@ -270,6 +270,17 @@ def run_rows(problem, args, device):
             for row, provider, method in ROWS:
                 if provider == "bob_compile":
                     record(row, f"bob_compile [{text}]", getattr(problem, method))
+    if args.calling_thread_backward:
+        # PyTorch runs a CUDA backward on its device thread, and a Python autograd node there
+        # must take the GIL; torch.autograd.set_multithreading_enabled(False) (thread-local)
+        # runs the backward on the calling thread instead
+        for row, provider, method in ROWS:
+            if row != "forward (no grad)":
+                def on_calling_thread(fn=getattr(problem, method)):
+                    with torch.autograd.set_multithreading_enabled(False):
+                        return fn()
+                record(row, f"{provider} [backward on the calling thread]", on_calling_thread,
+                       note="torch.autograd.set_multithreading_enabled(False)")
     if args.stub_kernels:
         with stub_kernels():
             for row, provider, method in ROWS:
@@ -350,6 +361,9 @@ def main():
     ap.add_argument("--variants", nargs="+", default=[],
                     help="extra bob_compile rows with BOB_COMPILE_* settings, e.g. "
                          "BOB_COMPILE_NATIVE_BACKEND=flash or BOB_COMPILE_NATIVE_SDPA=0")
+    ap.add_argument("--calling-thread-backward", action="store_true",
+                    help="add rows with torch.autograd.set_multithreading_enabled(False): the "
+                         "backward on the calling thread, not PyTorch's device thread")
     ap.add_argument("--stub-kernels", action="store_true",
                     help="also bob_compile rows with every kernel replaced by the allocation "
                          "of its outputs (the Python layers' own cost)")
