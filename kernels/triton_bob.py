@@ -508,9 +508,9 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, DLSE=dlse_arg, GDQ=gdq_arg, GDK=gdk_arg,
-             GDV=gdv_arg, DQ=dq_arg, KEYS_OUT=keys_out_arg, GQ=gq, GO=gq if fold else go, GDO=gdo, GLSE=row_e if fold else glse,
-             GDLSE=gdlse, ROW_E=row_e, MASK=mask, KEY_RANGE=key_range,
-             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             GDV=gdv_arg, DQ=dq_arg, KEYS_OUT=keys_out_arg, GQ=gq, GO=gq if fold else go,
+             GDO=gdo, GLSE=row_e if fold else glse, GDLSE=gdlse, ROW_E=row_e, MASK=mask,
+             KEY_RANGE=key_range, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
     def run_rows():

@@ -240,7 +240,7 @@ def _record_first_backward_dq(monkeypatch):
     given, real = [], blockwise.bob_folded
 
     def recorded(*args):
-        given.append(args[10] is not None)      # bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params)
+        given.append(args[10] is not None)      # (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params)
         return real(*args)
     monkeypatch.setattr(blockwise, "bob_folded", recorded)
     return given
