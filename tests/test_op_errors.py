@@ -122,3 +122,15 @@ def test_symbolic_scale_under_dynamic_shapes(backend, fresh_dynamo):
         q, k, v = qkv(q=(1, 2, length, 8), k=(1, 2, 6, 8), v=(1, 2, 6, 4), dtype=torch.float64)
         torch.testing.assert_close(compiled(q, k, v, attention),
                                    f(q, k, v, F.scaled_dot_product_attention))
+
+
+def test_folded_bob_with_a_dq_not_shaped_like_q():
+    """attn_bob_folded's optional dq is attn_bwd's for the same inputs: another shape is an
+    error that says so (it would otherwise be read with q's rows)."""
+    op = torch.ops.bob_compile
+    q, k, v = qkv(q=(2, 3, 5, 8), k=(2, 3, 6, 8), v=(2, 3, 6, 8))
+    o, lse = op.attn_fwd(q, k, v, None, 0.5, False)
+    do = torch.randn_like(o)
+    dq = op.attn_bwd(q, k, v, o, lse, do, None, None, 0.5, False)[0]
+    with pytest.raises(ValueError, match="dq must be shaped like q"):
+        op.attn_bob_folded(q, k, v, o, lse, do, None, q, k, v, dq[:, :1], None, 0.5, False)
