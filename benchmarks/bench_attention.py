@@ -25,7 +25,10 @@ Providers
   autograd (the second-order step: forward, grad(create_graph=True), second grad w.r.t.
   q, k, v, dO; or forward + grad), host overhead included: compare op_autograd_first_order
   with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K);
-  op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_BOB_FORM=folded / chain.
+  op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_BOB_FORM=folded / chain;
+  op_autograd_calling_thread: op_autograd with its backwards on the calling thread
+  (torch.autograd.set_multithreading_enabled(False): no hand-off to the autograd engine's
+  device thread, which bounds short lengths; benchmarks/README.md, "Host overhead").
 
 FLOP convention (per visible (query, key) pair, d = head dim): forward 4d, backward 10d,
 BoB 36d: the anchors' 50d per second-order step (4 + 10 + 36, FlashBoB's count), so that
@@ -178,6 +181,11 @@ def op_autograd(q, k, v, do, gq, gk, gv, scale, causal):
     return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
 
 
+def op_autograd_calling_thread(q, k, v, do, gq, gk, gv, scale, causal):
+    with torch.autograd.set_multithreading_enabled(False):
+        return op_autograd(q, k, v, do, gq, gk, gv, scale, causal)
+
+
 def op_autograd_first_order(q, k, v, do, gq, gk, gv, scale, causal):
     import bob_compile
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -200,6 +208,7 @@ def op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale, causal):
 PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
              "bob_compile_chain": bob_chain_step, "op_autograd": op_autograd,
              "op_autograd_folded": op_autograd, "op_autograd_chain": op_autograd,
+             "op_autograd_calling_thread": op_autograd_calling_thread,
              "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order, "torch_math": math_step,
              "torch_fused_first_order": native_first_order,
