@@ -67,6 +67,7 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
 def main(argv=None):
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     bob, bwd = load_kernels()
+    attention = importlib.import_module("bob_compile_kernels_aot.triton_attention")
     print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'regs':>5s} "
           f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s}")
     # (kernel, function, pick flags, {d: (BLOCK_M, BLOCK_N, warps, stages)}) as tuned on H200
@@ -75,7 +76,8 @@ def main(argv=None):
         ("bob columns", bob._column_kernel, True, {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("folded rows", bob._row_kernel, "fold", {64: (64, 32, 4, 2), 128: (64, 32, 4, 2)}),
         ("folded rows", bob._row_kernel, "fold", {64: (64, 64, 8, 2), 128: (32, 64, 4, 2)}),
-        # R read from the first backward's dq (HAS_DQ, what autograd runs): one accumulator less
+        # R read from the first backward's dq (HAS_DQ, what autograd runs): one accumulator
+        # less; at d = 128 B is read too (HAS_B)
         ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 32, 4, 2), 128: (64, 32, 4, 2)}),
         ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 64, 8, 2), 128: (64, 64, 8, 2)}),
@@ -92,6 +94,9 @@ def main(argv=None):
                               FOLD=is_bob in ("fold", "fold_dq"))
             if "HAS_DQ" in fn.arg_names:
                 consts["HAS_DQ"] = is_bob == "fold_dq"
+                # as autograd runs it: heads wider than 64 read B from a forward
+                consts["HAS_B"] = (is_bob == "fold_dq"
+                                   and d > attention.ACCUMULATE_B_MAX_HEAD_DIM)
             if "HAS_DLSE" in fn.arg_names:
                 consts["HAS_DLSE"] = False
             if "ROW_ATOMICS" in fn.arg_names:

@@ -77,10 +77,9 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-               FOLD: tl.constexpr, HAS_DQ: tl.constexpr, HAS_B: tl.constexpr,
+               ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
-    ACCUMULATE_R: tl.constexpr = FOLD and HAS_F and not HAS_DQ
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -102,8 +101,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         if HAS_GDK:
             gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
             gq += tl.dot(ds, gdk, input_precision=DOT_PRECISION)
-        # B = P k, and R = dS k where alpha can be non-zero (each unless read)
-        if FOLD and not HAS_B:
+        # the folded form's B = P k, and R = dS k where alpha can be non-zero (each unless read)
+        if ACCUMULATE_B:
             b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
         if ACCUMULATE_R:
             r_acc += tl.dot(ds, k, input_precision=DOT_PRECISION)
@@ -145,6 +144,11 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 HAS_B: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
+    # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
+    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
+    ACCUMULATE_B: tl.constexpr = FOLD and not HAS_B
+    ACCUMULATE_R: tl.constexpr = FOLD and HAS_F and not HAS_DQ
+    READ_R: tl.constexpr = FOLD and HAS_F and HAS_DQ
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
@@ -163,11 +167,10 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     # accumulators a configuration never updates are [1, 1]: the loop drops them
     r_acc = tl.zeros([1, 1], tl.float32)
     b_acc = tl.zeros([1, 1], tl.float32)
-    if FOLD:
-        if not HAS_B:
-            b_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
-        if (HAS_GDQ or HAS_GDK) and not HAS_DQ:
-            r_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    if ACCUMULATE_B:
+        b_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    if ACCUMULATE_R:
+        r_acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     gdk_base = GDK + b * sgkb + hk * sgkh
@@ -184,15 +187,15 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
         gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
         structure, offs_m, offs_e,
         offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD, HAS_DQ,
-        HAS_B, DOT_PRECISION)
+        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, ACCUMULATE_B,
+        ACCUMULATE_R, DOT_PRECISION)
     gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
         gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
         gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
         structure, offs_m, offs_e,
         offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, FOLD,
-        HAS_DQ, HAS_B, DOT_PRECISION)
+        BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
+        ACCUMULATE_B, ACCUMULATE_R, DOT_PRECISION)
 
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
@@ -201,15 +204,15 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
         e = sbar_sum
         if HAS_DLSE:
             e -= dg * load_row_vector(DLSE + row, offs_m, L)
-        if HAS_B:
+        if not ACCUMULATE_B:
             b_acc = load_tile(KEYS_OUT + b * skob + h * skoh, offs_m, offs_e, skol, skoe, L,
                               HEAD_DIM, True, PAD_E).to(tl.float32)
         gq -= e[:, None] * b_acc
-        if (HAS_GDQ or HAS_GDK) and not HAS_DQ:
+        if ACCUMULATE_R:
             gq -= dg[:, None] * r_acc
         tl.store(ROW_E + row + offs_m, e, mask=offs_m < L)
     gq *= scale
-    if FOLD and HAS_DQ and (HAS_GDQ or HAS_GDK):     # scale alpha R = alpha dq
+    if READ_R:      # scale alpha R = alpha dq
         dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_e, sdql, sdqe, L, HEAD_DIM, True,
                        PAD_E)
         gq -= dg[:, None] * dq.to(tl.float32)
@@ -510,8 +513,8 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, DLSE=dlse_arg, GDQ=gdq_arg, GDK=gdk_arg,
              GDV=gdv_arg, DQ=dq_arg, KEYS_OUT=keys_out_arg, GQ=gq, GO=gq if fold else go,
              GDO=gdo, GLSE=row_e if fold else glse, GDLSE=gdlse, ROW_E=row_e, MASK=mask,
-             KEY_RANGE=key_range, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-             scale=scale)
+             KEY_RANGE=key_range, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
+             qk_scale_log2=scale * LOG2E, scale=scale)
 
     def run_rows():
         launch_rows(launch_plan(
