@@ -379,16 +379,22 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
     if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
         like = (q, k, v, do, lse)
         return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
-    keys_out = _keys_out(q, k, params, _native_backend(q, k, k, params))
+    keys_out = _keys_out(q, k, params)
     return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True, dq=dq,
                          keys_out=keys_out)
 
 
-def _keys_out(q, k, params, native):
+_UNDECIDED = object()
+
+
+def _keys_out(q, k, params, native=_UNDECIDED):
     """B = P k (the attention output with the keys as values) for the folded row pass of
-    heads wider than ACCUMULATE_B_MAX_HEAD_DIM, else None (the row pass accumulates it)."""
+    heads wider than ACCUMULATE_B_MAX_HEAD_DIM, else None (the row pass accumulates it).
+    native: PyTorch's fused backend for it (a call path's), or decided here where needed."""
     if q.shape[3] <= ACCUMULATE_B_MAX_HEAD_DIM:
         return None
+    if native is _UNDECIDED:
+        native = _native_backend(q, k, k, params)
     if native is not None:
         keys_out = _try_native(native, _native_forward_output, q, k, k, params.scale,
                                params.causal)
