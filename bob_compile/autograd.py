@@ -418,15 +418,22 @@ class AttnBwdFn(_Fused):
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
         _keep_dq(ctx, output[0])
+        # o and lse attached, where they came in detached (_first_backward): the BoB folds
+        ctx.folded_forward_outputs = getattr(_apply_state, "folded_forward_outputs", None)
+        _apply_state.folded_forward_outputs = None
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv):
         if gdq is None and gdk is None and gdv is None:
             return (None,) * 10
         q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
-        # under the kernel choices in force at forward time (this runs later, on the
-        # autograd engine's thread)
-        fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
+        if ctx.folded_forward_outputs is not None:     # o and lse came in detached: fold
+            fold = True
+            if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
+                o, lse = ctx.folded_forward_outputs
+        else:   # under the kernel choices in force at forward time (this runs later, on the
+            # autograd engine's thread)
+            fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
         method, twin, function = (("bob_folded", _bob_folded_twin, AttnBobFoldedFn) if fold
                                   else ("bob", _bob_twin, AttnBobFn))
         cotangents = (gdq, gdk, gdv, _kept_dq(ctx)) if fold else (gdq, gdk, gdv)
@@ -451,6 +458,27 @@ class AttnBwdFn(_Fused):
         tangents = (tq, tk, tv, to, tlse, tdo, tdlse)
         jvp = _backward_jvp_twin if _needs_twin_under_legacy_vmap(*tangents) else AttnBwdJvpFn.apply
         return jvp(q, k, v, o, lse, do, dlse, *tangents, mask, ctx.scale, ctx.causal)
+
+
+def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
+    """AttnBwdFn.apply from AttnFn.backward. Where its graph is recorded (create_graph) in
+    plain autograd (no torch.func transform, no forward-mode AD, plain tensors) and its BoB
+    will take the folded form, o and lse enter it detached: the folded BoB returns no
+    cotangents for them, so the second backward's graph may end at AttnBwdFn, and the
+    autograd engine does not visit AttnFn's node again only to hand it two None cotangents
+    (about a tenth of a second-order step's host time at short lengths: benchmarks/README.md,
+    "Host overhead"). AttnBwdFn keeps the attached o and lse (its setup_context takes them
+    from _apply_state) for the BoB of a third order, whose math twin sends cotangents to o
+    and lse as well."""
+    if torch.is_grad_enabled() and not _functorch_active() and _forward_ad._current_level < 0 \
+            and _plain_eager((q, k, v, o, lse, do, dlse, mask)) and kernels.fold_bob(q, k, v):
+        _apply_state.folded_forward_outputs = (o, lse)
+        try:
+            return AttnBwdFn.apply(q, k, v, o.detach(), lse.detach(), do, dlse, mask, scale,
+                                   causal)
+        finally:
+            _apply_state.folded_forward_outputs = None
+    return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, scale, causal)
 
 
 # ----------------------------------------------------------------------------- first order
@@ -491,10 +519,14 @@ class AttnFn(_Fused):
             grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
             if grads is not None:
                 return (*grads, None, None, None)
-        backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else AttnBwdFn.apply
-        dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, backward, q, k, v, o, lse,
-                                              _zeros_if_none(do, o), dlse, mask, ctx.scale,
-                                              ctx.causal)
+        if _needs_twin_under_legacy_vmap(do, dlse):
+            dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, _backward_twin, q, k, v, o,
+                                                  lse, _zeros_if_none(do, o), dlse, mask,
+                                                  ctx.scale, ctx.causal)
+        else:
+            dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, _first_backward, q, k, v,
+                                                  o, lse, _zeros_if_none(do, o), dlse, mask,
+                                                  ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None
 
     @staticmethod

@@ -77,6 +77,53 @@ def test_eager_skips_the_dispatcher_and_matches_the_op_bitwise(op_calls, causal)
         assert torch.equal(a, b)
 
 
+def _first_backward_inputs(dq):
+    """The nodes AttnBwdFn's inputs o and lse lead to (None: detached)."""
+    node = dq.grad_fn
+    while type(node).__name__ == "ViewBackward0":   # forward-mode AD views the outputs
+        node = node.next_functions[0][0]
+    assert type(node).__name__ == "AttnBwdFnBackward"
+    return [type(f).__name__ if f is not None else None for f, _ in node.next_functions[3:5]]
+
+
+@pytest.mark.parametrize("form", ["folded", "chain"])
+def test_the_folded_second_backward_never_revisits_the_forward(monkeypatch, form):
+    """In the folded form the first backward takes o and lse detached (the BoB folds their
+    cotangents into q, k, v's), so the second backward's graph ends at AttnBwdFn; the chain
+    form sends go and glse through the forward, so there they stay attached. Both exact."""
+    from bob_compile.kernels import settings
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", form)
+    settings.reload()
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    o = bob_compile.attention(q, k, v, is_causal=True)
+    dq, dk, dv = torch.autograd.grad(torch.sin(o).sum(), (q, k, v), create_graph=True)
+    attached = ["AttnFnBackward", "AttnFnBackward"]
+    assert _first_backward_inputs(dq) == ([None, None] if form == "folded" else attached)
+    got = torch.autograd.grad((dq * dq).sum() + dv.sum(), (q, k, v))
+
+    def reference(q, k, v):
+        return torch.softmax((q @ k.transpose(-2, -1) / 2).masked_fill(
+            torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    dq2, dk2, dv2 = torch.autograd.grad(torch.sin(reference(q2, k2, v2)).sum(), (q2, k2, v2),
+                                        create_graph=True)
+    want = torch.autograd.grad((dq2 * dq2).sum() + dv2.sum(), (q2, k2, v2))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_first_backward_keeps_o_and_lse_attached_for_forward_mode():
+    """Under forward-mode AD the first backward's tangent needs those of o and lse."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    with fwAD.dual_level():
+        o = bob_compile.attention(fwAD.make_dual(q, torch.randn_like(q)), k, v)
+        dq, _, _ = torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+        assert _first_backward_inputs(dq) == ["AttnFnBackward", "AttnFnBackward"]
+
+
 def test_a_torch_function_mode_sees_the_op(op_calls):
     q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
     with PassThrough():
