@@ -38,7 +38,9 @@ def run_variant(which):
     from bob_compile.kernels.params import AttentionParams
     from bob_compile.kernels import triton_bob, triton_common, triton_forward
     sites = {"_forward_kernel": ("rows", triton_forward.forward_candidates),
-             "_row_kernel": ("rows", triton_bob.row_candidates),
+             # the chain form's row pass (attention_bob's default), as step() runs it
+             "_row_kernel": ("rows",
+                             lambda dt, e, ev: triton_bob.row_candidates(dt, e, ev, False)),
              "_column_kernel": ("columns",
                                 lambda dt, e, ev: triton_bob.column_candidates(dt, e, ev, False))}
     scale = D ** -0.5

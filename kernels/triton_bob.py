@@ -427,7 +427,10 @@ strides_of(_finish_rows_kernel, O="so", DO="sd")
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-def row_candidates(dtype, head_dim, head_dim_v, fold):
+def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False):
+    """Launch configs of the row pass, the measured best first (the choice without tuning).
+    fold: the folded form's row pass with B accumulated; reads_dq: R read from dq, not
+    accumulated (what autograd runs)."""
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
@@ -438,12 +441,19 @@ def row_candidates(dtype, head_dim, head_dim_v, fold):
                 dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
                 dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
-    if fold:    # one or two more (BLOCK_M x E) fp32 accumulators (B; R without dq)
-        # 128 x 32 with 8 warps: with dq given, almost no spills (kernel_resources.py)
-        return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
+    # The folded form keeps one or two more (BLOCK_M x E) fp32 accumulators (B; R without dq).
+    # Measured through autograd on the H200 at 16K (benchmarks/README.md, "Row-pass launch
+    # configs"): with dq read, 128 x 64 with 8 warps and three pipeline stages beats the
+    # earlier choice (64 x 64, 4 warps, two stages); without dq, three stages beat two for
+    # both tiles that were measured with both.
+    if fold and reads_dq:
+        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-                dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
+                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)]
+    if fold:
+        return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
     # measured on the H200 (benchmarks/README.md): 64 x 64 with 4 warps wins at every length
     return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
@@ -519,7 +529,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def run_rows():
         launch_rows(launch_plan(
             "bob_rows", q, k, v, causal, (*flag_key, int(has_dlse), int(has_dq), int(has_b)),
-            lambda: row_candidates(q.dtype, E, Ev, fold and not has_b),
+            lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq),
             lambda: dict(common(), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b), launch_rows,
             pairs=L * S))
 
