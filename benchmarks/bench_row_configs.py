@@ -1,0 +1,94 @@
+"""The folded BoB's row-pass launch configs, measured as users run them: through autograd.
+
+For head dim d, the full second-order step through `bob_compile.attention` (forward,
+`grad(create_graph=True)`, second `grad` w.r.t. q, k, v, dO; B = 1, H = 12, bf16) with each
+candidate of `triton_bob.row_candidates` (folded form, R read from dq, as autograd runs it)
+forced alone, then with the tuner choosing among all of them (and which it chose). Rounds
+are interleaved, so that a drift of the GPU's clocks hits every config alike; each row is
+the CUDA-event median of --reps steps. Kernel-only timings of the same configs are
+`bench_bob_tiles.py`'s; the two rankings can differ (the step's other kernels share the GPU's
+caches with the row pass, and the tuner times the row launch alone).
+
+    python benchmarks/bench_row_configs.py --out results/ [--n 16384] [--d 64]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import bob_compile
+from bob_compile.kernels import settings, triton_bob, triton_common
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_masks import median_ms  # noqa: E402
+
+
+def step(q, k, v, do, cotangents, causal):
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    o = bob_compile.attention(q, k, v, is_causal=causal)
+    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    return torch.autograd.grad(grads, (q, k, v, do), cotangents)
+
+
+def label(config):
+    return (f"{config['BLOCK_M']}x{config['BLOCK_N']}, {config['num_warps']} warps, "
+            f"{config['num_stages']} stages")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args()
+    real = triton_bob.row_candidates
+    candidates = real(torch.bfloat16, args.d, args.d, True, reads_dq=True)
+    variants = {label(c): [c] for c in candidates}
+    variants["tuned among all"] = candidates
+
+    def force(configs):
+        """Only `configs` for the folded row pass at this head dim; nothing remembered."""
+        def pick(dtype, e, ev, fold, reads_dq=False):
+            return configs if fold and reads_dq and e == args.d else real(dtype, e, ev, fold,
+                                                                           reads_dq)
+        triton_bob.row_candidates = pick
+        triton_common.TUNING_CACHE.entries = {}     # in memory: no earlier decision reused
+        settings.reload()                            # forgets the launch plans
+
+    rows = []
+    for causal in (True, False):
+        torch.manual_seed(0)
+        q, k, v, do, *cotangents = (torch.randn(1, 12, args.n, args.d, device="cuda",
+                                                dtype=torch.bfloat16) for _ in range(7))
+        for round_ in range(args.rounds):
+            for name, configs in variants.items():
+                force(configs)
+                ms = median_ms(lambda: step(q, k, v, do, cotangents, causal), args.reps)
+                chosen = [c for key, c in triton_common.TUNING_CACHE.entries.items()
+                          if key.startswith("bob_rows")]
+                rows.append(dict(causal=causal, round=round_, variant=name, ms=ms,
+                                 row_configs_chosen=chosen))
+                print(f"{'causal' if causal else 'full':6s} {name:30s} {ms:8.3f} ms", flush=True)
+    triton_bob.row_candidates = real
+    settings.reload()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_row_configs_d{args.d}_{args.n}.json")
+    with open(path, "w") as f:
+        json.dump(dict(n=args.n, d=args.d, device=torch.cuda.get_device_name(),
+                       torch=torch.__version__, rows=rows), f, indent=1)
+    print(f"\n{'':6s} {'row-pass config':30s} " + " ".join(f"round {r + 1:d}" for r in
+                                                          range(args.rounds)))
+    for causal in (True, False):
+        for name in variants:
+            ms = [r["ms"] for r in rows if r["causal"] == causal and r["variant"] == name]
+            print(f"{'causal' if causal else 'full':6s} {name:30s} "
+                  + " ".join(f"{m:7.2f}" for m in ms))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
