@@ -519,14 +519,10 @@ class AttnFn(_Fused):
             grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
             if grads is not None:
                 return (*grads, None, None, None)
-        if _needs_twin_under_legacy_vmap(do, dlse):
-            dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, _backward_twin, q, k, v, o,
-                                                  lse, _zeros_if_none(do, o), dlse, mask,
-                                                  ctx.scale, ctx.causal)
-        else:
-            dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, _first_backward, q, k, v,
-                                                  o, lse, _zeros_if_none(do, o), dlse, mask,
-                                                  ctx.scale, ctx.causal)
+        backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
+        dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, backward, q, k, v, o, lse,
+                                              _zeros_if_none(do, o), dlse, mask, ctx.scale,
+                                              ctx.causal)
         return dq, dk, dv, None, None, None
 
     @staticmethod
