@@ -68,7 +68,7 @@ def main(argv=None):
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     bob, bwd = load_kernels()
     attention = importlib.import_module("bob_compile_kernels_aot.triton_attention")
-    print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'regs':>5s} "
+    print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'stages':>6s} {'regs':>5s} "
           f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s}")
     # (kernel, function, pick flags, {d: (BLOCK_M, BLOCK_N, warps, stages)}) as tuned on H200
     tuned = [
@@ -81,6 +81,10 @@ def main(argv=None):
         ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 32, 4, 2), 128: (64, 32, 4, 2)}),
         ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("fold rows dq", bob._row_kernel, "fold_dq", {64: (64, 64, 8, 2), 128: (64, 64, 8, 2)}),
+        # the first candidates with dq at d = 64 since 2026-12-02 (three pipeline stages), and
+        # without dq
+        ("fold rows dq", bob._row_kernel, "fold_dq", {64: (128, 64, 8, 3)}),
+        ("folded rows", bob._row_kernel, "fold", {64: (64, 32, 4, 3)}),
         ("folded cols", bob._column_kernel, "fold", {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("bwd columns", bwd._column_kernel, False, {64: (32, 128, 4, 3), 128: (32, 64, 4, 2)}),
         ("bwd dq", bwd._dq_kernel, False, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
@@ -104,7 +108,7 @@ def main(argv=None):
             if "DQ_ATOMICS" in fn.arg_names:
                 consts["DQ_ATOMICS"] = False
             r = resources(fn, consts, warps, stages)
-            print(f"{name:14s} {d:4d} {bm:4d}x{bn:<4d} {warps:5d} {r['registers']:5d} "
+            print(f"{name:14s} {d:4d} {bm:4d}x{bn:<4d} {warps:5d} {stages:6d} {r['registers']:5d} "
                   f"{r['spill_stores']:6d}/{r['spill_loads']:<7d} {r['stack']:6d} "
                   f"{r['shared']:7d} {r['hgmma']:6d} {r['hmma']:5d}")
 
