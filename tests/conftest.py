@@ -12,6 +12,11 @@ if ONE_THREAD:
 # (this one, each example, each rank) costs CPU that a 2-core machine, its cores all busy
 # here, does not have (examples/quickstart.py: 76.5 CPU-seconds with the pool, 69.9 without).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor's CPU kernels without SIMD: the tests compare compiled code with eager code on tiny
+# tensors, and vectorized C++ (at::vec templates, after probing the CPU's instruction sets in
+# every process) compiles ~3x slower: 22 s against 7 s for test_backend.py's first inductor
+# test from a cold cache, 103 s against 79 s for six of the slowest inductor tests.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
