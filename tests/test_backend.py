@@ -3,7 +3,6 @@ recompilation. Numerics of the model × scenario matrix are in test_backend_scen
 import collections
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -23,6 +22,7 @@ from bob_compile.kernels.reference import sdpa_math
 from bob_compile.backend import flashbob, recent_reports
 from bob_compile.passes import counters
 from bob_compile.passes.patterns import PATTERNS
+from early_start import Subprocess
 from models import CASES, NanoGPTBlock, exact_twin, loss_of
 
 FAST = {"compiler": "aot_eager", "fallback": False}
@@ -79,21 +79,27 @@ def test_dump_dir_from_environment(monkeypatch, tmp_path):
 
 
 # ---------------------------------------------------------------------------- registration
+# A fresh interpreter, started when collection ends and run beside the suite (early_start.py):
+# the test only waits for its result, instead of idling this process while it imports torch.
+_ENTRY_POINT_SCRIPT = textwrap.dedent("""
+    import torch, bob_compile
+    from torch._dynamo.backends import registry
+    assert "flashbob" not in registry._COMPILER_FNS, "importing bob_compile registered it"
+    import bob_compile.backend
+    bob_compile.backend.register()          # a no-op: the entry point provides the name
+    bob_compile.backend.register()
+    f = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q),
+                      backend="flashbob", options={"compiler": "eager", "fallback": False})
+    f(torch.randn(1, 1, 4, 2))
+    assert len(bob_compile.backend.recent_reports[-1].replaced) == 1
+    print("ok")
+""")
+EARLY_SUBPROCESSES = {"test_entry_point_registration_in_a_fresh_process": Subprocess(
+    [sys.executable, "-c", _ENTRY_POINT_SCRIPT], timeout=300)}
+
+
 def test_entry_point_registration_in_a_fresh_process():
-    script = textwrap.dedent("""
-        import torch, bob_compile
-        from torch._dynamo.backends import registry
-        assert "flashbob" not in registry._COMPILER_FNS, "importing bob_compile registered it"
-        import bob_compile.backend
-        bob_compile.backend.register()          # a no-op: the entry point provides the name
-        bob_compile.backend.register()
-        f = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q),
-                          backend="flashbob", options={"compiler": "eager", "fallback": False})
-        f(torch.randn(1, 1, 4, 2))
-        assert len(bob_compile.backend.recent_reports[-1].replaced) == 1
-        print("ok")
-    """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = EARLY_SUBPROCESSES["test_entry_point_registration_in_a_fresh_process"].result()
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
