@@ -412,25 +412,29 @@ class AttnBwdFn(_Fused):
         ctx.has_dlse = dlse is not None
         ctx.kernel_choices = kernel_settings.overridden()
         ctx.call_path = _call_path_of_plain_call()
-        ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask)
+        # Where o and lse came in detached (_first_backward), the attached pair is saved too,
+        # for a third order: saved like the rest, so that a backward without retain_graph
+        # releases it (kept as an attribute, it would keep the forward's node and everything
+        # that node saved alive as long as this one)
+        attached = getattr(_apply_state, "folded_forward_outputs", None)
+        _apply_state.folded_forward_outputs = None
+        ctx.came_detached = attached is not None
+        ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask, *(attached or ()))
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask)
         ctx.scale, ctx.causal = scale, causal
         ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
         _keep_dq(ctx, output[0])
-        # o and lse attached, where they came in detached (_first_backward): the BoB folds
-        ctx.folded_forward_outputs = getattr(_apply_state, "folded_forward_outputs", None)
-        _apply_state.folded_forward_outputs = None
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv):
         if gdq is None and gdk is None and gdv is None:
             return (None,) * 10
-        q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
-        if ctx.folded_forward_outputs is not None:     # o and lse came in detached: fold
+        q, k, v, o, lse, do, dlse, mask, *attached = ctx.saved_tensors
+        if ctx.came_detached:       # o and lse came in detached: the BoB folds
             fold = True
             if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
-                o, lse = ctx.folded_forward_outputs
+                o, lse = attached
         else:   # under the kernel choices in force at forward time (this runs later, on the
             # autograd engine's thread)
             fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
@@ -467,9 +471,9 @@ def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
     cotangents for them, so the second backward's graph may end at AttnBwdFn, and the
     autograd engine does not visit AttnFn's node again only to hand it two None cotangents
     (about a tenth of a second-order step's host time at short lengths: benchmarks/README.md,
-    "Host overhead"). AttnBwdFn keeps the attached o and lse (its setup_context takes them
-    from _apply_state) for the BoB of a third order, whose math twin sends cotangents to o
-    and lse as well."""
+    "Host overhead"). AttnBwdFn saves the attached o and lse too (its setup_context takes
+    them from _apply_state) for the BoB of a third order, whose math twin sends cotangents to
+    o and lse as well."""
     if torch.is_grad_enabled() and not _functorch_active() and _forward_ad._current_level < 0 \
             and _plain_eager((q, k, v, o, lse, do, dlse, mask)) and kernels.fold_bob(q, k, v):
         _apply_state.folded_forward_outputs = (o, lse)

@@ -113,6 +113,27 @@ def test_the_folded_second_backward_never_revisits_the_forward(monkeypatch, form
         torch.testing.assert_close(a, b)
 
 
+def test_the_forward_node_goes_with_the_second_backward():
+    """With o and lse detached, the second backward no longer visits the forward's node (which
+    used to release what it saved); once that backward has run, nothing of the first
+    backward's graph may keep the forward's node, and all it saved, alive (a training loop
+    keeps the last step's gradients while the next forward runs)."""
+    import gc
+    import weakref
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    w = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    o = bob_compile.attention(q, k, v, is_causal=True)
+    forward_node = weakref.ref(o.grad_fn)
+    grads = torch.autograd.grad((o * w).sum(), (q, k, v), create_graph=True)
+    assert _first_backward_inputs(grads[0]) == [None, None]
+    torch.autograd.grad(sum((g * g).sum() for g in grads), (q, k, v))
+    del o
+    gc.collect()
+    assert forward_node() is None, "the first backward's graph keeps the forward's node alive"
+    assert grads[0].grad_fn is not None        # while that graph itself is still held
+
+
 def test_the_first_backward_keeps_o_and_lse_attached_for_forward_mode():
     """Under forward-mode AD the first backward's tangent needs those of o and lse."""
     import torch.autograd.forward_ad as fwAD
