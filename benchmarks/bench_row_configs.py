@@ -18,18 +18,10 @@ import sys
 
 import torch
 
-import bob_compile
 from bob_compile.kernels import settings, triton_bob, triton_common
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_masks import median_ms  # noqa: E402
-
-
-def step(q, k, v, do, cotangents, causal):
-    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
-    o = bob_compile.attention(q, k, v, is_causal=causal)
-    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-    return torch.autograd.grad(grads, (q, k, v, do), cotangents)
+from bench_masks import median_ms, step  # noqa: E402
 
 
 def label(config):
@@ -67,7 +59,7 @@ def main():
         for round_ in range(args.rounds):
             for name, configs in variants.items():
                 force(configs)
-                ms = median_ms(lambda: step(q, k, v, do, cotangents, causal), args.reps)
+                ms = median_ms(lambda: step(q, k, v, do, cotangents, None, causal), args.reps)
                 chosen = [c for key, c in triton_common.TUNING_CACHE.entries.items()
                           if key.startswith("bob_rows")]
                 rows.append(dict(causal=causal, round=round_, variant=name, ms=ms,
