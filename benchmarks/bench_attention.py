@@ -26,7 +26,10 @@ Providers
   q, k, v, dO; or forward + grad), host overhead included: compare op_autograd_first_order
   with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K);
   op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_BOB_FORM=folded / chain;
-  op_autograd_calling_thread: op_autograd with its backwards on the calling thread
+  op_autograd_calling_thread: op_autograd with its backwards on the calling thread;
+  op_autograd_python_node / op_autograd_first_order_python_node: with BOB_COMPILE_CPP_NODE=off
+  (the op's Python autograd node where PyTorch's fused kernels run the first order; the
+  script builds the C++ node, or loads it, before it times anything)
   (torch.autograd.set_multithreading_enabled(False): no hand-off to the autograd engine's
   device thread, which bounds short lengths; benchmarks/README.md, "Host overhead").
 
@@ -210,7 +213,10 @@ PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
              "op_autograd_folded": op_autograd, "op_autograd_chain": op_autograd,
              "op_autograd_calling_thread": op_autograd_calling_thread,
              "op_forward_over_reverse": op_forward_over_reverse,
-             "op_autograd_first_order": op_autograd_first_order, "torch_math": math_step,
+             "op_autograd_first_order": op_autograd_first_order,
+             "op_autograd_python_node": op_autograd,
+             "op_autograd_first_order_python_node": op_autograd_first_order,
+             "torch_math": math_step,
              "torch_fused_first_order": native_first_order,
              "bob_compile_first_order": bob_first_order}
 
@@ -340,6 +346,14 @@ def main():
         sys.exit("bench_attention: needs a CUDA device (it times the Triton kernels on a GPU)")
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
+    node_build_s = None
+    if any(p.startswith("op_") for p in args.providers):
+        # the op's C++ node builds in the background on first use: have it ready first
+        from bob_compile import native_node
+        start = time.perf_counter()
+        node_ready = native_node.extension(wait=True) is not None
+        node_build_s = time.perf_counter() - start
+        print(f"C++ node {'ready' if node_ready else 'NOT built'} in {node_build_s:.1f} s")
     B, H = args.batch, args.heads
     causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
     rows = []
@@ -347,7 +361,8 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 dtype=str(dtype), B=B, H=H, kv_heads=args.kv_heads or H,
                 flop_convention="per visible pair: fwd 4d, bwd 10d, BoB 36d (step 50d)",
-                env={k: v for k, v in os.environ.items() if k.startswith("BOB_COMPILE")})
+                env={k: v for k, v in os.environ.items() if k.startswith("BOB_COMPILE")},
+                cpp_node_build_or_load_s=node_build_s)
 
     for d in args.d:
         for causal in causals:
@@ -362,9 +377,12 @@ def main():
                     for key in ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ",
                                 "BOB_COMPILE_BOB_FORM"):
                         os.environ.pop(key, None)
+                    os.environ.pop("BOB_COMPILE_CPP_NODE", None)
                     for form in ("folded", "chain"):
                         if prov.split("@")[0].endswith("_" + form):
                             os.environ["BOB_COMPILE_BOB_FORM"] = form
+                    if prov.endswith("_python_node"):
+                        os.environ["BOB_COMPILE_CPP_NODE"] = "off"
                     if "@" in prov:
                         variant = prov.split("@")[1].split(":")
                         os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = variant
@@ -389,7 +407,7 @@ def main():
                         continue
                     order = 50 if prov.startswith(("bob_compile", "op_autograd", "op_forward",
                                                    "torch_math")) \
-                        and not prov.endswith("first_order") else 14
+                        and "first_order" not in prov else 14
                     row = dict(provider=prov, n=n, d=d, causal=causal, ms=ms, times_ms=times,
                                back_to_back_ms=back_to_back,
                                peak_extra_mib=mib, first_call_s=first_s,

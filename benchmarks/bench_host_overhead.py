@@ -394,13 +394,22 @@ def main():
     print(f"{name}: B={args.batch} H={args.heads} N={args.n} d={args.d} {dtype} "
           f"causal={args.causal}; {args.calls} calls per run, median of {args.repeats} runs")
 
+    # the op's C++ node (CUDA) builds in the background on first use: have it ready first
+    start = time.perf_counter()
+    node_ready = device.type == "cuda" and bob_compile.native_node.extension(wait=True) is not None
+    node_build_s = time.perf_counter() - start
+    if device.type == "cuda":
+        print(f"C++ node {'ready' if node_ready else 'NOT built'} in {node_build_s:.1f} s "
+              f"(compare: --variants BOB_COMPILE_CPP_NODE=off)")
+
     rows = run_rows(problem, args, device)
     print_table(rows)
 
     meta = dict(device=name, torch=torch.__version__, dtype=str(dtype), B=args.batch,
                 H=args.heads, N=args.n, d=args.d, causal=args.causal, calls=args.calls,
                 repeats=args.repeats, warmup=args.warmup, threads=torch.get_num_threads(),
-                python=sys.version.split()[0],
+                python=sys.version.split()[0], cpp_node=node_ready,
+                cpp_node_build_or_load_s=node_build_s,
                 env={k: v for k, v in os.environ.items() if k.startswith("BOB_COMPILE")},
                 targets={k: dict(kind=v[0], bound=v[1]) for k, v in TARGETS.items()})
     try:

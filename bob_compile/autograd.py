@@ -42,8 +42,9 @@ import threading
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from . import kernels, ops
+from . import kernels, native_node, ops
 from .kernels import reference
+from .kernels import triton_attention
 from .kernels import settings as kernel_settings
 
 op = torch.ops.bob_compile
@@ -160,11 +161,31 @@ def attention_output(q, k, v, mask, scale, causal):
     """o of the attention op. Where nothing can differentiate it (plain eager, no grad
     needed, no forward-mode AD) the implementation's forward_output runs, without an lse
     (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
-    everywhere else, the op through AttnFn (attention_with_lse)."""
-    if not _functorch_active() and _no_graph_needed((q, k, v)) and _plain_eager((q, k, v, mask)):
-        return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
-                       (q, k, v, mask, scale, causal))
+    where PyTorch's fused kernels compute a plain eager call's first order, the C++ node
+    (native_node.py); everywhere else, the op through AttnFn (attention_with_lse)."""
+    if not _functorch_active() and _plain_eager((q, k, v, mask)):
+        if _no_graph_needed((q, k, v)):
+            return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
+                           (q, k, v, mask, scale, causal))
+        if mask is None:
+            o = native_node.attention_output(q, k, v, scale, causal)
+            if o is not None:
+                return o
     return attention_with_lse(q, k, v, mask, scale, causal)[0]
+
+
+def native_node_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused):
+    """The backwards of the C++ node (native_node.py) that it does not run itself: what
+    AttnFn.backward runs there (a create_graph backward, an lse cotangent, a tensor subclass,
+    deterministic algorithms). refused: the message of the fused backward's refusal, if it
+    refused. o and lse are the node's outputs (they carry its history, for a third order)."""
+    if refused is not None:
+        triton_attention.native_refused(native_node.KERNEL_NAMES[kernels], q, v, causal,
+                                        refused)
+    if do is None and dlse is None:
+        return None, None, None
+    backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
+    return backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse, None, scale, causal)
 
 
 def _plain_call_path(q, k, v, mask, scale, causal):

@@ -24,8 +24,12 @@ starts, or before the first call, needs nothing.
     BOB_COMPILE_FAST_LAUNCH     1 | 0: 0 sends every Triton launch through JITFunction.run
                                 (default: a launch that specializes like an earlier one
                                 reuses its compiled kernel, called directly; triton_common.py)
-    BOB_COMPILE_CACHE_DIR       where tuned launch configs are kept
-                                (default ~/.cache/bob_compile)
+    BOB_COMPILE_CACHE_DIR       where tuned launch configs and the C++ node's build are
+                                kept (default ~/.cache/bob_compile)
+    BOB_COMPILE_CPP_NODE        background (default) | wait | off: how the C++ autograd node
+                                of the first order is built on first use (in a background
+                                thread, the Python node running until it is ready; before
+                                that first call returns; never: bob_compile/native_node.py)
     TRITON_INTERPRET            1: the Triton kernels run in Triton's interpreter (Triton
                                 itself reads it when the kernels are defined)
 
@@ -45,6 +49,7 @@ NATIVE_BACKENDS = ("cudnn", "flash", "none")
 SCHEDULES = ("two_pass", "atomic")
 BOB_FORMS = ("auto", "folded", "chain")
 SWITCH = ("1", "0")
+CPP_NODE_BUILDS = ("background", "wait", "off")
 
 
 def _choice(env, name, valid, default=None):
@@ -68,6 +73,7 @@ class Settings:
     cache_dir: str
     interpret: bool
     fast_launch: bool
+    cpp_node: str
 
     @classmethod
     def from_environ(cls, environ=None):
@@ -87,6 +93,7 @@ class Settings:
             interpret=interpret,
             fast_launch=_choice(env, "BOB_COMPILE_FAST_LAUNCH", SWITCH, "1") == "1"
             and not interpret,
+            cpp_node=_choice(env, "BOB_COMPILE_CPP_NODE", CPP_NODE_BUILDS, "background"),
         )
 
     def with_choices(self, choices):

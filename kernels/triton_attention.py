@@ -195,13 +195,18 @@ def _try_native(backend, fn, q, k, v, *rest):
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError) as e:  # unsupported in this build or for these inputs
-        causal = rest[-1]
-        _native_failed.add(_native_key(backend, q, v, causal))
-        _call_paths.clear()
-        log.warning("PyTorch fused attention (%s) failed for %s, head dims %d/%d, causal=%s (%s); "
-                    "using the Triton kernels for that configuration", backend, q.dtype,
-                    q.shape[3], v.shape[3], causal, e)
+        native_refused(backend, q, v, rest[-1], e)
         return None
+
+
+def native_refused(backend, q, v, causal, error):
+    """PyTorch's fused kernel (backend) refused these inputs with `error`: their
+    configuration (dtype, head dims, causal) runs the Triton kernels from now on."""
+    _native_failed.add(_native_key(backend, q, v, causal))
+    _call_paths.clear()
+    log.warning("PyTorch fused attention (%s) failed for %s, head dims %d/%d, causal=%s (%s); "
+                "using the Triton kernels for that configuration", backend, q.dtype,
+                q.shape[3], v.shape[3], causal, error)
 
 
 # --------------------------------------------------------------------------------------

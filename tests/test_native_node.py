@@ -1,0 +1,241 @@
+"""The C++ autograd node of the first order (bob_compile/native_node.py), on the CPU.
+
+In use the node runs PyTorch's CUDA kernels (cuDNN, FA2); here it runs PyTorch's CPU flash
+kernels (its CPU_FLASH number), in float64, against autograd through plain math attention:
+the forward and the first-order backward it runs itself, and the second and third orders
+and lse cotangents it hands to the op's Python path. The CUDA kernels: test_gpu_training.py.
+"""
+import gc
+import logging
+import types
+import weakref
+
+import pytest
+import torch
+
+import bob_compile
+from bob_compile import native_node
+from bob_compile.autograd import native_node_backward
+from bob_compile.kernels import settings
+
+
+@pytest.fixture(scope="module")
+def node():
+    module = native_node.extension(wait=True)
+    if module is None:
+        pytest.fail("the C++ node did not build (see the logged warning)")
+    return module
+
+
+@pytest.fixture
+def general_calls(node):
+    """How often the node's backward called the Python path (list of dO-is-None flags)."""
+    calls = []
+
+    def counting(*args):
+        calls.append(args)
+        return native_node_backward(*args)
+    node.set_general_backward(counting)
+    yield calls
+    node.set_general_backward(native_node_backward)
+
+
+def math_attention(q, k, v, scale, causal):
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v, s.logsumexp(-1)
+
+
+def inputs(B, H, L, S, E, layout="bhld"):
+    def one(n):
+        if layout == "blhd":        # a permuted view of one projection, as models make them
+            return torch.randn(B, n, H, E, dtype=torch.float64).transpose(1, 2).requires_grad_()
+        return torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True)
+    return one(L), one(S), one(S)
+
+
+def close(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def same_layout(a, b):
+    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
+# (B, H, L, S, E, causal): odd lengths, a rectangle (never causal: fused kernels align a
+# causal rectangle bottom-right, and the op never sends them one)
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7, 8, False), (2, 3, 7, 7, 8, True),
+                                   (1, 2, 33, 33, 16, True), (1, 1, 5, 9, 8, False)])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_first_order_runs_in_cpp(node, general_calls, shape, layout):
+    B, H, L, S, E, causal = shape
+    torch.manual_seed(0)
+    q, k, v = inputs(B, H, L, S, E, layout)
+    o, lse = node.attention(q, k, v, 0.3, causal, node.CPU_FLASH)
+    ro, rlse = math_attention(q, k, v, 0.3, causal)
+    close((o, lse), (ro, rlse))
+    assert same_layout(o, q)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    close(grads, torch.autograd.grad(ro, (q, k, v), do))
+    assert all(same_layout(g, t) for g, t in zip(grads, (q, k, v)))
+    assert general_calls == []              # no Python in the first-order backward
+
+
+@pytest.mark.parametrize("bob_form", ["chain", "folded"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_second_and_third_order_through_python(node, general_calls, reread_settings,
+                                               monkeypatch, bob_form, causal):
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", bob_form)
+    settings.reload()
+    torch.manual_seed(1)
+    q, k, v = inputs(2, 2, 11, 11, 8)
+    do = torch.randn(2, 2, 11, 8, dtype=torch.float64)
+    ours = node.attention(q, k, v, 0.4, causal, node.CPU_FLASH)[0]
+    ref = math_attention(q, k, v, 0.4, causal)[0]
+    g1 = torch.autograd.grad(ours, (q, k, v), do, create_graph=True)
+    r1 = torch.autograd.grad(ref, (q, k, v), do, create_graph=True)
+    assert len(general_calls) == 1
+    close(g1, r1)
+    vs = [torch.randn_like(t) for t in g1]
+    h = torch.autograd.grad(g1, (q, k, v), vs, create_graph=True)
+    hr = torch.autograd.grad(r1, (q, k, v), vs, create_graph=True)
+    close(h, hr)
+    third = torch.autograd.grad([t.square().sum() for t in h], (q, k, v))
+    close(third, torch.autograd.grad([t.square().sum() for t in hr], (q, k, v)))
+
+
+def test_lse_cotangent_goes_to_python(node, general_calls):
+    torch.manual_seed(2)
+    q, k, v = inputs(1, 2, 9, 9, 8)
+    o, lse = node.attention(q, k, v, 0.5, True, node.CPU_FLASH)
+    ro, rlse = math_attention(q, k, v, 0.5, True)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    close(torch.autograd.grad((o, lse), (q, k, v), (do, dlse)),
+          torch.autograd.grad((ro, rlse), (q, k, v), (do, dlse)))
+    assert len(general_calls) == 1 and general_calls[0][6] is not None
+
+
+def test_deterministic_algorithms_go_to_python(node, general_calls):
+    """PyTorch's fused backwards accumulate with atomics: the op's deterministic path runs."""
+    q, k, v = inputs(1, 1, 6, 6, 8)
+    o = node.attention(q, k, v, 0.5, False, node.CPU_FLASH)[0]
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = torch.autograd.grad(o.sum(), (q, k, v))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    close(grads, torch.autograd.grad(math_attention(q, k, v, 0.5, False)[0].sum(), (q, k, v)))
+    assert len(general_calls) == 1
+
+
+def test_python_errors_keep_their_type(node):
+    class Refused(Exception):
+        pass
+
+    def refusing(*args):
+        raise Refused("from the general backward")
+    node.set_general_backward(refusing)
+    try:
+        q, k, v = inputs(1, 1, 4, 4, 8)
+        o = node.attention(q, k, v, 0.5, False, node.CPU_FLASH)[0]
+        with pytest.raises(Refused, match="from the general backward"):
+            torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+    finally:
+        node.set_general_backward(native_node_backward)
+
+
+def test_saved_tensors_die_with_the_backward(node):
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    q = x * 1
+    alive = weakref.ref(q)
+    o = node.attention(q, x, x, 0.3, True, node.CPU_FLASH)[0]
+    del q
+    gc.collect()
+    assert alive() is not None
+    torch.autograd.grad(o.sum(), x)
+    gc.collect()
+    assert alive() is None
+
+
+# ----------------------------------------------------------------------------- routing
+@pytest.fixture
+def cpu_kernels_as_native(node, monkeypatch):
+    """Let bob_compile.attention take the node on the CPU, as it does on CUDA where
+    PyTorch's fused kernels compute the call."""
+    monkeypatch.setattr(native_node, "_call_path",
+                        lambda *args: types.SimpleNamespace(native="cpu_flash"))
+
+
+def _is_cpp_node(t):
+    return type(t.grad_fn).__name__ == "CppFunction"
+
+
+def test_attention_takes_the_node(cpu_kernels_as_native, general_calls):
+    q, k, v = inputs(2, 2, 8, 8, 16, "blhd")
+    o = bob_compile.attention(q, k, v, is_causal=True)
+    assert _is_cpp_node(o)
+    do = torch.randn_like(o)
+    ref = math_attention(q, k, v, 16 ** -0.5, True)[0]
+    close(torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do))
+    assert general_calls == []
+
+
+def test_attention_without_the_node(cpu_kernels_as_native, reread_settings, monkeypatch):
+    """Where the node must not run: no graph needed, forward-mode AD, torch.func, a mask,
+    the profiler, a compiled graph's kernel choices, BOB_COMPILE_CPP_NODE=off."""
+    q, k, v = inputs(1, 2, 6, 6, 8)
+    with torch.no_grad():
+        assert bob_compile.attention(q, k, v).grad_fn is None
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert not _is_cpp_node(bob_compile.attention(q, k, v, attn_mask=mask))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.randn_like(q))
+        assert not _is_cpp_node(bob_compile.attention(dual, k, v))
+    assert torch.func.grad(lambda x: bob_compile.attention(x, k, v).sum())(q).shape == q.shape
+    with torch.profiler.profile():
+        assert not _is_cpp_node(bob_compile.attention(q, k, v))
+    with settings.using(settings.KernelChoices.of(bob_form="chain")):
+        assert not _is_cpp_node(bob_compile.attention(q, k, v))
+    assert _is_cpp_node(bob_compile.attention(q, k, v))
+    monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
+    settings.reload()
+    assert not _is_cpp_node(bob_compile.attention(q, k, v))
+
+
+# ----------------------------------------------------------------------------- the build
+@pytest.fixture
+def unbuilt(monkeypatch):
+    """native_node as before its first use (restored after the test)."""
+    monkeypatch.setattr(native_node, "_extension", None)
+    monkeypatch.setattr(native_node, "_build_started", False)
+    monkeypatch.setattr(native_node, "_ready", native_node.threading.Event())
+
+
+def test_a_failed_build_is_logged_and_the_python_node_runs(unbuilt, monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="bob_compile.native_node"):
+        assert native_node.extension(wait=True) is None
+    assert "Ninja is required" in caplog.text and "BOB_COMPILE_CPP_NODE=off" in caplog.text
+    assert native_node.extension(wait=True) is None      # tried once, not on every call
+
+
+def test_off_never_builds(unbuilt, reread_settings, monkeypatch):
+    import torch.utils.cpp_extension
+    monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
+    settings.reload()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", pytest.fail)
+    assert native_node.extension() is None
+
+
+def test_an_unknown_build_setting_is_an_error(reread_settings, monkeypatch):
+    monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "sometimes")
+    with pytest.raises(ValueError, match="BOB_COMPILE_CPP_NODE='sometimes'.*background"):
+        settings.reload()
