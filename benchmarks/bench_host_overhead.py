@@ -13,7 +13,7 @@ dispatcher, autograd and the kernel launches cost on the host. Rows:
 (native fused SDPA has no double backward; the math backend is the reference row there.)
 Each row: `--calls` calls back to back after warm-up, one synchronize at the end, wall time
 divided by the calls; the median of `--repeats` such runs is reported (all runs are in the
-JSON). Targets of issue 10 (H200): forward <= 2x native, forward+backward <= 1.5x native,
+JSON). The runs of all rows are interleaved, one round of every row per repeat. Targets of issue 10 (H200): forward <= 2x native, forward+backward <= 1.5x native,
 second order <= 600 us.
 
 On a machine without a GPU, `--device cpu` (the default there) runs the same rows in float32
@@ -236,57 +236,67 @@ def parse_variant(text):
 
 
 def run_rows(problem, args, device):
-    rows = []
+    """Every row's runs, interleaved: each of the --repeats rounds times every row once, so
+    that a host's drift (clocks, the engine thread's wake-ups) reaches all rows alike."""
+    entries = []
 
-    def record(row, provider, fn, note=""):
-        try:
-            us, runs = time_per_call(fn, device, args.calls, args.repeats, args.warmup)
-        except RuntimeError as e:  # e.g. a native backend that does not support this input
-            print(f"  {row:20s} {provider:44s} unavailable: {str(e).splitlines()[0][:80]}")
-            return
-        rows.append(dict(row=row, provider=provider, us=us, runs_us=runs, note=note))
-        print(f"  {row:20s} {provider:44s} {us:10.1f} us", flush=True)
+    def add(row, provider, fn, note="", context=contextlib.nullcontext):
+        entries.append(dict(row=row, provider=provider, fn=fn, note=note, context=context))
 
     for row, provider, method in ROWS:
-        record(row, provider, getattr(problem, method))
+        add(row, provider, getattr(problem, method))
     if device.type == "cuda" and problem.q.dtype in (torch.float16, torch.bfloat16):
         global triton_attention
         from bob_compile.kernels import triton_attention
-        record("forward + backward", "autograd.Function around cuDNN (floor)",
-               lambda: floor_forward_backward(problem),
-               note="a Python autograd.Function with PyTorch's cuDNN calls and nothing else")
+        add("forward + backward", "autograd.Function around cuDNN (floor)",
+            lambda: floor_forward_backward(problem),
+            note="a Python autograd.Function with PyTorch's cuDNN calls and nothing else")
     if args.native_backends and device.type == "cuda":
         for name, backend in NATIVE_BACKENDS.items():
             for row, method in (("forward (no grad)", "native_forward"),
                                 ("forward + backward", "native_forward_backward")):
-                fn = getattr(problem, method)
-
-                def forced(fn=fn, backend=backend):
-                    with sdpa_kernel(backend):
-                        return fn()
-                record(row, f"native SDPA [{name}]", forced)
+                add(row, f"native SDPA [{name}]", getattr(problem, method),
+                    context=lambda backend=backend: sdpa_kernel(backend))
     for text in args.variants:
-        with environment(parse_variant(text)):
-            for row, provider, method in ROWS:
-                if provider == "bob_compile":
-                    record(row, f"bob_compile [{text}]", getattr(problem, method))
+        for row, provider, method in ROWS:
+            if provider == "bob_compile":
+                add(row, f"bob_compile [{text}]", getattr(problem, method),
+                    context=lambda text=text: environment(parse_variant(text)))
     if args.calling_thread_backward:
         # PyTorch runs a CUDA backward on its device thread, and a Python autograd node there
         # must take the GIL; torch.autograd.set_multithreading_enabled(False) (thread-local)
         # runs the backward on the calling thread instead
         for row, provider, method in ROWS:
             if row != "forward (no grad)":
-                def on_calling_thread(fn=getattr(problem, method)):
-                    with torch.autograd.set_multithreading_enabled(False):
-                        return fn()
-                record(row, f"{provider} [backward on the calling thread]", on_calling_thread,
-                       note="torch.autograd.set_multithreading_enabled(False)")
+                add(row, f"{provider} [backward on the calling thread]", getattr(problem, method),
+                    note="torch.autograd.set_multithreading_enabled(False)",
+                    context=lambda: torch.autograd.set_multithreading_enabled(False))
     if args.stub_kernels:
-        with stub_kernels():
-            for row, provider, method in ROWS:
-                if provider == "bob_compile":
-                    record(row, "bob_compile [stub kernels]", getattr(problem, method),
-                           note="kernels replaced by output allocation")
+        for row, provider, method in ROWS:
+            if provider == "bob_compile":
+                add(row, "bob_compile [stub kernels]", getattr(problem, method),
+                    note="kernels replaced by output allocation", context=stub_kernels)
+
+    for e in entries:
+        e["runs"] = []
+        with e["context"]():
+            try:
+                time_per_call(e["fn"], device, 1, 1, args.warmup)
+            except RuntimeError as error:  # e.g. a native backend that does not support this
+                print(f"  {e['row']:20s} {e['provider']:44s} unavailable: "
+                      f"{str(error).splitlines()[0][:80]}")
+                e["runs"] = None
+    live = [e for e in entries if e["runs"] is not None]
+    for _ in range(args.repeats):
+        for e in live:
+            with e["context"]():
+                e["runs"] += time_per_call(e["fn"], device, args.calls, 1, 3)[1]
+    rows = []
+    for e in live:
+        us = statistics.median(e["runs"])
+        rows.append(dict(row=e["row"], provider=e["provider"], us=us, runs_us=e["runs"],
+                         note=e["note"]))
+        print(f"  {e['row']:20s} {e['provider']:44s} {us:10.1f} us", flush=True)
     return rows
 
 

@@ -297,12 +297,18 @@ def test_grouped_query_first_order_runs_pytorchs_cudnn_kernels():
     assert not triton_attention._native_failed
 
 
+@pytest.mark.parametrize("cpp_node", ["wait", "off"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_deterministic_algorithms_run_our_backward(monkeypatch, causal):
+def test_deterministic_algorithms_run_our_backward(monkeypatch, reread_settings, causal,
+                                                   cpp_node):
     """Under torch.use_deterministic_algorithms(True) a first-order step through the op runs
     our backward, not cuDNN's (whose dq accumulates by atomics; native SDPA then avoids
-    cuDNN too): bit-identical run to run, and as exact as the rule above."""
+    cuDNN too): bit-identical run to run, and as exact as the rule above. Through the op's
+    C++ node (bob_compile/native_node.py) and its Python node; the C++ node calls cuDNN's
+    backward from C++, which the spy below does not see."""
     import bob_compile
+    monkeypatch.setenv("BOB_COMPILE_CPP_NODE", cpp_node)
+    settings.reload()
     ran = []
     real = triton_attention._cudnn_backward
     monkeypatch.setattr(triton_attention, "_cudnn_backward",
@@ -317,7 +323,7 @@ def test_deterministic_algorithms_run_our_backward(monkeypatch, causal):
     def ours(a, b, c):
         return bob_compile.attention(a, b, c, is_causal=causal)
     first_order(ours)
-    assert ran == [1]                       # cuDNN's backward by default
+    assert ran == ([] if cpp_node == "wait" else [1])   # cuDNN's backward by default
     ran.clear()
     with deterministic_algorithms():
         first, again = first_order(ours), first_order(ours)
