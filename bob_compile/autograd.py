@@ -161,16 +161,18 @@ def attention_output(q, k, v, mask, scale, causal):
     """o of the attention op. Where nothing can differentiate it (plain eager, no grad
     needed, no forward-mode AD) the implementation's forward_output runs, without an lse
     (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
-    where PyTorch's fused kernels compute a plain eager call's first order, the C++ node
-    (native_node.py); everywhere else, the op through AttnFn (attention_with_lse)."""
+    where PyTorch's fused kernels compute a plain eager call (mask-free), the C++ node
+    (native_node.py) runs it, with or without a graph; everywhere else, the op through
+    AttnFn (attention_with_lse)."""
     if not _functorch_active() and _plain_eager((q, k, v, mask)):
-        if _no_graph_needed((q, k, v)):
-            return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
-                           (q, k, v, mask, scale, causal))
+        no_graph = _no_graph_needed((q, k, v))
         if mask is None:
-            o = native_node.attention_output(q, k, v, scale, causal)
+            o = native_node.attention_output(q, k, v, scale, causal, not no_graph)
             if o is not None:
                 return o
+        if no_graph:
+            return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
+                           (q, k, v, mask, scale, causal))
     return attention_with_lse(q, k, v, mask, scale, causal)[0]
 
 

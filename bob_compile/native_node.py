@@ -1,9 +1,10 @@
 """The attention op's first order as a C++ autograd node, where PyTorch's fused kernels
 compute it (csrc/native_node.cpp; why: docs/host-overhead.md).
 
-A plain eager call that needs a graph (grad mode on, an input requiring grad) and whose
-call path is PyTorch's cuDNN or FA2 kernels runs through the node: its forward and its
-first-order backward are C++, called without the GIL. Its create_graph backward (a second
+A plain eager call whose call path is PyTorch's cuDNN or FA2 kernels runs through the node
+where it needs a graph (grad mode on, an input requiring grad): its forward and its
+first-order backward are C++, the backward run without the GIL; where it needs none, the
+module's forward_output runs (the same kernel call, from C++). Its create_graph backward (a second
 order), and every backward it cannot run itself, call `general_backward` below, which is
 what the Python node (AttnFn in autograd.py) runs there: exact at every order either way.
 
@@ -95,10 +96,11 @@ def extension(wait=None):
     return _extension
 
 
-def attention_output(q, k, v, scale, causal):
-    """o of a plain eager call without a mask that needs a graph, through the C++ node; None
-    where the node does not apply (not PyTorch's fused kernels, forward-mode AD, the
-    profiler, a compiled graph's kernel choices; not built yet) or the kernel refused."""
+def attention_output(q, k, v, scale, causal, needs_graph):
+    """o of a plain eager call without a mask through the C++ node (needs_graph: some input
+    requires grad under grad mode; else the forward alone, without the lse); None where the
+    node does not apply (not PyTorch's fused kernels, forward-mode AD, the profiler, a
+    compiled graph's kernel choices; not built yet) or the kernel refused."""
     if _forward_ad._current_level >= 0 or _profiling() or kernel_settings.overridden() is not None:
         return None
     path = _call_path(kernels.select, q, k, v, None, scale, causal)
@@ -112,6 +114,8 @@ def attention_output(q, k, v, scale, causal):
     elif kernel_settings.current().cpp_node == "off":
         return None
     try:
+        if not needs_graph:
+            return module.forward_output(q, k, v, scale, causal, KERNEL_NAMES.index(path.native))
         return module.attention(q, k, v, scale, causal, KERNEL_NAMES.index(path.native))[0]
     except torch.OutOfMemoryError:
         raise

@@ -25,14 +25,17 @@ def node():
 
 
 def step(q, k, v, do, vs, causal, gqa):
-    """forward, first-order grads, and a second-order step (fresh leaves each time)."""
+    """forward without grad, forward, first-order grads, and a second-order step (fresh
+    leaves each time)."""
+    with torch.no_grad():
+        without_grad = bob_compile.attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     o = bob_compile.attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     first = torch.autograd.grad(o, (q, k, v), do)
     o = bob_compile.attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     second = torch.autograd.grad(grads, (q, k, v), vs)
-    return type(o.grad_fn).__name__, (o, *first, *second)
+    return type(o.grad_fn).__name__, (without_grad, o, *first, *second)
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
@@ -65,7 +68,8 @@ def test_same_results_as_the_python_node(node, reread_settings, monkeypatch, bac
     settings.reload()
     name, python_node = step(q, k, v, do, vs, causal, gqa)
     assert name != "CppFunction"
-    torch.testing.assert_close(ours[0], python_node[0], rtol=0, atol=0)    # o
+    for a, b in zip(ours[:2], python_node[:2]):        # o, without grad and with
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(ours, python_node, strict=True):
         assert a.stride() == b.stride()
         torch.testing.assert_close(a, b)

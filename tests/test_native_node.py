@@ -184,12 +184,26 @@ def test_attention_takes_the_node(cpu_kernels_as_native, general_calls):
     assert general_calls == []
 
 
-def test_attention_without_the_node(cpu_kernels_as_native, reread_settings, monkeypatch):
-    """Where the node must not run: no graph needed, forward-mode AD, torch.func, a mask,
-    the profiler, a compiled graph's kernel choices, BOB_COMPILE_CPP_NODE=off."""
-    q, k, v = inputs(1, 2, 6, 6, 8)
+def test_attention_without_grad_takes_the_forward_alone(node, cpu_kernels_as_native,
+                                                        monkeypatch):
+    ran = []
+    real = node.forward_output
+    monkeypatch.setattr(node, "forward_output", lambda *a: ran.append(1) or real(*a))
+    q, k, v = inputs(1, 2, 6, 9, 8)
+    want = math_attention(q, k, v, 8 ** -0.5, False)[0]
     with torch.no_grad():
-        assert bob_compile.attention(q, k, v).grad_fn is None
+        o = bob_compile.attention(q, k, v)
+    assert ran == [1] and o.grad_fn is None
+    close((o,), (want,))
+    o = bob_compile.attention(q.detach(), k.detach(), v.detach())      # nothing requires grad
+    assert ran == [1, 1] and o.grad_fn is None
+    close((o,), (want,))
+
+
+def test_attention_without_the_node(cpu_kernels_as_native, reread_settings, monkeypatch):
+    """Where the node must not run: forward-mode AD, torch.func, a mask, the profiler, a
+    compiled graph's kernel choices, BOB_COMPILE_CPP_NODE=off."""
+    q, k, v = inputs(1, 2, 6, 6, 8)
     mask = torch.ones(6, 6, dtype=torch.bool).tril()
     assert not _is_cpp_node(bob_compile.attention(q, k, v, attn_mask=mask))
     with torch.autograd.forward_ad.dual_level():

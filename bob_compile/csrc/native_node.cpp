@@ -8,7 +8,8 @@
 // with the same layouts, and leaves everything else to Python:
 //
 //   forward    PyTorch's fused forward (cuDNN or FA2; CPU flash for the tests), returning
-//              o in q's dimension order and lse as a contiguous (B, H, L) float32 row vector;
+//              o in q's dimension order and lse as a contiguous (B, H, L) float32 row vector
+//              (forward_output: o alone, for calls nothing differentiates);
 //   backward   without create_graph, for a plain dO and no lse cotangent: the fused
 //              backward, with no Python and no GIL; anything else (create_graph, i.e. a
 //              second order, an lse cotangent, a tensor subclass or a dispatch mode,
@@ -88,6 +89,24 @@ std::tuple<Tensor, Tensor> fused_forward(const Tensor& q, const Tensor& k, const
   }
   // cuDNN's lse is (B, H, L, 1); all are float32 (the CPU kernel's: its accumulation type)
   return {in_order_of(o, q), lse.reshape(q.sizes().slice(0, 3)).contiguous()};
+}
+
+// o alone, for a call nothing differentiates: cuDNN then neither computes nor writes the
+// lse (what native SDPA runs without grad); FA2's forward always computes one
+Tensor forward_output(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                      bool causal, int64_t kernels) {
+  RECORD_FUNCTION("bob_compile::attn_fwd", std::vector<c10::IValue>());
+  Tensor o;
+  if (kernels == kCudnn) {
+    o = std::get<0>(at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, false, 0.0,
+                                                            causal, false, scale));
+  } else if (kernels == kFlash) {
+    o = std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, false, scale));
+  } else {
+    o = std::get<0>(
+        at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, {}, scale));
+  }
+  return in_order_of(o, q);
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_backward(const Tensor& dout, const Tensor& q,
@@ -212,6 +231,7 @@ void set_general_backward(py::object fn) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "(o, lse) through the C++ autograd node");
+  m.def("forward_output", &forward_output, "o of a call nothing differentiates");
   m.def("set_general_backward", &set_general_backward,
         "the Python function of the backwards the node does not run itself");
   m.attr("CUDNN") = static_cast<int64_t>(kCudnn);
