@@ -253,3 +253,28 @@ def test_an_unknown_build_setting_is_an_error(reread_settings, monkeypatch):
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "sometimes")
     with pytest.raises(ValueError, match="BOB_COMPILE_CPP_NODE='sometimes'.*background"):
         settings.reload()
+
+
+def test_saved_tensor_hooks_and_checkpointing(cpu_kernels_as_native):
+    """The node's saved tensors go through torch.autograd.graph.saved_tensors_hooks, so
+    activation checkpointing and offloading work at first and second order."""
+    from torch.utils.checkpoint import checkpoint
+    q, k, v = inputs(2, 2, 9, 9, 8)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        o = bob_compile.attention(q, k, v, is_causal=True)
+    assert _is_cpp_node(o) and len(packed) == 5         # q, k, v, o, lse
+
+    def loss(q, k, v):
+        return bob_compile.attention(q, k, v, is_causal=True).square().sum()
+
+    def loss_math(q, k, v):
+        return math_attention(q, k, v, 8 ** -0.5, True)[0].square().sum()
+    for create_graph in (False, True):
+        got = torch.autograd.grad(checkpoint(loss, q, k, v, use_reentrant=False), (q, k, v),
+                                  create_graph=create_graph)
+        want = torch.autograd.grad(loss_math(q, k, v), (q, k, v), create_graph=create_graph)
+        close(got, want)
+        if create_graph:
+            close(torch.autograd.grad(sum(g.sum() for g in got), (q, k, v)),
+                  torch.autograd.grad(sum(w.sum() for w in want), (q, k, v)))
