@@ -11,7 +11,6 @@ B = 1, H = 12, bf16, causal and not.
 
     python benchmarks/bench_forward_mode_configs.py --out results/ [--n 16384] [--d 64]
 """
-import argparse
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from bob_compile.kernels import triton_forward_mode as forward_mode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import op_autograd, op_forward_over_reverse  # noqa: E402
 from bench_masks import median_ms  # noqa: E402
+from bench_row_configs import ab_arguments, forget_tuning  # noqa: E402
 
 
 def config(block_m, block_n, warps, stages):
@@ -31,13 +31,7 @@ def config(block_m, block_n, warps, stages):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default="results")
-    args = ap.parse_args()
+    args = ab_arguments(__doc__.split("\n\n")[0])
     real_rows, real_columns = forward_mode.row_candidates, forward_mode.column_candidates
     rows = real_rows(torch.bfloat16, args.d, args.d)
     columns = real_columns(torch.bfloat16, args.d, args.d)
@@ -55,8 +49,7 @@ def main():
             row_configs if e == args.d else real_rows(dtype, e, ev))
         forward_mode.column_candidates = lambda dtype, e, ev: (
             column_configs if e == args.d else real_columns(dtype, e, ev))
-        triton_common.TUNING_CACHE.entries = {}
-        settings.reload()
+        forget_tuning()
 
     results = []
     scale = args.d ** -0.5

@@ -29,14 +29,26 @@ def label(config):
             f"{config['num_stages']} stages")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def ab_arguments(description):
+    """The arguments of a launch-config A/B (this script, bench_forward_mode_configs.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="results")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def forget_tuning():
+    """No launch decision remembered, in memory or from the cache file: the next calls
+    tune again among the candidates in force."""
+    triton_common.TUNING_CACHE.entries = {}
+    settings.reload()                            # forgets the launch plans
+
+
+def main():
+    args = ab_arguments(__doc__.split("\n\n")[0])
     real = triton_bob.row_candidates
     candidates = real(torch.bfloat16, args.d, args.d, True, reads_dq=True)
     variants = {label(c): [c] for c in candidates}
@@ -48,8 +60,7 @@ def main():
             return configs if fold and reads_dq and e == args.d else real(dtype, e, ev, fold,
                                                                            reads_dq)
         triton_bob.row_candidates = pick
-        triton_common.TUNING_CACHE.entries = {}     # in memory: no earlier decision reused
-        settings.reload()                            # forgets the launch plans
+        forget_tuning()
 
     rows = []
     for causal in (True, False):

@@ -119,3 +119,14 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def cpp_node():
+    """The module of the op's C++ autograd node (bob_compile/native_node.py), built or loaded
+    once per session."""
+    from bob_compile import native_node
+    module = native_node.extension(wait=True)
+    if module is None:
+        pytest.fail("the C++ node did not build (see the logged warning)")
+    return module

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import bob_compile
-from bob_compile import native_node
 from bob_compile.autograd import native_node_backward
 from bob_compile.kernels import settings
 
@@ -14,14 +13,6 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def node():
-    module = native_node.extension(wait=True)
-    if module is None:
-        pytest.fail("the C++ node did not build (see the logged warning)")
-    return module
 
 
 def step(q, k, v, do, vs, causal, gqa):
@@ -42,8 +33,8 @@ def step(q, k, v, do, vs, causal, gqa):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True])
-def test_same_results_as_the_python_node(node, reread_settings, monkeypatch, backend, dtype,
-                                      causal, gqa):
+def test_same_results_as_the_python_node(cpp_node, reread_settings, monkeypatch, backend,
+                                         dtype, causal, gqa):
     monkeypatch.setenv("BOB_COMPILE_NATIVE_BACKEND", backend)
     settings.reload()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -57,11 +48,12 @@ def test_same_results_as_the_python_node(node, reread_settings, monkeypatch, bac
     vs = [randn(*t.shape) for t in (q, k, v)]
 
     calls = []
-    node.set_general_backward(lambda *a: calls.append(a[5] is None) or native_node_backward(*a))
+    cpp_node.set_general_backward(
+        lambda *a: calls.append(a[5] is None) or native_node_backward(*a))
     try:
         name, ours = step(q, k, v, do, vs, causal, gqa)
     finally:
-        node.set_general_backward(native_node_backward)
+        cpp_node.set_general_backward(native_node_backward)
     assert name == "CppFunction"
     assert calls == [False]     # the create_graph backward only
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")

@@ -19,25 +19,17 @@ from bob_compile.autograd import native_node_backward
 from bob_compile.kernels import settings
 
 
-@pytest.fixture(scope="module")
-def node():
-    module = native_node.extension(wait=True)
-    if module is None:
-        pytest.fail("the C++ node did not build (see the logged warning)")
-    return module
-
-
 @pytest.fixture
-def general_calls(node):
+def general_calls(cpp_node):
     """How often the node's backward called the Python path (list of dO-is-None flags)."""
     calls = []
 
     def counting(*args):
         calls.append(args)
         return native_node_backward(*args)
-    node.set_general_backward(counting)
+    cpp_node.set_general_backward(counting)
     yield calls
-    node.set_general_backward(native_node_backward)
+    cpp_node.set_general_backward(native_node_backward)
 
 
 def math_attention(q, k, v, scale, causal):
@@ -70,11 +62,11 @@ def same_layout(a, b):
 @pytest.mark.parametrize("shape", [(2, 3, 7, 7, 8, False), (2, 3, 7, 7, 8, True),
                                    (1, 2, 33, 33, 16, True), (1, 1, 5, 9, 8, False)])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_first_order_runs_in_cpp(node, general_calls, shape, layout):
+def test_first_order_runs_in_cpp(cpp_node, general_calls, shape, layout):
     B, H, L, S, E, causal = shape
     torch.manual_seed(0)
     q, k, v = inputs(B, H, L, S, E, layout)
-    o, lse = node.attention(q, k, v, 0.3, causal, node.CPU_FLASH)
+    o, lse = cpp_node.attention(q, k, v, 0.3, causal, cpp_node.CPU_FLASH)
     ro, rlse = math_attention(q, k, v, 0.3, causal)
     close((o, lse), (ro, rlse))
     assert same_layout(o, q)
@@ -87,14 +79,14 @@ def test_first_order_runs_in_cpp(node, general_calls, shape, layout):
 
 @pytest.mark.parametrize("bob_form", ["chain", "folded"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_second_and_third_order_through_python(node, general_calls, reread_settings,
+def test_second_and_third_order_through_python(cpp_node, general_calls, reread_settings,
                                                monkeypatch, bob_form, causal):
     monkeypatch.setenv("BOB_COMPILE_BOB_FORM", bob_form)
     settings.reload()
     torch.manual_seed(1)
     q, k, v = inputs(2, 2, 11, 11, 8)
     do = torch.randn(2, 2, 11, 8, dtype=torch.float64)
-    ours = node.attention(q, k, v, 0.4, causal, node.CPU_FLASH)[0]
+    ours = cpp_node.attention(q, k, v, 0.4, causal, cpp_node.CPU_FLASH)[0]
     ref = math_attention(q, k, v, 0.4, causal)[0]
     g1 = torch.autograd.grad(ours, (q, k, v), do, create_graph=True)
     r1 = torch.autograd.grad(ref, (q, k, v), do, create_graph=True)
@@ -108,10 +100,10 @@ def test_second_and_third_order_through_python(node, general_calls, reread_setti
     close(third, torch.autograd.grad([t.square().sum() for t in hr], (q, k, v)))
 
 
-def test_lse_cotangent_goes_to_python(node, general_calls):
+def test_lse_cotangent_goes_to_python(cpp_node, general_calls):
     torch.manual_seed(2)
     q, k, v = inputs(1, 2, 9, 9, 8)
-    o, lse = node.attention(q, k, v, 0.5, True, node.CPU_FLASH)
+    o, lse = cpp_node.attention(q, k, v, 0.5, True, cpp_node.CPU_FLASH)
     ro, rlse = math_attention(q, k, v, 0.5, True)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     close(torch.autograd.grad((o, lse), (q, k, v), (do, dlse)),
@@ -119,10 +111,10 @@ def test_lse_cotangent_goes_to_python(node, general_calls):
     assert len(general_calls) == 1 and general_calls[0][6] is not None
 
 
-def test_deterministic_algorithms_go_to_python(node, general_calls):
+def test_deterministic_algorithms_go_to_python(cpp_node, general_calls):
     """PyTorch's fused backwards accumulate with atomics: the op's deterministic path runs."""
     q, k, v = inputs(1, 1, 6, 6, 8)
-    o = node.attention(q, k, v, 0.5, False, node.CPU_FLASH)[0]
+    o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH)[0]
     torch.use_deterministic_algorithms(True)
     try:
         grads = torch.autograd.grad(o.sum(), (q, k, v))
@@ -132,27 +124,27 @@ def test_deterministic_algorithms_go_to_python(node, general_calls):
     assert len(general_calls) == 1
 
 
-def test_python_errors_keep_their_type(node):
+def test_python_errors_keep_their_type(cpp_node):
     class Refused(Exception):
         pass
 
     def refusing(*args):
         raise Refused("from the general backward")
-    node.set_general_backward(refusing)
+    cpp_node.set_general_backward(refusing)
     try:
         q, k, v = inputs(1, 1, 4, 4, 8)
-        o = node.attention(q, k, v, 0.5, False, node.CPU_FLASH)[0]
+        o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH)[0]
         with pytest.raises(Refused, match="from the general backward"):
             torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
     finally:
-        node.set_general_backward(native_node_backward)
+        cpp_node.set_general_backward(native_node_backward)
 
 
-def test_saved_tensors_die_with_the_backward(node):
+def test_saved_tensors_die_with_the_backward(cpp_node):
     x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
     q = x * 1
     alive = weakref.ref(q)
-    o = node.attention(q, x, x, 0.3, True, node.CPU_FLASH)[0]
+    o = cpp_node.attention(q, x, x, 0.3, True, cpp_node.CPU_FLASH)[0]
     del q
     gc.collect()
     assert alive() is not None
@@ -163,7 +155,7 @@ def test_saved_tensors_die_with_the_backward(node):
 
 # ----------------------------------------------------------------------------- routing
 @pytest.fixture
-def cpu_kernels_as_native(node, monkeypatch):
+def cpu_kernels_as_native(cpp_node, monkeypatch):
     """Let bob_compile.attention take the node on the CPU, as it does on CUDA where
     PyTorch's fused kernels compute the call."""
     monkeypatch.setattr(native_node, "_call_path",
@@ -184,11 +176,11 @@ def test_attention_takes_the_node(cpu_kernels_as_native, general_calls):
     assert general_calls == []
 
 
-def test_attention_without_grad_takes_the_forward_alone(node, cpu_kernels_as_native,
+def test_attention_without_grad_takes_the_forward_alone(cpp_node, cpu_kernels_as_native,
                                                         monkeypatch):
     ran = []
-    real = node.forward_output
-    monkeypatch.setattr(node, "forward_output", lambda *a: ran.append(1) or real(*a))
+    real = cpp_node.forward_output
+    monkeypatch.setattr(cpp_node, "forward_output", lambda *a: ran.append(1) or real(*a))
     q, k, v = inputs(1, 2, 6, 9, 8)
     want = math_attention(q, k, v, 8 ** -0.5, False)[0]
     with torch.no_grad():
