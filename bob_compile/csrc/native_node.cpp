@@ -16,7 +16,6 @@
 //              deterministic algorithms, or the fused kernel refusing) calls the Python
 //              function set by set_general_backward, the op's own differentiable path.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
