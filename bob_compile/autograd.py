@@ -186,8 +186,7 @@ def native_node_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refu
                                         refused)
     if do is None and dlse is None:
         return None, None, None
-    backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
-    return backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse, None, scale, causal)
+    return differentiable_first_backward(q, k, v, o, lse, do, dlse, None, scale, causal)
 
 
 def _plain_call_path(q, k, v, mask, scale, causal):
@@ -509,6 +508,18 @@ def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
 
 
 # ----------------------------------------------------------------------------- first order
+def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal,
+                                  kernel_choices=None):
+    """(dq, dk, dv) of the forward's (o, lse) by the general path, differentiable again
+    (_first_backward, or its closed-form twin where legacy vmap would drop AttnBwdFn's node),
+    under the kernel choices of the forward: what the first order's nodes (AttnFn, and the
+    C++ node through native_node_backward) run wherever they cannot call their kernels
+    directly."""
+    backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
+    return kernel_settings.run_with(kernel_choices, backward, q, k, v, o, lse,
+                                    _zeros_if_none(do, o), dlse, mask, scale, causal)
+
+
 class AttnFn(_Fused):
     """attn_fwd; outputs (o, lse). lse is exposed so that its cotangent (non-zero in the
     second order of the chain form) reaches attn_bwd."""
@@ -546,10 +557,8 @@ class AttnFn(_Fused):
             grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
             if grads is not None:
                 return (*grads, None, None, None)
-        backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
-        dq, dk, dv = kernel_settings.run_with(ctx.kernel_choices, backward, q, k, v, o, lse,
-                                              _zeros_if_none(do, o), dlse, mask, ctx.scale,
-                                              ctx.causal)
+        dq, dk, dv = differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, ctx.scale,
+                                                   ctx.causal, ctx.kernel_choices)
         return dq, dk, dv, None, None, None
 
     @staticmethod
