@@ -69,14 +69,18 @@ Tensor in_order_of(const Tensor& t, const Tensor& like) {
 }
 
 // ---------------------------------------------------------------------------- fused kernels
+// o, and with_lse the lse; without it (a call nothing differentiates) cuDNN neither computes
+// nor writes the lse (what native SDPA runs without grad) and the lse returned is undefined;
+// FA2's and the CPU kernel's forwards always compute one
 std::tuple<Tensor, Tensor> fused_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         double scale, bool causal, int64_t kernels) {
+                                         double scale, bool causal, int64_t kernels,
+                                         bool with_lse) {
   Tensor o, lse;
   if (kernels == kCudnn) {
-    auto out = at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, true, 0.0,
+    auto out = at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, with_lse, 0.0,
                                                        causal, false, scale);
     o = std::get<0>(out);
-    lse = std::get<1>(out);     // (B, H, L, 1)
+    lse = std::get<1>(out);
   } else if (kernels == kFlash) {
     auto out = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, false, scale);
     o = std::get<0>(out);
@@ -86,26 +90,16 @@ std::tuple<Tensor, Tensor> fused_forward(const Tensor& q, const Tensor& k, const
     o = std::get<0>(out);
     lse = std::get<1>(out);
   }
+  if (!with_lse) return {in_order_of(o, q), Tensor()};
   // cuDNN's lse is (B, H, L, 1); all are float32 (the CPU kernel's: its accumulation type)
   return {in_order_of(o, q), lse.reshape(q.sizes().slice(0, 3)).contiguous()};
 }
 
-// o alone, for a call nothing differentiates: cuDNN then neither computes nor writes the
-// lse (what native SDPA runs without grad); FA2's forward always computes one
+// o alone, for a call nothing differentiates
 Tensor forward_output(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
                       bool causal, int64_t kernels) {
   RECORD_FUNCTION("bob_compile::attn_fwd", std::vector<c10::IValue>());
-  Tensor o;
-  if (kernels == kCudnn) {
-    o = std::get<0>(at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, false, 0.0,
-                                                            causal, false, scale));
-  } else if (kernels == kFlash) {
-    o = std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, false, scale));
-  } else {
-    o = std::get<0>(
-        at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, {}, scale));
-  }
-  return in_order_of(o, q);
+  return std::get<0>(fused_forward(q, k, v, scale, causal, kernels, false));
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_backward(const Tensor& dout, const Tensor& q,
@@ -159,7 +153,7 @@ struct NativeAttention : public torch::autograd::Function<NativeAttention> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, double scale, bool causal, int64_t kernels) {
     RECORD_FUNCTION("bob_compile::attn_fwd", std::vector<c10::IValue>());
-    auto [o, lse] = fused_forward(q, k, v, scale, causal, kernels);
+    auto [o, lse] = fused_forward(q, k, v, scale, causal, kernels, true);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
