@@ -375,9 +375,8 @@ def main():
                 for prov in args.providers + [f"bob_compile_chain@{x}" for x in args.variants]:
                     variant = None
                     for key in ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ",
-                                "BOB_COMPILE_BOB_FORM"):
+                                "BOB_COMPILE_BOB_FORM", "BOB_COMPILE_CPP_NODE"):
                         os.environ.pop(key, None)
-                    os.environ.pop("BOB_COMPILE_CPP_NODE", None)
                     for form in ("folded", "chain"):
                         if prov.split("@")[0].endswith("_" + form):
                             os.environ["BOB_COMPILE_BOB_FORM"] = form

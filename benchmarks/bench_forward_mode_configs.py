@@ -11,7 +11,6 @@ B = 1, H = 12, bf16, causal and not.
 
     python benchmarks/bench_forward_mode_configs.py --out results/ [--n 16384] [--d 64]
 """
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ from bob_compile.kernels import triton_forward_mode as forward_mode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import op_autograd, op_forward_over_reverse  # noqa: E402
 from bench_masks import median_ms  # noqa: E402
-from bench_row_configs import ab_arguments, forget_tuning  # noqa: E402
+from bench_row_configs import ab_arguments, forget_tuning, write_results  # noqa: E402
 
 
 def config(block_m, block_n, warps, stages):
@@ -73,12 +72,7 @@ def main():
                       f"({ms / reverse_ms:.3f}x)", flush=True)
     forward_mode.row_candidates, forward_mode.column_candidates = real_rows, real_columns
     settings.reload()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"bench_forward_mode_configs_d{args.d}_{args.n}.json")
-    with open(path, "w") as f:
-        json.dump(dict(n=args.n, d=args.d, device=torch.cuda.get_device_name(),
-                       torch=torch.__version__, rows=results), f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {write_results(args, 'bench_forward_mode_configs', results)}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,16 @@ def forget_tuning():
     settings.reload()                            # forgets the launch plans
 
 
+def write_results(args, name, rows):
+    """rows of a launch-config A/B as results/<name>_d<d>_<n>.json."""
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{name}_d{args.d}_{args.n}.json")
+    with open(path, "w") as f:
+        json.dump(dict(n=args.n, d=args.d, device=torch.cuda.get_device_name(),
+                       torch=torch.__version__, rows=rows), f, indent=1)
+    return path
+
+
 def main():
     args = ab_arguments(__doc__.split("\n\n")[0])
     real = triton_bob.row_candidates
@@ -78,11 +88,7 @@ def main():
                 print(f"{'causal' if causal else 'full':6s} {name:30s} {ms:8.3f} ms", flush=True)
     triton_bob.row_candidates = real
     settings.reload()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"bench_row_configs_d{args.d}_{args.n}.json")
-    with open(path, "w") as f:
-        json.dump(dict(n=args.n, d=args.d, device=torch.cuda.get_device_name(),
-                       torch=torch.__version__, rows=rows), f, indent=1)
+    path = write_results(args, "bench_row_configs", rows)
     print(f"\n{'':6s} {'row-pass config':30s} " + " ".join(f"round {r + 1:d}" for r in
                                                           range(args.rounds)))
     for causal in (True, False):
