@@ -189,6 +189,31 @@ def native_node_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refu
     return differentiable_first_backward(q, k, v, o, lse, do, dlse, None, scale, causal)
 
 
+def native_bob_backward(q, k, v, o, lse, do, o_attached, lse_attached, gdq, gdk, gdv, dq,
+                        scale, causal, wants_plan):
+    """The backward of the C++ node's first backward (native_node.py) where it does not run
+    it itself: what AttnBwdFn.backward runs for o and lse that came in detached (the folded
+    BoB), returning (gq, gk, gv, gdo). o_attached, lse_attached: the forward's outputs with
+    their history, which a third order differentiates through; dq: the first backward's dq
+    (None if modified in place since); wants_plan: the node has no plan of this signature's
+    launches yet and could replay one (native_node.bob_folded_with_plan)."""
+    if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
+        o, lse = o_attached, lse_attached
+    outs = None
+    if not torch.is_grad_enabled() and not _profiling() and _plain_eager((gdq, gdk, gdv)):
+        path = ops.call_path(kernels.select, q, k, v, None, scale, causal)
+        if path is not None and wants_plan:
+            outs = native_node.bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv,
+                                                    dq, scale, causal)
+        elif path is not None:
+            outs = path.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq)
+    if outs is None:
+        bob = _bob_folded_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) \
+            else AttnBobFoldedFn.apply
+        outs = bob(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq, None, scale, causal)
+    return outs[:4]
+
+
 def _plain_call_path(q, k, v, mask, scale, causal):
     """In the forward of a plain eager `_Fused.apply`: the implementation's CallPath for this
     call (ops.call_path), also kept for the setup_context that runs next on this thread (its

@@ -1,12 +1,16 @@
 """The attention op's first order as a C++ autograd node, where PyTorch's fused kernels
-compute it (csrc/native_node.cpp; why: docs/host-overhead.md).
+compute it, and the first backward of a folded second order as another
+(csrc/native_node.cpp; why: docs/host-overhead.md).
 
 A plain eager call whose call path is PyTorch's cuDNN or FA2 kernels runs through the node
 where it needs a graph (grad mode on, an input requiring grad): its forward and its
 first-order backward are C++, the backward run without the GIL; where it needs none, the
-module's forward_output runs (the same kernel call, from C++). Its create_graph backward (a second
-order), and every backward it cannot run itself, call `general_backward` below, which is
-what the Python node (AttnFn in autograd.py) runs there: exact at every order either way.
+module's forward_output runs (the same kernel call, from C++). Its create_graph backward
+(a second order) in the folded form is the second node, whose backward is the folded BoB:
+launched from C++ by a plan of its Triton launches (`bob_folded_with_plan` below makes it
+the first time a signature runs), or by Python (autograd.native_bob_backward). Every other
+backward calls autograd.native_node_backward, which is what the Python node (AttnFn in
+autograd.py) runs there: exact at every order either way.
 
 The node is compiled on first use with torch.utils.cpp_extension (a C++ compiler and ninja,
 which PyTorch's own extensions need too) into BOB_COMPILE_CACHE_DIR, keyed by its source,
@@ -15,6 +19,7 @@ the torch version and the Python version, so a machine builds it once. BOB_COMPI
 is ready, ~30 s), `wait` (the first call waits: benchmarks), `off`. A failed build is logged
 once, and the Python node runs.
 """
+import ctypes
 import hashlib
 import logging
 import os
@@ -59,8 +64,10 @@ def _build():
         os.makedirs(directory, exist_ok=True)
         module = load(f"bob_compile_native_node_{key}", [_SOURCE], extra_cflags=["-O2"],
                       build_directory=directory, verbose=False)
-        from .autograd import native_node_backward
+        from .autograd import native_bob_backward, native_node_backward
         module.set_general_backward(native_node_backward)
+        module.set_bob_backward(native_bob_backward)
+        _connect_driver(module)
         _extension = module
         log.info("bob_compile: C++ autograd node ready in %.1f s (%s)",
                  time.perf_counter() - start, directory)
@@ -70,6 +77,29 @@ def _build():
                     "BOB_COMPILE_CPP_NODE=off skips the build)", type(e).__name__, e)
     finally:
         _ready.set()
+
+
+def _connect_driver(module):
+    """Hands the module the CUDA driver's cuLaunchKernel and cuCtxGetCurrent (it links no CUDA
+    library, so that it builds on machines without one), for the BoB plans it replays.
+    Without a driver, no plan is made: Python launches every BoB."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        module.set_driver(ctypes.cast(driver.cuLaunchKernel, ctypes.c_void_p).value,
+                          ctypes.cast(driver.cuCtxGetCurrent, ctypes.c_void_p).value)
+    except (OSError, AttributeError) as e:
+        log.info("bob_compile: no CUDA driver entry points for the C++ node (%s); the BoB "
+                 "launches from Python", e)
+
+
+@kernel_settings.on_reload
+def _forget_plans(_settings):
+    """Plans hold launch configs chosen under the previous settings (kernel choices,
+    tuning, fast launches): made again under the new ones."""
+    if _extension is not None:
+        _extension.forget_bob_plans()
 
 
 def extension(wait=None):
@@ -116,9 +146,92 @@ def attention_output(q, k, v, scale, causal, needs_graph):
     try:
         if not needs_graph:
             return module.forward_output(q, k, v, scale, causal, KERNEL_NAMES.index(path.native))
-        return module.attention(q, k, v, scale, causal, KERNEL_NAMES.index(path.native))[0]
+        return module.attention(q, k, v, scale, causal, KERNEL_NAMES.index(path.native),
+                                kernels.fold_bob(q, k, v))[0]
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError) as e:
         triton_attention.native_refused(path.native, q, v, causal, e)
         return None
+
+
+# --------------------------------------------------------------------------------------
+# Plans of the folded BoB, for the second node's backward
+# --------------------------------------------------------------------------------------
+# The C++ node replays what Python's folded BoB launched for a call signature (the same
+# compiled Triton kernels, grids and launch configs) with the tensors of a later call, named
+# by role (SLOT_NAMES: the inputs, and what attention_bob makes, which the node makes alike).
+# A plan is made from a recording of one Python run: each runtime argument of each launch
+# becomes a tensor's address or stride (found by identity among the named tensors), or a
+# constant of the signature (lengths, head counts, scale), with how Triton specialized it
+# (triton_common.py, "Launching"), which the node checks on every replay.
+def bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale, causal):
+    """path.bob_folded(...) (no lse cotangent), recorded; where its launches can be
+    replayed, the C++ node gets their plan for this signature."""
+    from .kernels import triton_common
+    with triton_common.recording() as record:
+        outs = path.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq)
+    module = _extension
+    if outs is not None and module is not None and kernel_settings.current().fast_launch:
+        named = dict(Q=q, K=k, V=v, O=o, LSE=lse, DO=do, DQ=dq, GDQ=gdq, GDK=gdk, GDV=gdv)
+        launches = _replayable(module, record, named)
+        if launches is not None:
+            module.register_bob_plan(q, k, v, gdq, gdk, gdv, dq is not None, scale, causal,
+                                     launches)
+    return outs
+
+
+def _replayable(module, record, named):
+    """The recorded launches as the C++ node's plan (see above), or None where one cannot
+    be replayed: a launch not through a DirectLaunch or by a provisional plan, a cluster or
+    cooperative launch, an argument that is none of the named tensors, or one tensor named
+    twice (its role would be ambiguous in a later call)."""
+    from .kernels import triton_common
+    slot_of = {}
+    for name, tensor in {**named, **record.tensors}.items():
+        if tensor is not None:
+            if id(tensor) in slot_of:
+                return None
+            slot_of[id(tensor)] = module.SLOT_NAMES.index(name)
+    kind = {name: i for i, name in enumerate(module.ARG_KINDS)}
+    launches = []
+    for kernel, grid, args, direct, kept in record.launches:
+        if direct is None or not kept or direct.cooperative or direct.pdl:
+            return None
+        num_warps, num_ctas, shared_bytes = direct.metadata
+        if num_ctas != 1:
+            return None
+        signature = direct.compiled.src.signature
+        names, stride_owners = triton_common.runtime_parameters(kernel)
+        by_name = dict(zip(names, args))
+        plan_args = []
+        for name, value in zip(names, args):
+            ty = signature[name]
+            if name in stride_owners:
+                tensor_name, dim = stride_owners[name]
+                slot = slot_of.get(id(by_name[tensor_name]))
+                if slot is None:
+                    return None
+                if ty == "constexpr":           # a stride of 1, compiled in
+                    plan_args.append((kind["stride_one"], slot, dim, 0, 0, 0, 0, 0.0))
+                else:
+                    plan_args.append((kind["stride"], slot, dim, int(value % 16 == 0),
+                                      int(ty == "i64"), 0, 0, 0.0))
+            elif isinstance(value, torch.Tensor):
+                slot = slot_of.get(id(value))
+                if slot is None:
+                    return None
+                plan_args.append((kind["pointer"], slot, 0, int(value.data_ptr() % 16 == 0), 0,
+                                  module.scalar_type_code(value), 0, 0.0))
+            elif ty == "constexpr":             # an int of 1 or None, compiled in
+                continue
+            elif ty in ("i32", "i64") and type(value) is int:
+                plan_args.append((kind["int32" if ty == "i32" else "int64"], 0, 0, 0, 0, 0, value,
+                                  0.0))
+            elif ty == "fp32" and type(value) is float:
+                plan_args.append((kind["float32"], 0, 0, 0, 0, 0, 0, value))
+            else:
+                return None
+        launches.append((direct.function, grid[0], grid[1], 32 * num_warps, shared_bytes,
+                         plan_args))
+    return launches or None

@@ -38,9 +38,9 @@ from .triton_backward import load_lse2_for_probabilities, row_dot
 from .triton_common import (LOG2E, apply_mask_tile, blocks, column_block_program, dot_precision,
                             fixed_plan, interpreting, key_blocks_of_row_block,
                             key_loops_within_mask, launch_plan, load_row_vector, load_tile,
-                            padded_dim, row_block_program, row_blocks_of_key_block, row_bytes,
-                            row_loops_within_mask, store_tile, strides_of, visibility_mask,
-                            wide_candidates)
+                            note_tensors, padded_dim, row_block_program, row_blocks_of_key_block,
+                            row_bytes, row_loops_within_mask, store_tile, strides_of,
+                            visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
@@ -512,6 +512,8 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     keys_out_arg = keys_out if has_b else q
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind), int(fold))
+    # for the C++ node's plans (bob_compile/native_node.py), which make these tensors alike
+    note_tensors(GQ=gq, GK=gk, GV=gv, GDO=gdo, GDLSE=gdlse, D=d, ROW_E=row_e, KEYS_OUT=keys_out)
 
     def common():
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),

@@ -535,6 +535,7 @@ def _raw_stream(device):
 # names it), for 1.6 us more per launch than positional arguments (3.2 against 1.6 us for
 # the BoB row kernel's 51 arguments on a 2-core CI-class CPU).
 _packers = {}
+_stride_owners = {}     # kernel -> {stride parameter: (its tensor parameter, dimension)}
 
 
 def _runtime_parameter_names(kernel):
@@ -560,6 +561,7 @@ def strides_of(kernel, **groups):
             if name not in names or tensor not in names:
                 raise ValueError(f"{kernel.fn.__name__}: no parameter {name!r} or {tensor!r}")
             owner[name] = f"_{tensor}[{dim}]"
+            _stride_owners.setdefault(kernel, {})[name] = (tensor, dim)
     given = [n for n in names if n not in owner]
     strides = "".join(f"    _{tensor} = {tensor}.stride()\n" for tensor in groups)
     body = ", ".join(owner.get(n, n) for n in names)
@@ -576,6 +578,52 @@ def packer(kernel):
     return _packers[kernel]
 
 
+def runtime_parameters(kernel):
+    """(names of kernel's runtime parameters in order, {stride parameter: (tensor parameter,
+    dimension)}) as strides_of declared them."""
+    return _runtime_parameter_names(kernel), _stride_owners.get(kernel, {})
+
+
+# --------------------------------------------------------------------------------------
+# Recording launches (the C++ node's plans of the BoB: bob_compile/native_node.py)
+# --------------------------------------------------------------------------------------
+class Recording:
+    """What ran inside `recording()` on this thread: `launches`, one (kernel, grid, args,
+    direct, kept) per LaunchPlan launch (args: the runtime arguments in the kernel's order;
+    direct: the DirectLaunch the launch went through, None where it took another path;
+    kept: whether the plan is a remembered one, not a provisional choice), and `tensors`,
+    the tensors a launch site named with note_tensors."""
+    __slots__ = ("launches", "tensors")
+
+    def __init__(self):
+        self.launches, self.tensors = [], {}
+
+
+class _RecordingState(threading.local):
+    record = None
+
+
+_recording = _RecordingState()
+
+
+class recording:
+    """Context manager: records this thread's launches into the Recording it returns."""
+
+    def __enter__(self):
+        self.previous, _recording.record = _recording.record, Recording()
+        return _recording.record
+
+    def __exit__(self, *exc):
+        _recording.record = self.previous
+
+
+def note_tensors(**tensors):
+    """Name tensors a launch site made (its outputs, its scratch) for a recording, if any."""
+    record = _recording.record
+    if record is not None:
+        record.tensors.update(tensors)
+
+
 class LaunchPlan:
     """One launch site at one tuning bucket: `kwargs` (constexprs, BLOCK_M/BLOCK_N,
     num_warps, num_stages) and the compiled kernels seen so far, by specialization.
@@ -586,10 +634,11 @@ class LaunchPlan:
     kernel is what Triton specializes on (see above): the current device, the ints by
     value, each tensor's dtype and 16-byte alignment; floats are passed as fp32 and never
     specialized."""
-    __slots__ = ("kwargs", "_compiled", "_constexprs", "_layout")
+    __slots__ = ("kwargs", "kept", "_compiled", "_constexprs", "_layout")
 
     def __init__(self, kwargs):
         self.kwargs = kwargs
+        self.kept = False         # remembered per site and bucket (launch_plan, fixed_plan)
         self._compiled = {}       # key -> DirectLaunch, or CompiledKernel where it cannot
         self._constexprs = None   # their values in the kernel's parameter order; False: none
         self._layout = None       # (tensors, ints) among the runtime arguments; False: none
@@ -601,6 +650,15 @@ class LaunchPlan:
         """plan(...) with the runtime arguments already in the kernel's order."""
         if not settings.current().fast_launch:   # off in the interpreter
             kernel[grid](*args, **self.kwargs)
+            return
+        record = _recording.record
+        if record is not None:      # launch as usual, then record what the launch went through
+            _recording.record = None
+            try:
+                self.launch(kernel, grid, *args)
+            finally:
+                _recording.record = record
+            record.launches.append((kernel, grid, args, self._direct_launch(args), self.kept))
             return
         layout = self._layout
         if layout:
@@ -648,6 +706,16 @@ class LaunchPlan:
             if len(self._compiled) >= _MAX_SPECIALIZATIONS:
                 self._compiled.clear()
             self._compiled[key] = DirectLaunch.of(compiled) or compiled
+
+    def _direct_launch(self, args):
+        """The DirectLaunch a launch with these arguments takes, or None where it takes
+        another path."""
+        if not (self._layout and self._constexprs not in (None, False) and _no_launch_hooks()):
+            return None
+        nt = self._layout[0]
+        key = self._key(args, self._layout, [t.data_ptr() for t in args[:nt]], _current_device())
+        entry = self._compiled.get(key)
+        return entry if type(entry) is DirectLaunch else None
 
     @staticmethod
     def _key(args, layout, pointers, device):
@@ -704,6 +772,7 @@ def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, 
     plan = as_plan(cfg)
     if final:
         chosen[memo] = plan
+        plan.kept = True
     return plan
 
 
@@ -715,4 +784,5 @@ def fixed_plan(key, kwargs):
     plan = _fixed_plans.get(key)
     if plan is None:
         plan = _fixed_plans[key] = LaunchPlan(kwargs())
+        plan.kept = True
     return plan

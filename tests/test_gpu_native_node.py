@@ -1,12 +1,13 @@
-"""The C++ autograd node of the first order on CUDA (bob_compile/native_node.py): the same
-PyTorch kernels as the op's Python node, so the same results at every order (the same bits
-but where PyTorch's fused backwards accumulate dq with atomics), with no Python in a
-first-order backward. The node's plumbing at every order in float64: test_native_node.py."""
+"""The C++ autograd nodes on CUDA (bob_compile/native_node.py): the same kernels as the op's
+Python node, so the same results at every order (the same bits but where PyTorch's fused
+backwards accumulate dq with atomics), with no Python in a first-order backward nor in a
+folded create_graph backward, and the BoB launched from C++ once a plan of its launches was
+made. The nodes' plumbing at every order in float64: test_native_node.py."""
 import pytest
 import torch
 
 import bob_compile
-from bob_compile.autograd import native_node_backward
+from bob_compile.autograd import native_bob_backward, native_node_backward
 from bob_compile.kernels import settings
 
 pytestmark = pytest.mark.gpu
@@ -55,7 +56,7 @@ def test_same_results_as_the_python_node(cpp_node, reread_settings, monkeypatch,
     finally:
         cpp_node.set_general_backward(native_node_backward)
     assert name == "CppFunction"
-    assert calls == [False]     # the create_graph backward only
+    assert calls == []     # the create_graph backward is the second node (folded form)
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
     settings.reload()
     name, python_node = step(q, k, v, do, vs, causal, gqa)
@@ -65,3 +66,67 @@ def test_same_results_as_the_python_node(cpp_node, reread_settings, monkeypatch,
     for a, b in zip(ours, python_node, strict=True):
         assert a.stride() == b.stride()
         torch.testing.assert_close(a, b)
+
+
+def randn_like_views(g, *shapes, dtype):
+    """Tensors of these (B, H, N, E) shapes as permuted views of (B, N, H, E) memory."""
+    return [torch.randn(b, n, h, e, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+            for b, h, n, e in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bob_from_plans(cpp_node, dtype, causal, gqa, head_dim):
+    """The first BoB of a signature runs in Python and leaves a plan; the next ones launch
+    the same kernels from C++: the same bits. Cotangents that specialize otherwise
+    (misaligned) go back to Python, with the same results."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kv = 2 if gqa else 4
+    q, k, v, do = randn_like_views(g, (2, 4, 200, head_dim), (2, kv, 200, head_dim),
+                                   (2, kv, 200, head_dim), (2, 4, 200, head_dim), dtype=dtype)
+    q, k, v, do = (t.requires_grad_() for t in (q, k, v, do))
+    o = bob_compile.attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    g1 = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    assert type(g1[0].grad_fn).__name__ == "CppFunction"
+    vs = [torch.randn(t.shape, device="cuda", dtype=dtype, generator=g) for t in g1]
+    calls = []
+    cpp_node.set_bob_backward(lambda *a: calls.append(a[-1]) or native_bob_backward(*a))
+    try:
+        cpp_node.forget_bob_plans()
+        in_python = torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)
+        assert calls == [True] and cpp_node.bob_plan_count() == 1
+        from_plan = torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)
+        assert calls == [True]
+        for a, b in zip(from_plan, in_python, strict=True):
+            assert a.stride() == b.stride()
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # a cotangent one element off 16-byte alignment: not the plan's specialization
+        misaligned = torch.empty(vs[0].numel() + 1, device="cuda", dtype=dtype)[1:]
+        misaligned = misaligned.view(vs[0].shape).copy_(vs[0])
+        again = torch.autograd.grad(g1, (q, k, v, do), [misaligned, *vs[1:]], retain_graph=True)
+        assert len(calls) == 2
+        for a, b in zip(again, in_python, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # only dk's cotangent: another signature (dq's and dv's GEMMs skipped)
+        part = torch.autograd.grad(g1[1], (q, k, v, do), vs[1], retain_graph=True)
+        part_again = torch.autograd.grad(g1[1], (q, k, v, do), vs[1])
+        assert len(calls) == 3
+        for a, b in zip(part_again, part, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        cpp_node.set_bob_backward(native_bob_backward)
+
+
+def test_plans_are_forgotten_on_reload(cpp_node, reread_settings):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, do = randn_like_views(g, *[(1, 2, 128, 64)] * 4, dtype=torch.bfloat16)
+    q.requires_grad_()
+    for _ in range(2):
+        o = bob_compile.attention(q, k, v)
+        (dq,) = torch.autograd.grad(o, q, do, create_graph=True)
+        torch.autograd.grad(dq, q, torch.ones_like(dq))
+    assert cpp_node.bob_plan_count() >= 1
+    settings.reload()
+    assert cpp_node.bob_plan_count() == 0

@@ -15,7 +15,7 @@ import torch
 
 import bob_compile
 from bob_compile import native_node
-from bob_compile.autograd import native_node_backward
+from bob_compile.autograd import native_bob_backward, native_node_backward
 from bob_compile.kernels import settings
 
 
@@ -66,7 +66,7 @@ def test_first_order_runs_in_cpp(cpp_node, general_calls, shape, layout):
     B, H, L, S, E, causal = shape
     torch.manual_seed(0)
     q, k, v = inputs(B, H, L, S, E, layout)
-    o, lse = cpp_node.attention(q, k, v, 0.3, causal, cpp_node.CPU_FLASH)
+    o, lse = cpp_node.attention(q, k, v, 0.3, causal, cpp_node.CPU_FLASH, True)
     ro, rlse = math_attention(q, k, v, 0.3, causal)
     close((o, lse), (ro, rlse))
     assert same_layout(o, q)
@@ -77,33 +77,109 @@ def test_first_order_runs_in_cpp(cpp_node, general_calls, shape, layout):
     assert general_calls == []              # no Python in the first-order backward
 
 
+@pytest.fixture
+def bob_calls(cpp_node):
+    """The arguments of every call of the second node's Python backward (the BoB)."""
+    calls = []
+
+    def counting(*args):
+        calls.append(args)
+        return native_bob_backward(*args)
+    cpp_node.set_bob_backward(counting)
+    yield calls
+    cpp_node.set_bob_backward(native_bob_backward)
+
+
 @pytest.mark.parametrize("bob_form", ["chain", "folded"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_second_and_third_order_through_python(cpp_node, general_calls, reread_settings,
-                                               monkeypatch, bob_form, causal):
+def test_second_and_third_order(cpp_node, general_calls, bob_calls, reread_settings,
+                                monkeypatch, bob_form, causal):
+    """Folded: the create_graph backward is the second C++ node (no Python), whose backward
+    (the BoB) calls Python on the CPU (no plans without a GPU); chain: Python from the
+    create_graph backward on. Exact at every order either way."""
     monkeypatch.setenv("BOB_COMPILE_BOB_FORM", bob_form)
     settings.reload()
+    folded = bob_form == "folded"
     torch.manual_seed(1)
     q, k, v = inputs(2, 2, 11, 11, 8)
     do = torch.randn(2, 2, 11, 8, dtype=torch.float64)
-    ours = cpp_node.attention(q, k, v, 0.4, causal, cpp_node.CPU_FLASH)[0]
+    ours = cpp_node.attention(q, k, v, 0.4, causal, cpp_node.CPU_FLASH, folded)[0]
     ref = math_attention(q, k, v, 0.4, causal)[0]
     g1 = torch.autograd.grad(ours, (q, k, v), do, create_graph=True)
     r1 = torch.autograd.grad(ref, (q, k, v), do, create_graph=True)
-    assert len(general_calls) == 1
+    assert len(general_calls) == (0 if folded else 1)
+    assert _is_cpp_node(g1[0]) == folded
     close(g1, r1)
     vs = [torch.randn_like(t) for t in g1]
     h = torch.autograd.grad(g1, (q, k, v), vs, create_graph=True)
     hr = torch.autograd.grad(r1, (q, k, v), vs, create_graph=True)
     close(h, hr)
+    assert len(bob_calls) == (1 if folded else 0)
     third = torch.autograd.grad([t.square().sum() for t in h], (q, k, v))
     close(third, torch.autograd.grad([t.square().sum() for t in hr], (q, k, v)))
+
+
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_folded_second_order_of_some_outputs(cpp_node, general_calls, bob_calls, layout):
+    """Cotangents of only some of dq, dk, dv (the others None: their GEMMs skipped), the
+    cotangent of dO too, permuted layouts: exact, with the first backward's dq handed to
+    the BoB (its row pass reads R = dS k from it)."""
+    torch.manual_seed(3)
+    q, k, v = inputs(2, 3, 13, 13, 8, layout)
+    do = torch.randn(2, 3, 13, 8, dtype=torch.float64, requires_grad=True)
+    ours = cpp_node.attention(q, k, v, 0.35, True, cpp_node.CPU_FLASH, True)[0]
+    ref = math_attention(q, k, v, 0.35, True)[0]
+    g1 = torch.autograd.grad(ours, (q, k, v), do, create_graph=True)
+    r1 = torch.autograd.grad(ref, (q, k, v), do, create_graph=True)
+    for pick in ((0,), (1,), (2,), (0, 2)):
+        vs = [torch.randn_like(g1[i]) for i in pick]
+        # (dv does not depend on v)
+        got = torch.autograd.grad([g1[i] for i in pick], (q, k, v, do), vs, retain_graph=True,
+                                  materialize_grads=True)
+        close(got, torch.autograd.grad([r1[i] for i in pick], (q, k, v, do), vs,
+                                       retain_graph=True, materialize_grads=True))
+        assert all(same_layout(g, t) for g, t in zip(got, (q, k, v, do)))
+    assert general_calls == [] and len(bob_calls) == 4
+    assert all(call[11] is not None for call in bob_calls)      # dq
+
+
+def test_a_dq_changed_in_place_is_not_read(cpp_node, bob_calls):
+    torch.manual_seed(4)
+    q, k, v = inputs(1, 2, 9, 9, 8)
+    do = torch.randn(1, 2, 9, 8, dtype=torch.float64)
+    ours = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH, True)[0]
+    ref = math_attention(q, k, v, 0.5, False)[0]
+    g1 = list(torch.autograd.grad(ours, (q, k, v), do, create_graph=True))
+    r1 = list(torch.autograd.grad(ref, (q, k, v), do, create_graph=True))
+    for g in (g1, r1):
+        g[0].mul_(2)
+    vs = [torch.randn_like(t) for t in g1]
+    close(torch.autograd.grad(g1, (q, k, v), vs), torch.autograd.grad(r1, (q, k, v), vs))
+    assert len(bob_calls) == 1 and bob_calls[0][11] is None
+
+
+def test_a_dual_cotangent_goes_to_python(cpp_node, general_calls):
+    """dO carrying a forward-mode tangent: the Python path (whose first backward has a jvp)."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(5)
+    q, k, v = inputs(1, 1, 6, 6, 8)
+    ours = cpp_node.attention(q, k, v, 0.5, True, cpp_node.CPU_FLASH, True)[0]
+    ref = math_attention(q, k, v, 0.5, True)[0]
+    do, tangent = torch.randn_like(ours), torch.randn_like(ours)
+    with fwAD.dual_level():
+        got = torch.autograd.grad(ours, (q, k, v), fwAD.make_dual(do, tangent),
+                                  create_graph=True)
+        want = torch.autograd.grad(ref, (q, k, v), fwAD.make_dual(do, tangent),
+                                   create_graph=True)
+        close([fwAD.unpack_dual(g).tangent for g in got],
+              [fwAD.unpack_dual(w).tangent for w in want])
+    assert len(general_calls) == 1
 
 
 def test_lse_cotangent_goes_to_python(cpp_node, general_calls):
     torch.manual_seed(2)
     q, k, v = inputs(1, 2, 9, 9, 8)
-    o, lse = cpp_node.attention(q, k, v, 0.5, True, cpp_node.CPU_FLASH)
+    o, lse = cpp_node.attention(q, k, v, 0.5, True, cpp_node.CPU_FLASH, True)
     ro, rlse = math_attention(q, k, v, 0.5, True)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     close(torch.autograd.grad((o, lse), (q, k, v), (do, dlse)),
@@ -114,7 +190,7 @@ def test_lse_cotangent_goes_to_python(cpp_node, general_calls):
 def test_deterministic_algorithms_go_to_python(cpp_node, general_calls):
     """PyTorch's fused backwards accumulate with atomics: the op's deterministic path runs."""
     q, k, v = inputs(1, 1, 6, 6, 8)
-    o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH)[0]
+    o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH, True)[0]
     torch.use_deterministic_algorithms(True)
     try:
         grads = torch.autograd.grad(o.sum(), (q, k, v))
@@ -124,27 +200,33 @@ def test_deterministic_algorithms_go_to_python(cpp_node, general_calls):
     assert len(general_calls) == 1
 
 
-def test_python_errors_keep_their_type(cpp_node):
+@pytest.mark.parametrize("which", ["general", "bob"])
+def test_python_errors_keep_their_type(cpp_node, which):
     class Refused(Exception):
         pass
 
     def refusing(*args):
-        raise Refused("from the general backward")
-    cpp_node.set_general_backward(refusing)
+        raise Refused(f"from the {which} backward")
+    setter = cpp_node.set_general_backward if which == "general" else cpp_node.set_bob_backward
+    setter(refusing)
     try:
         q, k, v = inputs(1, 1, 4, 4, 8)
-        o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH)[0]
-        with pytest.raises(Refused, match="from the general backward"):
-            torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+        # the chain form's create_graph backward calls the general backward, the folded
+        # form's second order the BoB's
+        o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH, which == "bob")[0]
+        with pytest.raises(Refused, match=f"from the {which} backward"):
+            g = torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+            torch.autograd.grad(g[0].sum(), q)
     finally:
         cpp_node.set_general_backward(native_node_backward)
+        cpp_node.set_bob_backward(native_bob_backward)
 
 
 def test_saved_tensors_die_with_the_backward(cpp_node):
     x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
     q = x * 1
     alive = weakref.ref(q)
-    o = cpp_node.attention(q, x, x, 0.3, True, cpp_node.CPU_FLASH)[0]
+    o = cpp_node.attention(q, x, x, 0.3, True, cpp_node.CPU_FLASH, True)[0]
     del q
     gc.collect()
     assert alive() is not None
@@ -289,3 +371,50 @@ def test_a_refused_forward_is_logged_and_the_python_path_runs(cpp_node, monkeypa
     want = math_attention(q, k, v, 8 ** -0.5, True)[0]
     close((o,), (want,))
     close(torch.autograd.grad(o.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v)))
+
+
+# ----------------------------------------------------------------------------- BoB plans
+def test_plans_of_recorded_launches(cpp_node):
+    """What native_node makes of a recorded launch (here the row-dot pre-pass of the BoB,
+    recorded by hand: without a GPU nothing launches): each argument a named tensor's
+    address or stride, or a constant, with Triton's specialization of it; and no plan where
+    a launch cannot be replayed."""
+    import types
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from bob_compile.kernels import triton_common
+    from bob_compile.kernels.triton_backward import _row_dot_kernel
+
+    do = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16).transpose(1, 2)    # strides 120, 8, 24, 1
+    o = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
+    d = torch.empty(2, 3, 5)
+    args = triton_common.packer(_row_dot_kernel)(DO=do, O=o, DLSE=d, D=d, num_q_heads=3, L=5)
+    names, _ = triton_common.runtime_parameters(_row_dot_kernel)
+    signature = {n: native_specialize_impl(BaseBackend, a, False, True, True)[0]
+                 for n, a in zip(names, args)}
+    compiled = types.SimpleNamespace(src=types.SimpleNamespace(signature=signature))
+    direct = types.SimpleNamespace(compiled=compiled, function=1234, metadata=(4, 1, 512),
+                                   cooperative=False, pdl=False)
+
+    def plan(named, launch=(direct, True)):
+        record = triton_common.Recording()
+        record.launches.append((_row_dot_kernel, (1, 6), args, *launch))
+        record.tensors.update(D=d)
+        return native_node._replayable(cpp_node, record, named)
+
+    (launch,) = plan(dict(DO=do, O=o))
+    assert launch[:5] == (1234, 1, 6, 128, 512)
+    slot, kind = cpp_node.SLOT_NAMES.index, cpp_node.ARG_KINDS.index
+    got = dict(zip(names, launch[5], strict=True))
+    # strides of 1 are compiled in: checked on every replay, not passed
+    assert got["sde"] == (kind("stride_one"), slot("DO"), 3, 0, 0, 0, 0, 0.0)
+    assert got["DO"][:2] == (kind("pointer"), slot("DO")) and got["DLSE"][1] == slot("D")
+    assert got["sdl"] == (kind("stride"), slot("DO"), 2, 0, 0, 0, 0, 0.0)   # 24: not div by 16
+    assert got["sdb"][:4] == (kind("stride"), slot("DO"), 0, 0)               # 120
+    assert got["sob"][:4] == (kind("stride"), slot("O"), 0, 0)                # 120
+    assert got["num_q_heads"] == (kind("int32"), 0, 0, 0, 0, 0, 3, 0.0)
+    assert got["DO"][5] == cpp_node.scalar_type_code(do) != cpp_node.scalar_type_code(d)
+    assert plan(dict(DO=do, O=do)) is None                 # one tensor in two roles
+    assert plan(dict(DO=do)) is None                       # o is no named tensor
+    assert plan(dict(DO=do, O=o), (None, True)) is None    # not a direct launch
+    assert plan(dict(DO=do, O=o), (direct, False)) is None  # a provisional launch config

@@ -11,18 +11,35 @@
 //              o in q's dimension order and lse as a contiguous (B, H, L) float32 row vector
 //              (forward_output: o alone, for calls nothing differentiates);
 //   backward   without create_graph, for a plain dO and no lse cotangent: the fused
-//              backward, with no Python and no GIL; anything else (create_graph, i.e. a
-//              second order, an lse cotangent, a tensor subclass or a dispatch mode,
+//              backward, with no Python and no GIL; with create_graph where the second
+//              order takes the folded form, the same fused backward as the forward of a
+//              second C++ node (NativeAttentionBackward, below); anything else (an lse
+//              cotangent, the chain form, a tensor subclass or a dispatch mode,
 //              deterministic algorithms, or the fused kernel refusing) calls the Python
 //              function set by set_general_backward, the op's own differentiable path.
+//
+// NativeAttentionBackward's backward is the folded backward-over-backward (the BoB), three
+// Triton kernels. Once the Python BoB has run for a call signature it hands this module a
+// plan of its launches (register_bob_plan: the compiled kernels' CUDA functions, grids,
+// and where each kernel argument comes from); later calls of that signature launch them
+// from here with the CUDA driver, checking first that every argument specializes as it did
+// when the kernels were compiled. Anything else (no plan yet, a third order, a tensor
+// subclass, a changed specialization) calls the Python function set by set_bob_backward.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <climits>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <numeric>
 
 namespace {
@@ -47,25 +64,23 @@ std::vector<int64_t> inner_to_outer(at::IntArrayRef strides) {
   return order;
 }
 
+// t itself when laid out so, else a copy (a tensor of its own, not a view: a node's output
+// that is a view could not be modified in place)
 Tensor in_order_of(const Tensor& t, const Tensor& like) {
   auto order = inner_to_outer(like.strides());
   auto sizes = t.sizes();
   auto strides = t.strides();
+  std::vector<int64_t> dense(order.size());
   int64_t step = 1;
   bool laid_out = true;
   for (auto d : order) {
     // a size-1 dimension's stride never addresses memory
-    if (sizes[d] != 1 && strides[d] != step) {
-      laid_out = false;
-      break;
-    }
+    laid_out = laid_out && (sizes[d] == 1 || strides[d] == step);
+    dense[d] = step;
     step *= sizes[d];
   }
   if (laid_out) return t;
-  std::vector<int64_t> outer_to_inner(order.rbegin(), order.rend());
-  std::vector<int64_t> back(order.size());
-  for (size_t i = 0; i < outer_to_inner.size(); ++i) back[outer_to_inner[i]] = i;
-  return t.permute(outer_to_inner).contiguous().permute(back);
+  return at::empty_strided(sizes, dense, t.options()).copy_(t);
 }
 
 // ---------------------------------------------------------------------------- fused kernels
@@ -128,36 +143,342 @@ std::tuple<Tensor, Tensor, Tensor> fused_backward(const Tensor& dout, const Tens
           in_order_of(std::get<2>(g), v)};
 }
 
-// The Python function of every backward this node does not run itself (never freed: it may
-// be called from the autograd engine's threads until the interpreter exits).
+// The Python functions of the backwards the nodes do not run themselves (never freed: they
+// may be called from the autograd engine's threads until the interpreter exits).
 py::object* general_backward = nullptr;
+py::object* bob_backward = nullptr;
 
 bool deterministic() {
   auto& context = at::globalContext();
   return context.deterministicAlgorithms() && !context.deterministicAlgorithmsWarnOnly();
 }
 
-// Whether dO can go to the fused backward as it is: a dense tensor like o (not a tensor
-// subclass, functorch wrapper or batched tensor, whose dispatch keys differ), and no
-// dispatch mode that should see the ops
-bool plain_like(const Tensor& dout, const Tensor& o) {
-  return dout.key_set() == o.key_set() && c10::impl::TorchDispatchModeTLS::stack_len() == 0;
+// Whether a cotangent can go to the fused kernels as it is: a dense tensor like `like` (not
+// a tensor subclass, functorch wrapper or batched tensor, whose dispatch keys differ, nor a
+// dual tensor of forward-mode AD), and no dispatch mode that should see the ops
+bool plain_like(const Tensor& t, const Tensor& like) {
+  return t.key_set() == like.key_set() && !t._fw_grad(0).defined() &&
+         c10::impl::TorchDispatchModeTLS::stack_len() == 0;
 }
 
-py::object none_or(const Tensor& t) {
-  return t.defined() ? py::cast(t) : py::none();
+bool plain_or_undefined(const Tensor& t, const Tensor& like) {
+  return !t.defined() || plain_like(t, like);
 }
 
-// ---------------------------------------------------------------------------- the node
+Tensor tensor_or_undefined(const py::handle& h) {
+  return h.is_none() ? Tensor() : h.cast<Tensor>();
+}
+
+// Calls a Python backward (which returns a tuple of tensors or Nones) under the GIL and puts
+// its results at `positions` of the gradients returned; a Python exception is rethrown as
+// what the engine carries across threads with its Python type. The arguments are converted
+// under the GIL (an undefined tensor becomes None).
+template <typename... Args>
+void call_python(py::object* fn, const char* what, variable_list& result,
+                 std::initializer_list<size_t> positions, Args&&... args) {
+  TORCH_CHECK(fn != nullptr, "bob_compile native node: no ", what, " set");
+  py::gil_scoped_acquire gil;
+  try {
+    py::tuple got = (*fn)(std::forward<Args>(args)...);
+    size_t i = 0;
+    for (size_t position : positions) result[position] = tensor_or_undefined(got[i++]);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error error;
+    error.persist();
+    throw error;
+  }
+}
+
+// ---------------------------------------------------------------------------- Triton launches
+// The CUDA driver's cuLaunchKernel and cuCtxGetCurrent, set by Python (set_driver) on
+// machines with a GPU; this module links no CUDA library, so that one source builds
+// everywhere (the CI's CPU machines included).
+using LaunchKernelFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                               unsigned, void*, void**, void**);
+using ContextFn = int (*)(void**);
+LaunchKernelFn cu_launch_kernel = nullptr;
+ContextFn cu_ctx_get_current = nullptr;
+
+// The tensors of a folded BoB, by the names Python's plans use (SLOT_NAMES, same order)
+enum Slot : int64_t {
+  kQ, kK, kV, kO, kLse, kDout, kDq, kGdq, kGdk, kGdv,           // inputs
+  kGq, kGk, kGv, kGdo, kGdlse, kD, kRowE, kKeysOut, kNumSlots   // made here
+};
+const char* const kSlotNames[kNumSlots] = {"Q", "K", "V", "O", "LSE", "DO", "DQ", "GDQ", "GDK",
+                                           "GDV", "GQ", "GK", "GV", "GDO", "GDLSE", "D",
+                                           "ROW_E", "KEYS_OUT"};
+
+// Where one runtime argument of a kernel comes from, and how Triton specialized it when it
+// compiled the kernel (triton_common.py, "Launching"): a pointer's 16-byte alignment, an
+// int's width and divisibility by 16; an int that was 1 became a constant of the kernel
+// (kStrideOne: no argument, and the stride must be 1 again).
+enum ArgKind : int64_t { kPointer, kStride, kStrideOne, kInt32, kInt64, kFloat32 };
+struct Arg {
+  int64_t kind, slot, dim, flag;  // flag: the pointer was aligned / the stride divisible by 16
+  int64_t wide;                   // a stride passed as int64 (else int32)
+  int64_t dtype;                  // a pointer's at::ScalarType
+  int64_t int_value;
+  double float_value;
+};
+struct KernelLaunch {
+  uint64_t function;
+  unsigned grid_x, grid_y, threads, shared_bytes;
+  std::vector<Arg> args;
+};
+struct BobPlan {
+  std::vector<KernelLaunch> launches;
+  bool reads_keys_out;
+};
+
+// Plans by call signature (plan_key); bounded like Python's call paths
+std::mutex plans_lock;
+std::map<std::vector<int64_t>, std::shared_ptr<const BobPlan>> plans;
+constexpr size_t kPlansLimit = 1024;
+
+std::vector<int64_t> plan_key(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& gdq, const Tensor& gdk, const Tensor& gdv,
+                              bool has_dq, double scale, bool causal) {
+  int64_t scale_bits;
+  std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
+  return {q.device().index(), static_cast<int64_t>(q.scalar_type()), q.size(0), q.size(1),
+          k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), causal, scale_bits,
+          gdq.defined(), gdk.defined(), gdv.defined(), has_dq};
+}
+
+// Fills `values` (one 8-byte cell per launched argument) for one launch; false where an
+// argument does not specialize as the compiled kernel expects
+bool pack_arguments(const KernelLaunch& launch, const Tensor* slots,
+                    std::vector<uint64_t>& values) {
+  values.clear();
+  for (const Arg& a : launch.args) {
+    uint64_t cell = 0;
+    if (a.kind == kPointer) {
+      const Tensor& t = slots[a.slot];
+      if (!t.defined() || static_cast<int64_t>(t.scalar_type()) != a.dtype) return false;
+      auto address = reinterpret_cast<uint64_t>(t.data_ptr());
+      if (a.flag && address % 16) return false;
+      cell = address;
+    } else if (a.kind == kStride || a.kind == kStrideOne) {
+      const Tensor& t = slots[a.slot];
+      if (!t.defined()) return false;
+      int64_t stride = t.stride(a.dim);
+      if (a.kind == kStrideOne) {
+        if (stride != 1) return false;
+        continue;
+      }
+      if (a.flag && stride % 16) return false;
+      if (a.wide) {
+        std::memcpy(&cell, &stride, sizeof(stride));
+      } else {
+        if (stride < INT32_MIN || stride > INT32_MAX) return false;
+        auto narrow = static_cast<int32_t>(stride);
+        std::memcpy(&cell, &narrow, sizeof(narrow));
+      }
+    } else if (a.kind == kInt32) {
+      auto narrow = static_cast<int32_t>(a.int_value);
+      std::memcpy(&cell, &narrow, sizeof(narrow));
+    } else if (a.kind == kInt64) {
+      std::memcpy(&cell, &a.int_value, sizeof(a.int_value));
+    } else {
+      auto single = static_cast<float>(a.float_value);
+      std::memcpy(&cell, &single, sizeof(single));
+    }
+    values.push_back(cell);
+  }
+  values.push_back(0);   // Triton's global and profile scratch pointers (the plans' kernels
+  values.push_back(0);   // need neither: Python makes no plan of a kernel that does)
+  return true;
+}
+
+// The folded BoB from a plan: (gq, gk, gv, gdo) in the layouts of q, k, v and dO, or
+// nothing where the plan does not apply (Python then runs it)
+std::optional<std::array<Tensor, 4>> bob_from_plan(const Tensor& q, const Tensor& k,
+                                                   const Tensor& v, const Tensor& o,
+                                                   const Tensor& lse, const Tensor& dout,
+                                                   const Tensor& dq, const Tensor& gdq,
+                                                   const Tensor& gdk, const Tensor& gdv,
+                                                   double scale, bool causal, int64_t kernels) {
+  if (cu_launch_kernel == nullptr || !q.is_cuda() || !lse.is_contiguous()) return std::nullopt;
+  std::shared_ptr<const BobPlan> plan;
+  {
+    std::lock_guard<std::mutex> guard(plans_lock);
+    auto found = plans.find(plan_key(q, k, v, gdq, gdk, gdv, dq.defined(), scale, causal));
+    if (found == plans.end()) return std::nullopt;
+    plan = found->second;
+  }
+  void* context = nullptr;
+  if (cu_ctx_get_current(&context) != 0 || context == nullptr) return std::nullopt;
+  // the tensors Python's attention_bob makes, made alike (contiguous, each like an input)
+  Tensor slots[kNumSlots];
+  slots[kQ] = q, slots[kK] = k, slots[kV] = v, slots[kO] = o, slots[kLse] = lse;
+  slots[kDout] = dout, slots[kDq] = dq, slots[kGdq] = gdq, slots[kGdk] = gdk, slots[kGdv] = gdv;
+  auto dense = at::MemoryFormat::Contiguous;
+  at::TensorOptions same;
+  slots[kGq] = at::empty_like(q, same, dense), slots[kGk] = at::empty_like(k, same, dense);
+  slots[kGv] = at::empty_like(v, same, dense), slots[kGdo] = at::empty_like(dout, same, dense);
+  slots[kGdlse] = at::empty_like(lse, same, dense);
+  slots[kRowE] = at::empty_like(lse, lse.options().dtype(at::kFloat), dense);
+  slots[kD] = at::empty(q.sizes().slice(0, 3), q.options().dtype(at::kFloat));
+  if (plan->reads_keys_out) {      // B = P k: an attention forward with the keys as values
+    try {
+      slots[kKeysOut] = std::get<0>(fused_forward(q, k, k, scale, causal, kernels, false));
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
+    } catch (const c10::Error&) {
+      return std::nullopt;    // refused: Python's path logs it and takes the Triton forward
+    }
+  }
+  std::vector<std::vector<uint64_t>> values(plan->launches.size());
+  for (size_t i = 0; i < plan->launches.size(); ++i) {
+    if (!pack_arguments(plan->launches[i], slots, values[i])) return std::nullopt;
+  }
+  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+                     ->getStream(q.device())
+                     .native_handle();
+  std::vector<void*> pointers;
+  for (size_t i = 0; i < plan->launches.size(); ++i) {
+    const KernelLaunch& launch = plan->launches[i];
+    pointers.clear();
+    for (auto& cell : values[i]) pointers.push_back(&cell);
+    int status = cu_launch_kernel(reinterpret_cast<void*>(launch.function), launch.grid_x,
+                                  launch.grid_y, 1, launch.threads, 1, 1, launch.shared_bytes,
+                                  stream, pointers.data(), nullptr);
+    TORCH_CHECK(status == 0, "bob_compile: launching a Triton kernel of the BoB failed (CUDA "
+                "driver error ", status, ")");
+  }
+  return std::array<Tensor, 4>{in_order_of(slots[kGq], q), in_order_of(slots[kGk], k),
+                               in_order_of(slots[kGv], v), in_order_of(slots[kGdo], dout)};
+}
+
+// A plan from Python (native_node.py, register_bob_plan): per launch (function, grid_x,
+// grid_y, threads, shared bytes, [(kind, slot, dim, flag, wide, dtype, int, float), ...])
+void register_bob_plan(const Tensor& q, const Tensor& k, const Tensor& v,
+                       const std::optional<Tensor>& gdq, const std::optional<Tensor>& gdk,
+                       const std::optional<Tensor>& gdv, bool has_dq, double scale, bool causal,
+                       const std::vector<py::tuple>& launches) {
+  auto plan = std::make_shared<BobPlan>();
+  plan->reads_keys_out = false;
+  for (const py::tuple& l : launches) {
+    KernelLaunch launch;
+    launch.function = l[0].cast<uint64_t>();
+    launch.grid_x = l[1].cast<unsigned>();
+    launch.grid_y = l[2].cast<unsigned>();
+    launch.threads = l[3].cast<unsigned>();
+    launch.shared_bytes = l[4].cast<unsigned>();
+    for (const py::handle& item : l[5].cast<py::list>()) {
+      auto a = item.cast<py::tuple>();
+      Arg arg{a[0].cast<int64_t>(), a[1].cast<int64_t>(), a[2].cast<int64_t>(),
+              a[3].cast<int64_t>(), a[4].cast<int64_t>(), a[5].cast<int64_t>(),
+              a[6].cast<int64_t>(), a[7].cast<double>()};
+      TORCH_CHECK(arg.kind >= kPointer && arg.kind <= kFloat32, "bad argument kind");
+      bool uses_slot = arg.kind == kPointer || arg.kind == kStride || arg.kind == kStrideOne;
+      TORCH_CHECK(!uses_slot || (arg.slot >= 0 && arg.slot < kNumSlots), "bad slot");
+      TORCH_CHECK(!uses_slot || arg.kind == kPointer || (arg.dim >= 0 && arg.dim < 4),
+                  "bad dimension");
+      plan->reads_keys_out |= uses_slot && arg.slot == kKeysOut;
+      launch.args.push_back(arg);
+    }
+    plan->launches.push_back(std::move(launch));
+  }
+  auto key = plan_key(q, k, v, gdq.value_or(Tensor()), gdk.value_or(Tensor()),
+                      gdv.value_or(Tensor()), has_dq, scale, causal);
+  std::lock_guard<std::mutex> guard(plans_lock);
+  if (plans.size() >= kPlansLimit) plans.clear();
+  plans[key] = std::move(plan);
+}
+
+void forget_bob_plans() {
+  std::lock_guard<std::mutex> guard(plans_lock);
+  plans.clear();
+}
+
+size_t bob_plan_count() {
+  std::lock_guard<std::mutex> guard(plans_lock);
+  return plans.size();
+}
+
+void set_driver(uint64_t launch_kernel, uint64_t context_get_current) {
+  cu_launch_kernel = reinterpret_cast<LaunchKernelFn>(launch_kernel);
+  cu_ctx_get_current = reinterpret_cast<ContextFn>(context_get_current);
+}
+
+// ---------------------------------------------------------------------------- the nodes
+// o and lse of the forward, with their history: what a third order differentiates the BoB
+// through. Passed to NativeAttentionBackward::apply as one non-tensor argument, so that they
+// make no edges of that node (the folded BoB returns no cotangents for them).
+struct ForwardOutputs {
+  Tensor o, lse;
+};
+
+// The first backward of a folded second order (what AttnBwdFn is to the Python node, for o
+// and lse detached: autograd.py _first_backward): forward, PyTorch's fused backward; backward,
+// the folded BoB (from a plan, or by Python).
+struct NativeAttentionBackward : public torch::autograd::Function<NativeAttentionBackward> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& o, const Tensor& lse,
+                               const Tensor& dout, const ForwardOutputs& attached, double scale,
+                               bool causal, int64_t kernels) {
+    RECORD_FUNCTION("bob_compile::attn_bwd", std::vector<c10::IValue>());
+    auto [dq, dk, dv] = fused_backward(dout, q, k, v, o, lse, scale, causal, kernels);
+    ctx->save_for_backward({q, k, v, o, lse, dout, attached.o, attached.lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["kernels"] = kernels;
+    // dq, for the BoB's row pass to read R = dS k from (autograd.py _keep_dq): detached, so
+    // that the caller may still modify it in place; a changed version is not read
+    ctx->saved_data["dq"] = dq.detach();
+    ctx->saved_data["dq_version"] =
+        static_cast<int64_t>(torch::autograd::impl::version_counter(dq).current_version());
+    ctx->set_materialize_grads(false);      // None cotangents skip their GEMMs
+    return {dq, dk, dv};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor &gdq = grads[0], &gdk = grads[1], &gdv = grads[2];
+    variable_list result(10);
+    if (!gdq.defined() && !gdk.defined() && !gdv.defined()) return result;
+    auto saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    const Tensor &dout = saved[5];
+    double scale = ctx->saved_data["scale"].toDouble();
+    bool causal = ctx->saved_data["causal"].toBool();
+    int64_t kernels = ctx->saved_data["kernels"].toInt();
+    Tensor dq = ctx->saved_data["dq"].toTensor();
+    if (static_cast<int64_t>(torch::autograd::impl::version_counter(dq).current_version()) !=
+        ctx->saved_data["dq_version"].toInt()) {
+      dq = Tensor();
+    }
+    bool plain = !c10::GradMode::is_enabled() && plain_or_undefined(gdq, q) &&
+                 plain_or_undefined(gdk, k) && plain_or_undefined(gdv, v);
+    if (plain) {
+      RECORD_FUNCTION("bob_compile::attn_bob_folded", std::vector<c10::IValue>());
+      auto got = bob_from_plan(q, k, v, o, lse, dout, dq, gdq, gdk, gdv, scale, causal, kernels);
+      if (got) {
+        result[0] = (*got)[0], result[1] = (*got)[1], result[2] = (*got)[2];
+        result[5] = (*got)[3];
+        return result;
+      }
+    }
+    bool wants_plan = plain && cu_launch_kernel != nullptr && q.is_cuda();
+    call_python(bob_backward, "BoB backward", result, {0, 1, 2, 5}, q, k, v, o, lse, dout,
+                saved[6], saved[7], gdq, gdk, gdv, dq, scale,
+                causal, wants_plan);
+    return result;
+  }
+};
+
 struct NativeAttention : public torch::autograd::Function<NativeAttention> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, double scale, bool causal, int64_t kernels) {
+                               const Tensor& v, double scale, bool causal, int64_t kernels,
+                               bool fold) {
     RECORD_FUNCTION("bob_compile::attn_fwd", std::vector<c10::IValue>());
     auto [o, lse] = fused_forward(q, k, v, scale, causal, kernels, true);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["kernels"] = kernels;
+    ctx->saved_data["fold"] = fold;
     ctx->set_materialize_grads(false);      // dlse stays undefined in ordinary training
     return {o, lse};
   }
@@ -165,59 +486,59 @@ struct NativeAttention : public torch::autograd::Function<NativeAttention> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& dout = grads[0];
     const Tensor& dlse = grads[1];
-    if (!dout.defined() && !dlse.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(),
-                                                    Tensor(), Tensor()};
+    variable_list result(7);
+    if (!dout.defined() && !dlse.defined()) return result;
     auto saved = ctx->get_saved_variables();
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
     double scale = ctx->saved_data["scale"].toDouble();
     bool causal = ctx->saved_data["causal"].toBool();
     int64_t kernels = ctx->saved_data["kernels"].toInt();
     std::string refused;
-    if (dout.defined() && !dlse.defined() && !c10::GradMode::is_enabled() && !deterministic() &&
-        plain_like(dout, o)) {
+    if (dout.defined() && !dlse.defined() && !deterministic() && plain_like(dout, o)) {
       try {
-        RECORD_FUNCTION("bob_compile::attn_bwd", std::vector<c10::IValue>());
-        auto [dq, dk, dv] = fused_backward(dout, q, k, v, o, lse, scale, causal, kernels);
-        return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+        if (!c10::GradMode::is_enabled()) {
+          RECORD_FUNCTION("bob_compile::attn_bwd", std::vector<c10::IValue>());
+          auto [dq, dk, dv] = fused_backward(dout, q, k, v, o, lse, scale, causal, kernels);
+          result[0] = dq, result[1] = dk, result[2] = dv;
+          return result;
+        }
+        // create_graph: a second order follows; in the folded form o and lse enter the first
+        // backward detached (autograd.py _first_backward), outside torch.func transforms
+        // (which, while active, put their front-mode key in the thread's dispatch keys)
+        if (ctx->saved_data["fold"].toBool() &&
+            !c10::impl::tls_is_dispatch_key_included(
+                c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+          auto grads = NativeAttentionBackward::apply(q, k, v, o.detach(), lse.detach(), dout,
+                                                      ForwardOutputs{o, lse}, scale, causal,
+                                                      kernels);
+          result[0] = grads[0], result[1] = grads[1], result[2] = grads[2];
+          return result;
+        }
       } catch (const c10::OutOfMemoryError&) {
         throw;      // not a refusal: the general path would run out of memory too
       } catch (const c10::Error& e) {
         refused = e.what_without_backtrace();
       }
     }
-    TORCH_CHECK(general_backward != nullptr, "bob_compile native node: no general backward set");
-    py::gil_scoped_acquire gil;
-    try {
-      py::tuple got = (*general_backward)(q, k, v, o, lse, none_or(dout), none_or(dlse), scale,
-                                          causal, kernels,
-                                          refused.empty() ? py::object(py::none())
-                                                          : py::object(py::str(refused)));
-      variable_list result(6);
-      for (size_t i = 0; i < 3; ++i) {
-        if (!got[i].is_none()) result[i] = got[i].cast<Tensor>();
-      }
-      return result;
-    } catch (py::error_already_set& e) {
-      // rethrown as what the engine carries across threads with its Python type
-      e.restore();
-      python_error error;
-      error.persist();
-      throw error;
-    }
+    call_python(general_backward, "general backward", result, {0, 1, 2}, q, k, v, o, lse,
+                dout, dlse, scale, causal, kernels,
+                refused.empty() ? std::optional<std::string>() : std::optional(refused));
+    return result;
   }
 };
 
 // (o, lse) of the attention op through the node (or without one where no input requires
-// grad or grad mode is off: Function::apply decides).
+// grad or grad mode is off: Function::apply decides). fold: whether a second order takes the
+// folded form (kernels.fold_bob)
 std::tuple<Tensor, Tensor> attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     double scale, bool causal, int64_t kernels) {
-  auto out = NativeAttention::apply(q, k, v, scale, causal, kernels);
+                                     double scale, bool causal, int64_t kernels, bool fold) {
+  auto out = NativeAttention::apply(q, k, v, scale, causal, kernels, fold);
   return {out[0], out[1]};
 }
 
-void set_general_backward(py::object fn) {
-  delete general_backward;
-  general_backward = new py::object(std::move(fn));
+void set_python_function(py::object*& slot, py::object fn) {
+  delete slot;
+  slot = new py::object(std::move(fn));
 }
 
 }  // namespace
@@ -225,9 +546,24 @@ void set_general_backward(py::object fn) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "(o, lse) through the C++ autograd node");
   m.def("forward_output", &forward_output, "o of a call nothing differentiates");
-  m.def("set_general_backward", &set_general_backward,
-        "the Python function of the backwards the node does not run itself");
+  m.def("set_general_backward",
+        [](py::object fn) { set_python_function(general_backward, std::move(fn)); },
+        "the Python function of the first-order node's backwards it does not run itself");
+  m.def("set_bob_backward",
+        [](py::object fn) { set_python_function(bob_backward, std::move(fn)); },
+        "the Python function of the BoBs the first backward's node does not run itself");
+  m.def("set_driver", &set_driver, "the CUDA driver's cuLaunchKernel and cuCtxGetCurrent");
+  m.def("register_bob_plan", &register_bob_plan, "the launches of a folded BoB's signature");
+  m.def("forget_bob_plans", &forget_bob_plans, "drop every plan");
+  m.def("bob_plan_count", &bob_plan_count, "how many plans are kept");
+  m.def("scalar_type_code", [](const Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
+        "the number of a tensor's dtype in plans");
   m.attr("CUDNN") = static_cast<int64_t>(kCudnn);
   m.attr("FLASH") = static_cast<int64_t>(kFlash);
   m.attr("CPU_FLASH") = static_cast<int64_t>(kCpuFlash);
+  py::list slot_names;
+  for (auto name : kSlotNames) slot_names.append(name);
+  m.attr("SLOT_NAMES") = slot_names;
+  m.attr("ARG_KINDS") = py::make_tuple("pointer", "stride", "stride_one", "int32", "int64",
+                                       "float32");
 }
