@@ -26,6 +26,8 @@ Providers
   q, k, v, dO; or forward + grad), host overhead included: compare op_autograd_first_order
   with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K);
   op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_BOB_FORM=folded / chain;
+  op_autograd_sbar_split: op_autograd with BOB_COMPILE_SBAR_SPLIT=1 (gq's score-cotangent
+  GEMM in two half-precision parts; its accuracy: run with the variable set);
   op_autograd_calling_thread: op_autograd with its backwards on the calling thread;
   op_autograd_python_node / op_autograd_first_order_python_node: with BOB_COMPILE_CPP_NODE=off
   (the op's Python autograd node where PyTorch's fused kernels run the first order; the
@@ -211,6 +213,7 @@ def op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale, causal):
 PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
              "bob_compile_chain": bob_chain_step, "op_autograd": op_autograd,
              "op_autograd_folded": op_autograd, "op_autograd_chain": op_autograd,
+             "op_autograd_sbar_split": op_autograd,
              "op_autograd_calling_thread": op_autograd_calling_thread,
              "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order,
@@ -294,13 +297,22 @@ def stage_breakdown(step, inputs, scale, causal, reps):
     return {k: statistics.median(v) for k, v in stages.items()}
 
 
-def accuracy(B, H, n, d, causal, dtype):
+def accuracy(B, H, n, d, causal, dtype, sbar_split=False):
     """Relative L2 vs float64 of every output of the step (folded form; chain_* the chain
-    form's), and of first order."""
+    form's; split_* both with BOB_COMPILE_SBAR_SPLIT=1 where sbar_split), and of first
+    order."""
     scale = 1.0 / math.sqrt(d)
     q, k, v, do, gq, gk, gv = make_inputs(B, H, n, d, dtype, 1)[0]
     first, second = bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal)
     chain = bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal)[1]
+    split = ()
+    if sbar_split:
+        os.environ["BOB_COMPILE_SBAR_SPLIT"] = "1"
+        kernel_settings.reload()
+        split = (bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal)[1],
+                 bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal)[1])
+        os.environ.pop("BOB_COMPILE_SBAR_SPLIT")
+        kernel_settings.reload()
     params = AttentionParams(scale=scale, causal=causal)
     o, _ = tri.forward(q, k, v, params)
     x = [t.double() for t in (q, k, v, do, gq, gk, gv)]
@@ -314,6 +326,9 @@ def accuracy(B, H, n, d, causal, dtype):
                 gv=second[2], gdo=second[3])
     for name, t in zip(("gq", "gk", "gv", "gdo"), chain):
         exact["chain_" + name], ours["chain_" + name] = exact[name], t
+    for prefix, outputs in zip(("split_", "split_chain_"), split):
+        for name, t in zip(("gq", "gk", "gv", "gdo"), outputs):
+            exact[prefix + name], ours[prefix + name] = exact[name], t
     return {name: ((ours[name].double() - e).norm() / e.norm()).item()
             for name, e in exact.items()}
 
@@ -375,13 +390,16 @@ def main():
                 for prov in args.providers + [f"bob_compile_chain@{x}" for x in args.variants]:
                     variant = None
                     for key in ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ",
-                                "BOB_COMPILE_BOB_FORM", "BOB_COMPILE_CPP_NODE"):
+                                "BOB_COMPILE_BOB_FORM", "BOB_COMPILE_CPP_NODE",
+                                "BOB_COMPILE_SBAR_SPLIT"):
                         os.environ.pop(key, None)
                     for form in ("folded", "chain"):
                         if prov.split("@")[0].endswith("_" + form):
                             os.environ["BOB_COMPILE_BOB_FORM"] = form
                     if prov.endswith("_python_node"):
                         os.environ["BOB_COMPILE_CPP_NODE"] = "off"
+                    if prov.endswith("_sbar_split"):
+                        os.environ["BOB_COMPILE_SBAR_SPLIT"] = "1"
                     if "@" in prov:
                         variant = prov.split("@")[1].split(":")
                         os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = variant
@@ -431,7 +449,9 @@ def main():
         acc = {}
         for causal in causals:
             for d in args.d:
-                acc[f"d{d}_causal{int(causal)}"] = accuracy(1, 4, args.accuracy_n, d, causal, dtype)
+                acc[f"d{d}_causal{int(causal)}"] = accuracy(
+                    1, 4, args.accuracy_n, d, causal, dtype,
+                    sbar_split="op_autograd_sbar_split" in args.providers)
                 print("accuracy", d, causal, {k: f"{v:.2e}" for k, v in acc[f'd{d}_causal{int(causal)}'].items()})
         meta["accuracy_rel_l2_vs_float64"] = dict(n=args.accuracy_n, B=1, H=4, results=acc)
     try:

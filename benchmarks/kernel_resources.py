@@ -103,6 +103,8 @@ def main(argv=None):
                                    and d > attention.ACCUMULATE_B_MAX_HEAD_DIM)
             if "HAS_DLSE" in fn.arg_names:
                 consts["HAS_DLSE"] = False
+            if "SPLIT_SBAR" in fn.arg_names:
+                consts["SPLIT_SBAR"] = False
             if "ROW_ATOMICS" in fn.arg_names:
                 consts["ROW_ATOMICS"] = False
             if "DQ_ATOMICS" in fn.arg_names:

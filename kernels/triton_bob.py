@@ -41,6 +41,7 @@ from .triton_common import (LOG2E, apply_mask_tile, blocks, column_block_program
                             note_tensors, padded_dim, row_block_program, row_blocks_of_key_block,
                             row_bytes, row_loops_within_mask, store_tile, strides_of,
                             visibility_mask, wide_candidates)
+from . import settings
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
@@ -78,7 +79,7 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -123,7 +124,11 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                 cot_scores = f * delta
         sbar = p * cot_scores
         sbar_sum += tl.sum(sbar, 1)
-        gq += tl.dot(sbar.to(k.dtype), k, input_precision=DOT_PRECISION)
+        sbar_high = sbar.to(k.dtype)
+        gq += tl.dot(sbar_high, k, input_precision=DOT_PRECISION)
+        if SPLIT_SBAR:      # what the half-precision rounding dropped, as a second GEMM
+            sbar_low = (sbar - sbar_high.to(tl.float32)).to(k.dtype)
+            gq += tl.dot(sbar_low, k, input_precision=DOT_PRECISION)
     return gq, gdo, dg, sbar_sum, r_acc, b_acc
 
 
@@ -141,7 +146,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 MASK_KIND: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
-                HAS_B: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
@@ -188,14 +193,14 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
         structure, offs_m, offs_e,
         offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
         CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, ACCUMULATE_B,
-        ACCUMULATE_R, DOT_PRECISION)
+        ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION)
     gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
         gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
         gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
         structure, offs_m, offs_e,
         offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
-        ACCUMULATE_B, ACCUMULATE_R, DOT_PRECISION)
+        ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION)
 
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
@@ -528,12 +533,17 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              KEY_RANGE=key_range, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
              qk_scale_log2=scale * LOG2E, scale=scale)
 
+    # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_SBAR_SPLIT); its tuning
+    # key grows a flag only then, so that the keys of the single GEMM stay as they were
+    split = settings.current().sbar_split and q.dtype != torch.float32
+    row_flags = (*flag_key, int(has_dlse), int(has_dq), int(has_b)) + ((1,) if split else ())
+
     def run_rows():
         launch_rows(launch_plan(
-            "bob_rows", q, k, v, causal, (*flag_key, int(has_dlse), int(has_dq), int(has_b)),
+            "bob_rows", q, k, v, causal, row_flags,
             lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq),
-            lambda: dict(common(), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b), launch_rows,
-            pairs=L * S))
+            lambda: dict(common(), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
+                         SPLIT_SBAR=split), launch_rows, pairs=L * S))
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)

@@ -217,6 +217,34 @@ def test_folded_with_and_without_dq_on_one_shape():
             check(name, a, e.to(a.dtype), torch.float32)
 
 
+@in_interpreter
+@pytest.mark.parametrize("fold", [False, True])
+def test_split_score_cotangent(monkeypatch, fold):
+    """BOB_COMPILE_SBAR_SPLIT=1: gq's GEMM of the score cotangent in two half-precision
+    parts. Exact in fp16 like the single GEMM, and never less accurate for gq."""
+    q, k, v = make_inputs(1, 2, 1, 40, 40, 32, 32, torch.float16, strided=True)
+    params = AttentionParams(scale=32 ** -0.5, causal=True)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, cot = torch.randn_like(o), [torch.randn_like(t) for t in (q, k, v)]
+    if fold:
+        outs = lambda: triton_attention.bob_folded(q, k, v, o, lse, do, None, *cot, None, params)
+        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, None, *cot, None), params)
+        names = reference.BOB_FOLDED_OUTPUTS
+    else:
+        outs = lambda: triton_attention.bob(q, k, v, o, lse, do, None, *cot, params)
+        expected = reference.bob(*f64(q, k, v, o, lse, do, None, *cot), params)
+        names = reference.BOB_OUTPUTS
+    gq_error = {}
+    for split in ("0", "1"):
+        monkeypatch.setenv("BOB_COMPILE_SBAR_SPLIT", split)
+        settings.reload()
+        got = outs()
+        for name, a, e in zip(names, got, expected):
+            check(name, a, e.to(a.dtype), torch.float16)
+        gq_error[split] = rel_err(got[0], expected[0])
+    assert gq_error["1"] <= gq_error["0"] * 1.05
+
+
 def make_mask(kind, B, Hq, L, S):
     """A (B, Hq, L, S) mask view (broadcast over heads, stride 0) with an empty row and an
     HF-style finite fill."""
