@@ -24,6 +24,7 @@ through the blockwise path, as a smoke test of the script and a measure of the P
     python benchmarks/bench_host_overhead.py --native-backends     # + native per backend
     python benchmarks/bench_host_overhead.py --variants BOB_COMPILE_NATIVE_BACKEND=flash
     python benchmarks/bench_host_overhead.py --stub-kernels    # + Python layers only
+    python benchmarks/bench_host_overhead.py --phases          # + the step's phases, floors
 
 On CUDA a "floor" row times a `torch.autograd.Function` that calls PyTorch's cuDNN forward
 and backward and does nothing else: what any Python-level autograd node costs on this host
@@ -32,6 +33,12 @@ and backward and does nothing else: what any Python-level autograd node costs on
 `--stub-kernels` adds bob_compile rows whose kernels are replaced by functions that only
 allocate their outputs: what the Python layers (autograd Functions, op boundary, layout,
 kernel selection) cost without any kernel launch or cuDNN call.
+
+`--phases` times the op's second-order step by phase (the forward, the create_graph grad,
+the second grad; host time, no synchronize between them), with the backward on the engine's
+device thread and on the calling thread, beside floors of the autograd engine on this host:
+a grad of `x * 2`, and the second order of `x.exp()` and of a Python autograd.Function that
+only clones.
 """
 import argparse
 import contextlib
@@ -350,6 +357,71 @@ def cprofile_second_order(problem, device, steps, top):
 
 
 # --------------------------------------------------------------------------------------
+# Phases of the second-order step, and the autograd engine's floors
+# --------------------------------------------------------------------------------------
+class _Clone(torch.autograd.Function):
+    """x.clone() whose backward is itself: a Python node at every order, doing nothing."""
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return _Clone.apply(g)
+
+
+def phases(problem, device, steps, repeats):
+    """{name: median us per step}: the op's second-order step by phase, and the floors."""
+    q, k, v, do = problem.qg, problem.kg, problem.vg, problem.dog
+    cot = (problem.gq, problem.gk, problem.gv)
+    x = torch.randn(16, device=device, requires_grad=True)
+    x_cot = torch.randn(16, device=device, requires_grad=True)
+    floors = {
+        "grad of x * 2": lambda: torch.autograd.grad(x * 2, x, x_cot),
+        "second order of x.exp()": lambda: torch.autograd.grad(
+            torch.autograd.grad(x.exp(), x, x_cot, create_graph=True), (x, x_cot), x_cot),
+        "second order of a Python Function (clone)": lambda: torch.autograd.grad(
+            torch.autograd.grad(_Clone.apply(x), x, x_cot, create_graph=True), x_cot, x_cot),
+    }
+    results = {}
+    for thread, multithreading in (("device thread", True), ("calling thread", False)):
+        with torch.autograd.set_multithreading_enabled(multithreading):
+            runs = {name: [] for name in ("forward", "create_graph grad", "second grad")}
+            for _ in range(repeats):
+                total = dict.fromkeys(runs, 0.0)
+                for i in range(steps + 10):
+                    if i == 10:
+                        synchronize(device)
+                        total = dict.fromkeys(runs, 0.0)
+                    t0 = time.perf_counter()
+                    o = bob_compile.attention(q, k, v, is_causal=problem.causal)
+                    t1 = time.perf_counter()
+                    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+                    t2 = time.perf_counter()
+                    torch.autograd.grad(grads, (q, k, v, do), cot)
+                    t3 = time.perf_counter()
+                    total["forward"] += t1 - t0
+                    total["create_graph grad"] += t2 - t1
+                    total["second grad"] += t3 - t2
+                for name in runs:
+                    runs[name].append(total[name] / steps * 1e6)
+            for name, values in runs.items():
+                results[f"bob_compile step: {name} [{thread}]"] = statistics.median(values)
+            for name, fn in floors.items():
+                results[f"{name} [{thread}]"] = statistics.median(
+                    time_per_call(fn, device, steps, repeats, 10)[1])
+    print("\nSecond-order step by phase (host us per step, no synchronize between phases), "
+          "and floors of the autograd engine:")
+    for name, us in results.items():
+        print(f"  {name:68s} {us:8.1f} us")
+    return results
+
+
+# --------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -377,6 +449,9 @@ def main():
     ap.add_argument("--stub-kernels", action="store_true",
                     help="also bob_compile rows with every kernel replaced by the allocation "
                          "of its outputs (the Python layers' own cost)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the op's second-order step by phase, and the autograd "
+                         "engine's floors on this host (see above)")
     ap.add_argument("--profile", action="store_true",
                     help="print the top host-time entries (torch.profiler, CPU self time) of "
                          "the second-order step")
@@ -414,6 +489,7 @@ def main():
 
     rows = run_rows(problem, args, device)
     print_table(rows)
+    step_phases = phases(problem, device, args.calls, args.repeats) if args.phases else None
 
     meta = dict(device=name, torch=torch.__version__, dtype=str(dtype), B=args.batch,
                 H=args.heads, N=args.n, d=args.d, causal=args.causal, calls=args.calls,
@@ -431,7 +507,7 @@ def main():
         args.out, f"bench_host_overhead{args.tag}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, phases_us=step_phases), f, indent=1)
     print(f"\nwrote {path}")
 
     if args.profile:
