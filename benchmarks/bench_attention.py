@@ -297,6 +297,17 @@ def stage_breakdown(step, inputs, scale, causal, reps):
     return {k: statistics.median(v) for k, v in stages.items()}
 
 
+PROVIDER_SETTINGS = ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ", "BOB_COMPILE_BOB_FORM",
+                     "BOB_COMPILE_CPP_NODE", "BOB_COMPILE_SBAR_SPLIT")
+
+
+def clear_provider_settings():
+    """The environment without the variables a provider sets (then the settings re-read)."""
+    for key in PROVIDER_SETTINGS:
+        os.environ.pop(key, None)
+    kernel_settings.reload()
+
+
 def accuracy(B, H, n, d, causal, dtype, sbar_split=False):
     """Relative L2 vs float64 of every output of the step (folded form; chain_* the chain
     form's; split_* both with BOB_COMPILE_SBAR_SPLIT=1 where sbar_split), and of first
@@ -389,10 +400,7 @@ def main():
                 pairs = B * H * visible_pairs(n, causal)
                 for prov in args.providers + [f"bob_compile_chain@{x}" for x in args.variants]:
                     variant = None
-                    for key in ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ",
-                                "BOB_COMPILE_BOB_FORM", "BOB_COMPILE_CPP_NODE",
-                                "BOB_COMPILE_SBAR_SPLIT"):
-                        os.environ.pop(key, None)
+                    clear_provider_settings()
                     for form in ("folded", "chain"):
                         if prov.split("@")[0].endswith("_" + form):
                             os.environ["BOB_COMPILE_BOB_FORM"] = form
@@ -445,6 +453,7 @@ def main():
                 with open(json_path, "w") as f:
                     json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
+    clear_provider_settings()       # the last provider's settings must not reach the rest
     if args.accuracy_n:
         acc = {}
         for causal in causals:
