@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from . import native_node
 from .autograd import attention_output
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -162,6 +163,14 @@ def attention(query, key, value, attn_mask=None, *, is_causal=False, scale=None,
     Differentiable to any order, by autograd and torch.func; first and second order run
     fused kernels (Triton on CUDA, a memory-efficient blockwise path elsewhere).
     """
+    # the C++ node's entry: for a plain eager call of a signature seen before, whose first
+    # order PyTorch's fused kernels run, what the lines below would run, without their
+    # Python; None for anything else (bob_compile/native_node.py)
+    fast = native_node.fast_entry
+    if fast is not None:
+        o = fast(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        if o is not None:
+            return o
     _check_inputs(query, key, value, enable_gqa)
     if not isinstance(is_causal, bool):
         raise TypeError(f"bob_compile.attention: is_causal must be a bool, got {type(is_causal).__name__}")

@@ -39,6 +39,8 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "nati
 KERNEL_NAMES = ("cudnn", "flash", "cpu_flash")    # the node's kernel numbers (CUDNN, ...)
 
 _extension = None           # the built module, once ready
+# module.fast_attention, which bob_compile.attention calls first (None: not built, or off)
+fast_entry = None
 _build_started = False
 _lock = threading.Lock()
 _ready = threading.Event()
@@ -67,8 +69,10 @@ def _build():
         from .autograd import native_bob_backward, native_node_backward
         module.set_general_backward(native_node_backward)
         module.set_bob_backward(native_bob_backward)
+        module.set_kernel_choices(kernel_settings.kernel_choices_variable())
         _connect_driver(module)
         _extension = module
+        _install_entry(kernel_settings.current())
         log.info("bob_compile: C++ autograd node ready in %.1f s (%s)",
                  time.perf_counter() - start, directory)
     except Exception as e:      # no compiler, no ninja, no headers, a failed compile
@@ -94,12 +98,26 @@ def _connect_driver(module):
                  "launches from Python", e)
 
 
+def _install_entry(settings):
+    global fast_entry
+    fast_entry = None if _extension is None or settings.cpp_node == "off" \
+        else _extension.fast_attention
+
+
 @kernel_settings.on_reload
-def _forget_plans(_settings):
+def _forget_plans(settings):
     """Plans hold launch configs chosen under the previous settings (kernel choices,
-    tuning, fast launches): made again under the new ones."""
+    tuning, fast launches), routes the kernels chosen: made again under the new ones."""
     if _extension is not None:
         _extension.forget_bob_plans()
+        _extension.forget_routes()
+    _install_entry(settings)
+
+
+@triton_attention.on_native_refused
+def _forget_routes():
+    if _extension is not None:
+        _extension.forget_routes()
 
 
 def extension(wait=None):
@@ -134,20 +152,24 @@ def attention_output(q, k, v, scale, causal, needs_graph):
     if _forward_ad._current_level >= 0 or _profiling() or kernel_settings.overridden() is not None:
         return None
     path = _call_path(kernels.select, q, k, v, None, scale, causal)
-    if path is None or path.native is None:
-        return None
     module = _extension
+    if path is None or path.native is None:
+        if module is not None:      # the C++ entry leaves this signature to Python
+            module.remember_route(q, k, v, scale, causal, -1, False)
+        return None
     if module is None:
         module = extension()
         if module is None:
             return None
     elif kernel_settings.current().cpp_node == "off":
         return None
+    kernel, fold = KERNEL_NAMES.index(path.native), kernels.fold_bob(q, k, v)
+    # from the next call of this signature on, the C++ entry runs what follows (fast_entry)
+    module.remember_route(q, k, v, scale, causal, kernel, fold)
     try:
         if not needs_graph:
-            return module.forward_output(q, k, v, scale, causal, KERNEL_NAMES.index(path.native))
-        return module.attention(q, k, v, scale, causal, KERNEL_NAMES.index(path.native),
-                                kernels.fold_bob(q, k, v))[0]
+            return module.forward_output(q, k, v, scale, causal, kernel)
+        return module.attention(q, k, v, scale, causal, kernel, fold)[0]
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError) as e:

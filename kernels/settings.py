@@ -158,6 +158,12 @@ def current() -> Settings:
 _applied = {}   # choices -> (environment settings, those settings with the choices applied)
 
 
+def kernel_choices_variable():
+    """The contextvar holding the kernel choices in force (for the C++ node's entry, which
+    reads it directly: bob_compile/native_node.py)."""
+    return _choices
+
+
 def overridden():
     """The kernel choices in force (KernelChoices), or None: what an autograd node saves
     at forward time so that its backward, run later on the autograd engine's thread,

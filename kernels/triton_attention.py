@@ -199,11 +199,23 @@ def _try_native(backend, fn, q, k, v, *rest):
         return None
 
 
+_refusal_listeners = []
+
+
+def on_native_refused(listener):
+    """Call listener() whenever a configuration is marked refused (what was decided from the
+    call paths, elsewhere, must be decided again)."""
+    _refusal_listeners.append(listener)
+    return listener
+
+
 def native_refused(backend, q, v, causal, error):
     """PyTorch's fused kernel (backend) refused these inputs with `error`: their
     configuration (dtype, head dims, causal) runs the Triton kernels from now on."""
     _native_failed.add(_native_key(backend, q, v, causal))
     _call_paths.clear()
+    for listener in _refusal_listeners:
+        listener()
     log.warning("PyTorch fused attention (%s) failed for %s, head dims %d/%d, causal=%s (%s); "
                 "using the Triton kernels for that configuration", backend, q.dtype,
                 q.shape[3], v.shape[3], causal, error)

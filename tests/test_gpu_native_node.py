@@ -134,3 +134,31 @@ def test_plans_are_forgotten_on_reload(cpp_node, reread_settings):
     assert cpp_node.bob_plan_count() >= 1
     settings.reload()
     assert cpp_node.bob_plan_count() == 0
+
+
+def test_repeated_calls_take_the_cpp_entry(cpp_node, monkeypatch):
+    """From its second call on, a signature's calls run from the C++ entry: the same kernels
+    as attention()'s Python lines, so the same bits; with and without grad."""
+    import sys
+    from bob_compile import native_node
+    module = sys.modules["bob_compile.attention"]
+    calls = []
+    real = module.attention_output
+    monkeypatch.setattr(module, "attention_output", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = randn_like_views(g, *[(2, 4, 130, 64)] * 4, dtype=torch.bfloat16)
+    q.requires_grad_()
+    cpp_node.forget_routes()
+    first = bob_compile.attention(q, k, v, is_causal=True)
+    again = bob_compile.attention(q, k, v, is_causal=True)
+    with torch.no_grad():
+        without_grad = bob_compile.attention(q, k, v, is_causal=True)
+    assert len(calls) == 1 and type(again.grad_fn).__name__ == "CppFunction"
+    monkeypatch.setattr(native_node, "fast_entry", None)
+    python = bob_compile.attention(q, k, v, is_causal=True)
+    assert len(calls) == 2
+    for a in (again, without_grad, python):
+        assert a.stride() == first.stride()
+        torch.testing.assert_close(a, first, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(again, q, do)[0],
+                               torch.autograd.grad(python, q, do)[0])

@@ -7,6 +7,7 @@ and lse cotangents it hands to the op's Python path. The CUDA kernels: test_gpu_
 """
 import gc
 import logging
+import sys
 import types
 import weakref
 
@@ -239,9 +240,13 @@ def test_saved_tensors_die_with_the_backward(cpp_node):
 @pytest.fixture
 def cpu_kernels_as_native(cpp_node, monkeypatch):
     """Let bob_compile.attention take the node on the CPU, as it does on CUDA where
-    PyTorch's fused kernels compute the call."""
+    PyTorch's fused kernels compute the call (routes remembered meanwhile are dropped
+    after)."""
     monkeypatch.setattr(native_node, "_call_path",
                         lambda *args: types.SimpleNamespace(native="cpu_flash"))
+    cpp_node.forget_routes()
+    yield
+    cpp_node.forget_routes()
 
 
 def _is_cpp_node(t):
@@ -269,6 +274,7 @@ def test_attention_without_grad_takes_the_forward_alone(cpp_node, cpu_kernels_as
         o = bob_compile.attention(q, k, v)
     assert ran == [1] and o.grad_fn is None
     close((o,), (want,))
+    cpp_node.forget_routes()    # (else the C++ entry, which calls the C++ function itself)
     o = bob_compile.attention(q.detach(), k.detach(), v.detach())      # nothing requires grad
     assert ran == [1, 1] and o.grad_fn is None
     close((o,), (want,))
@@ -418,3 +424,96 @@ def test_plans_of_recorded_launches(cpp_node):
     assert plan(dict(DO=do)) is None                       # o is no named tensor
     assert plan(dict(DO=do, O=o), (None, True)) is None    # not a direct launch
     assert plan(dict(DO=do, O=o), (direct, False)) is None  # a provisional launch config
+
+
+# ----------------------------------------------------------------------------- the C++ entry
+@pytest.fixture
+def python_calls(cpu_kernels_as_native, monkeypatch):
+    """How many bob_compile.attention calls ran their Python lines (not the C++ entry)."""
+    module = sys.modules["bob_compile.attention"]
+    calls = []
+    real = module.attention_output
+    monkeypatch.setattr(module, "attention_output", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_repeated_calls_take_the_cpp_entry(python_calls):
+    q, k, v = inputs(2, 2, 9, 9, 8, "blhd")
+    for grad in (True, False, True):
+        with torch.set_grad_enabled(grad):
+            o = bob_compile.attention(q, k, v, is_causal=True)
+        assert _is_cpp_node(o) == grad
+        want = math_attention(q, k, v, 8 ** -0.5, True)[0]
+        close((o,), (want,))
+        assert same_layout(o, q)
+    assert len(python_calls) == 1           # the first call decides the route
+    do = torch.randn_like(o)
+    close(torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(want, (q, k, v), do))
+    bob_compile.attention(q, k, v, is_causal=True, scale=0.25)     # another signature
+    bob_compile.attention(q, k, v, is_causal=True, scale=0.25)
+    assert len(python_calls) == 2
+
+
+def test_the_cpp_entry_declines_what_python_must_see(python_calls):
+    """Each of these calls runs attention()'s Python lines (the same results as there)."""
+    import numpy
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    q, k, v = inputs(1, 2, 6, 6, 8)
+    want = math_attention(q, k, v, 8 ** -0.5, False)[0]
+    bob_compile.attention(q, k, v)
+    assert len(python_calls) == 1
+
+    class Subclass(torch.Tensor):
+        pass
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class FunctionPassThrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def check(o, reason):
+        before = len(python_calls)
+        close((o if isinstance(o, torch.Tensor) else o(),), (want,))
+        assert len(python_calls) == before + 1, reason
+    check(lambda: bob_compile.attention(q, k, v, scale=numpy.float64(8 ** -0.5)), "numpy scale")
+    check(lambda: bob_compile.attention(q, k, v, scale=torch.tensor(8 ** -0.5, dtype=torch.float64)), "tensor scale")
+    check(lambda: bob_compile.attention(q, k, v, attn_mask=torch.ones(6, 6, dtype=torch.bool)),
+          "mask")
+    check(lambda: bob_compile.attention(q.as_subclass(Subclass), k, v), "subclass")
+    with torch.profiler.profile():
+        check(lambda: bob_compile.attention(q, k, v), "profiler")
+    with PassThrough():
+        check(lambda: bob_compile.attention(q, k, v), "dispatch mode")
+    with FunctionPassThrough():
+        check(lambda: bob_compile.attention(q, k, v), "torch function mode")
+    with settings.using(settings.KernelChoices.of(bob_form="chain")):
+        check(lambda: bob_compile.attention(q, k, v), "kernel choices")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=True):
+        before = len(python_calls)
+        bob_compile.attention(q, k, v)
+        assert len(python_calls) == before + 1, "autocast"
+    with torch.inference_mode():
+        check(lambda: bob_compile.attention(q.detach(), k.detach(), v.detach()), "inference")
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.randn_like(q))
+        check(lambda: bob_compile.attention(dual, k, v), "forward-mode tangent")
+    before = len(python_calls)
+    got = torch.func.grad(lambda x: bob_compile.attention(x, k, v).sum())(q)
+    close((got,), torch.autograd.grad(want.sum(), q))
+    assert len(python_calls) > before, "torch.func"
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        bob_compile.attention(q, k, v, is_causal=1)
+    kv_heads = inputs(1, 1, 6, 6, 8)[1]
+    with pytest.raises(RuntimeError, match="do not broadcast|heads"):
+        bob_compile.attention(q, kv_heads.expand(1, 3, 6, 8), kv_heads.expand(1, 3, 6, 8))
+
+
+def test_no_cpp_entry_when_off(cpu_kernels_as_native, reread_settings, monkeypatch):
+    assert native_node.fast_entry is not None
+    monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
+    settings.reload()
+    assert native_node.fast_entry is None

@@ -26,13 +26,20 @@
 // when the kernels were compiled. Anything else (no plan yet, a third order, a tensor
 // subclass, a changed specialization) calls the Python function set by set_bob_backward.
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
 
 #include <algorithm>
 #include <climits>
@@ -536,6 +543,134 @@ std::tuple<Tensor, Tensor> attention(const Tensor& q, const Tensor& k, const Ten
   return {out[0], out[1]};
 }
 
+// ---------------------------------------------------------------------------- the entry
+// bob_compile.attention's first lines (attention.py): for a call whose route Python has
+// decided before (remember_route), o from here, or None where Python must run the call
+// (anything but 4-D plain tensors without a mask and a float or default scale; a torch.func
+// transform, dispatch or torch-function mode, JIT trace, the profiler, autocast, a compiled
+// graph's kernel choices, a forward-mode tangent; an unknown signature; a kernel's refusal).
+// What Python would run for such a call is exactly this: the C++ node, or forward_output.
+struct Route {
+  int64_t kernels;    // -1: not the node's (Python runs the call)
+  bool fold;
+};
+std::mutex routes_lock;
+std::map<std::vector<int64_t>, Route> routes;
+constexpr size_t kRoutesLimit = 4096;
+PyObject* kernel_choices = nullptr;   // kernels/settings.py's contextvar of kernel choices
+
+std::vector<int64_t> route_key(const Tensor& q, const Tensor& k, const Tensor& v,
+                               double scale, bool causal) {
+  int64_t scale_bits;
+  std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
+  return {static_cast<int64_t>(q.device().type()), q.device().index(),
+          static_cast<int64_t>(q.scalar_type()), q.size(0), q.size(1), q.size(2), q.size(3),
+          k.size(1), k.size(2), v.size(3), causal, scale_bits};
+}
+
+void remember_route(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                    bool causal, int64_t kernels, bool fold) {
+  std::lock_guard<std::mutex> guard(routes_lock);
+  if (routes.size() >= kRoutesLimit) routes.clear();
+  routes[route_key(q, k, v, scale, causal)] = Route{kernels, fold};
+}
+
+void forget_routes() {
+  std::lock_guard<std::mutex> guard(routes_lock);
+  routes.clear();
+}
+
+// A tensor whose dispatch keys are those of a fresh dense tensor of its device type (not a
+// subclass's, functorch wrapper's, batched, conjugate or negative view's, nor an inference
+// tensor's); the fresh tensors' keys are read once, outside inference mode
+bool plain_tensor(const Tensor& t) {
+  static std::once_flag cpu_once, cuda_once;
+  static c10::DispatchKeySet cpu_keys, cuda_keys;
+  if (c10::InferenceMode::is_enabled()) return false;
+  bool cuda = t.is_cuda();
+  std::call_once(cuda ? cuda_once : cpu_once, [&] {
+    (cuda ? cuda_keys : cpu_keys) = at::empty({0}, t.options()).key_set();
+  });
+  return t.key_set() == (cuda ? cuda_keys : cpu_keys);
+}
+
+bool nothing_intercepts(const Tensor& q) {
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+      c10::impl::TorchDispatchModeTLS::stack_len() != 0 || at::impl::torch_function_mode_enabled() ||
+      torch::jit::tracer::isTracing() || torch::profiler::impl::profilerEnabled() ||
+      at::autocast::is_autocast_enabled(q.device().type())) {
+    return false;
+  }
+  if (kernel_choices != nullptr) {
+    PyObject* choices = nullptr;
+    if (PyContextVar_Get(kernel_choices, Py_None, &choices) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    bool none = choices == Py_None;
+    Py_XDECREF(choices);
+    if (!none) return false;
+  }
+  return true;
+}
+
+py::object fast_attention(py::handle query, py::handle key, py::handle value, py::handle mask,
+                          py::handle is_causal, py::handle scale_arg, py::handle enable_gqa) {
+  py::object none = py::none();
+  if (!mask.is_none() || !PyBool_Check(is_causal.ptr()) || !PyBool_Check(enable_gqa.ptr()) ||
+      !(scale_arg.is_none() || PyFloat_CheckExact(scale_arg.ptr())) ||
+      !THPVariable_CheckExact(query.ptr()) || !THPVariable_CheckExact(key.ptr()) ||
+      !THPVariable_CheckExact(value.ptr())) {
+    return none;
+  }
+  const Tensor& q = THPVariable_Unpack(query.ptr());
+  const Tensor& k = THPVariable_Unpack(key.ptr());
+  const Tensor& v = THPVariable_Unpack(value.ptr());
+  bool causal = is_causal.ptr() == Py_True;
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || k.scalar_type() != q.scalar_type() ||
+      v.scalar_type() != q.scalar_type() || k.device() != q.device() ||
+      v.device() != q.device() || !plain_tensor(q) || !plain_tensor(k) || !plain_tensor(v) ||
+      q._fw_grad(0).defined() || k._fw_grad(0).defined() || v._fw_grad(0).defined()) {
+    return none;
+  }
+  // the shapes attention.py accepts without broadcasting (GQA only where asked for)
+  bool gqa = enable_gqa.ptr() == Py_True;
+  if (k.size(0) != q.size(0) || v.size(0) != q.size(0) || k.size(1) != v.size(1) ||
+      k.size(2) != v.size(2) || k.size(3) != q.size(3) || k.size(1) == 0 ||
+      (gqa ? q.size(1) % k.size(1) != 0 : k.size(1) != q.size(1)) ||
+      q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1 || !nothing_intercepts(q)) {
+    return none;
+  }
+  double scale = scale_arg.is_none() ? 1.0 / std::sqrt(static_cast<double>(q.size(3)))
+                                     : PyFloat_AS_DOUBLE(scale_arg.ptr());
+  Route route;
+  {
+    std::lock_guard<std::mutex> guard(routes_lock);
+    auto found = routes.find(route_key(q, k, v, scale, causal));
+    if (found == routes.end()) return none;
+    route = found->second;
+  }
+  if (route.kernels < 0 || (route.kernels == kCpuFlash) == q.is_cuda()) return none;
+  bool needs_graph = c10::GradMode::is_enabled() &&
+                     (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  Tensor o;
+  try {
+    o = needs_graph
+            ? NativeAttention::apply(q, k, v, scale, causal, route.kernels, route.fold)[0]
+            : forward_output(q, k, v, scale, causal, route.kernels);
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error&) {
+    return none;    // a refusal: Python's path runs the call again, logs and marks it
+  }
+  return py::cast(o);
+}
+
+void set_kernel_choices(py::object contextvar) {
+  Py_XDECREF(kernel_choices);
+  kernel_choices = contextvar.release().ptr();    // kept until the interpreter exits
+}
+
 void set_python_function(py::object*& slot, py::object fn) {
   delete slot;
   slot = new py::object(std::move(fn));
@@ -553,6 +688,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](py::object fn) { set_python_function(bob_backward, std::move(fn)); },
         "the Python function of the BoBs the first backward's node does not run itself");
   m.def("set_driver", &set_driver, "the CUDA driver's cuLaunchKernel and cuCtxGetCurrent");
+  m.def("fast_attention", &fast_attention,
+        "o of bob_compile.attention's call where its route is known, else None");
+  m.def("remember_route", &remember_route, "the route Python decided for a call signature");
+  m.def("forget_routes", &forget_routes, "drop every remembered route");
+  m.def("set_kernel_choices", &set_kernel_choices, "the contextvar of kernel choices");
   m.def("register_bob_plan", &register_bob_plan, "the launches of a folded BoB's signature");
   m.def("forget_bob_plans", &forget_bob_plans, "drop every plan");
   m.def("bob_plan_count", &bob_plan_count, "how many plans are kept");
