@@ -627,10 +627,12 @@ py::object fast_attention(py::handle query, py::handle key, py::handle value, py
   const Tensor& k = THPVariable_Unpack(key.ptr());
   const Tensor& v = THPVariable_Unpack(value.ptr());
   bool causal = is_causal.ptr() == Py_True;
-  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || k.scalar_type() != q.scalar_type() ||
-      v.scalar_type() != q.scalar_type() || k.device() != q.device() ||
-      v.device() != q.device() || !plain_tensor(q) || !plain_tensor(k) || !plain_tensor(v) ||
-      q._fw_grad(0).defined() || k._fw_grad(0).defined() || v._fw_grad(0).defined()) {
+  // first what intercepts ops (plain_tensor's first call makes a tensor, which no mode may see)
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || !nothing_intercepts(q) ||
+      k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type() ||
+      k.device() != q.device() || v.device() != q.device() || !plain_tensor(q) ||
+      !plain_tensor(k) || !plain_tensor(v) || q._fw_grad(0).defined() ||
+      k._fw_grad(0).defined() || v._fw_grad(0).defined()) {
     return none;
   }
   // the shapes attention.py accepts without broadcasting (GQA only where asked for)
@@ -638,7 +640,7 @@ py::object fast_attention(py::handle query, py::handle key, py::handle value, py
   if (k.size(0) != q.size(0) || v.size(0) != q.size(0) || k.size(1) != v.size(1) ||
       k.size(2) != v.size(2) || k.size(3) != q.size(3) || k.size(1) == 0 ||
       (gqa ? q.size(1) % k.size(1) != 0 : k.size(1) != q.size(1)) ||
-      q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1 || !nothing_intercepts(q)) {
+      q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) {
     return none;
   }
   double scale = scale_arg.is_none() ? 1.0 / std::sqrt(static_cast<double>(q.size(3)))
