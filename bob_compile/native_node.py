@@ -69,7 +69,7 @@ def _build():
         from .autograd import native_bob_backward, native_node_backward
         module.set_general_backward(native_node_backward)
         module.set_bob_backward(native_bob_backward)
-        module.set_kernel_choices(kernel_settings.kernel_choices_variable())
+        module.set_python_state(kernel_settings.kernel_choices_variable(), _forward_ad)
         _connect_driver(module)
         _extension = module
         _install_entry(kernel_settings.current())

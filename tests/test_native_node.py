@@ -501,6 +501,7 @@ def test_the_cpp_entry_declines_what_python_must_see(python_calls):
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(q, torch.randn_like(q))
         check(lambda: bob_compile.attention(dual, k, v), "forward-mode tangent")
+        check(lambda: bob_compile.attention(q, k, v), "a dual level open")
     before = len(python_calls)
     got = torch.func.grad(lambda x: bob_compile.attention(x, k, v).sum())(q)
     close((got,), torch.autograd.grad(want.sum(), q))

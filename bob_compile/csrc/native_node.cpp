@@ -548,7 +548,8 @@ std::tuple<Tensor, Tensor> attention(const Tensor& q, const Tensor& k, const Ten
 // decided before (remember_route), o from here, or None where Python must run the call
 // (anything but 4-D plain tensors without a mask and a float or default scale; a torch.func
 // transform, dispatch or torch-function mode, JIT trace, the profiler, autocast, a compiled
-// graph's kernel choices, a forward-mode tangent; an unknown signature; a kernel's refusal).
+// graph's kernel choices, a forward-AD level or tangent; an unknown signature; a kernel's
+// refusal).
 // What Python would run for such a call is exactly this: the C++ node, or forward_output.
 struct Route {
   int64_t kernels;    // -1: not the node's (Python runs the call)
@@ -558,6 +559,8 @@ std::mutex routes_lock;
 std::map<std::vector<int64_t>, Route> routes;
 constexpr size_t kRoutesLimit = 4096;
 PyObject* kernel_choices = nullptr;   // kernels/settings.py's contextvar of kernel choices
+PyObject* forward_ad = nullptr;       // torch.autograd.forward_ad (its _current_level)
+PyObject* current_level = nullptr;    // the interned name "_current_level"
 
 std::vector<int64_t> route_key(const Tensor& q, const Tensor& k, const Tensor& v,
                                double scale, bool causal) {
@@ -600,6 +603,16 @@ bool nothing_intercepts(const Tensor& q) {
       torch::jit::tracer::isTracing() || torch::profiler::impl::profilerEnabled() ||
       at::autocast::is_autocast_enabled(q.device().type())) {
     return false;
+  }
+  if (forward_ad != nullptr) {          // a dual level open: Python's AttnFn (with its jvp)
+    PyObject* level = PyObject_GetAttr(forward_ad, current_level);
+    long value = level != nullptr ? PyLong_AsLong(level) : 0;
+    Py_XDECREF(level);
+    if (level == nullptr || (value == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    if (value >= 0) return false;
   }
   if (kernel_choices != nullptr) {
     PyObject* choices = nullptr;
@@ -668,9 +681,13 @@ py::object fast_attention(py::handle query, py::handle key, py::handle value, py
   return py::cast(o);
 }
 
-void set_kernel_choices(py::object contextvar) {
+// What the entry reads of Python's state (kept until the interpreter exits)
+void set_python_state(py::object choices_contextvar, py::object forward_ad_module) {
   Py_XDECREF(kernel_choices);
-  kernel_choices = contextvar.release().ptr();    // kept until the interpreter exits
+  Py_XDECREF(forward_ad);
+  kernel_choices = choices_contextvar.release().ptr();
+  forward_ad = forward_ad_module.release().ptr();
+  if (current_level == nullptr) current_level = PyUnicode_InternFromString("_current_level");
 }
 
 void set_python_function(py::object*& slot, py::object fn) {
@@ -694,7 +711,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "o of bob_compile.attention's call where its route is known, else None");
   m.def("remember_route", &remember_route, "the route Python decided for a call signature");
   m.def("forget_routes", &forget_routes, "drop every remembered route");
-  m.def("set_kernel_choices", &set_kernel_choices, "the contextvar of kernel choices");
+  m.def("set_python_state", &set_python_state,
+        "the contextvar of kernel choices, and torch.autograd.forward_ad");
   m.def("register_bob_plan", &register_bob_plan, "the launches of a folded BoB's signature");
   m.def("forget_bob_plans", &forget_bob_plans, "drop every plan");
   m.def("bob_plan_count", &bob_plan_count, "how many plans are kept");
