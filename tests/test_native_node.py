@@ -513,6 +513,17 @@ def test_the_cpp_entry_declines_what_python_must_see(python_calls):
         bob_compile.attention(q, kv_heads.expand(1, 3, 6, 8), kv_heads.expand(1, 3, 6, 8))
 
 
+def test_calls_of_other_ranks_are_left_to_python(cpp_node):
+    """The entry and its routes take 4-D inputs only; 3-D and 2-D calls (reshaped by ops.py)
+    run the Python lines every time, with the same results as math attention."""
+    for shape in ((3, 7, 8), (7, 8)):
+        q, k, v = (torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        for _ in range(2):
+            o = bob_compile.attention(q, k, v, is_causal=True)
+            close((o,), (math_attention(q, k, v, 8 ** -0.5, True)[0],))
+
+
 def test_no_cpp_entry_when_off(cpu_kernels_as_native, reread_settings, monkeypatch):
     assert native_node.fast_entry is not None
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")

@@ -573,6 +573,7 @@ std::vector<int64_t> route_key(const Tensor& q, const Tensor& k, const Tensor& v
 
 void remember_route(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
                     bool causal, int64_t kernels, bool fold) {
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return;     // the entry takes 4-D only
   std::lock_guard<std::mutex> guard(routes_lock);
   if (routes.size() >= kRoutesLimit) routes.clear();
   routes[route_key(q, k, v, scale, causal)] = Route{kernels, fold};
