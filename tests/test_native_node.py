@@ -20,17 +20,19 @@ from bob_compile.autograd import native_bob_backward, native_node_backward
 from bob_compile.kernels import settings
 
 
+def counted(set_callback, callback):
+    """Sets a counting wrapper of callback (one of the nodes' Python backwards) with
+    set_callback; yields the list of the arguments of its calls, then restores callback."""
+    calls = []
+    set_callback(lambda *args: calls.append(args) or callback(*args))
+    yield calls
+    set_callback(callback)
+
+
 @pytest.fixture
 def general_calls(cpp_node):
-    """How often the node's backward called the Python path (list of dO-is-None flags)."""
-    calls = []
-
-    def counting(*args):
-        calls.append(args)
-        return native_node_backward(*args)
-    cpp_node.set_general_backward(counting)
-    yield calls
-    cpp_node.set_general_backward(native_node_backward)
+    """The arguments of every call of the first-order node's Python backward."""
+    yield from counted(cpp_node.set_general_backward, native_node_backward)
 
 
 def math_attention(q, k, v, scale, causal):
@@ -81,14 +83,7 @@ def test_first_order_runs_in_cpp(cpp_node, general_calls, shape, layout):
 @pytest.fixture
 def bob_calls(cpp_node):
     """The arguments of every call of the second node's Python backward (the BoB)."""
-    calls = []
-
-    def counting(*args):
-        calls.append(args)
-        return native_bob_backward(*args)
-    cpp_node.set_bob_backward(counting)
-    yield calls
-    cpp_node.set_bob_backward(native_bob_backward)
+    yield from counted(cpp_node.set_bob_backward, native_bob_backward)
 
 
 @pytest.mark.parametrize("bob_form", ["chain", "folded"])
