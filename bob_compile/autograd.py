@@ -199,19 +199,17 @@ def native_bob_backward(q, k, v, o, lse, do, o_attached, lse_attached, gdq, gdk,
     launches yet and could replay one (native_node.bob_folded_with_plan)."""
     if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
         o, lse = o_attached, lse_attached
-    outs = None
+    path = None
     if not torch.is_grad_enabled() and not _profiling() and _plain_eager((gdq, gdk, gdv)):
         path = ops.call_path(kernels.select, q, k, v, None, scale, causal)
-        if path is not None and wants_plan:
-            outs = native_node.bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv,
-                                                    dq, scale, causal)
-        elif path is not None:
-            outs = path.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq)
-    if outs is None:
-        bob = _bob_folded_twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) \
-            else AttnBobFoldedFn.apply
-        outs = bob(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq, None, scale, causal)
-    return outs[:4]
+    if path is not None and wants_plan:
+        outs = native_node.bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq,
+                                                scale, causal)
+        if outs is not None:
+            return outs[:4]
+        path = None
+    return _run_bob(True, path, None, q, k, v, o, lse, do, None, gdq, gdk, gdv, dq, None, scale,
+                    causal)[:4]
 
 
 def _plain_call_path(q, k, v, mask, scale, causal):
@@ -485,16 +483,9 @@ class AttnBwdFn(_Fused):
         else:   # under the kernel choices in force at forward time (this runs later, on the
             # autograd engine's thread)
             fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
-        method, twin, function = (("bob_folded", _bob_folded_twin, AttnBobFoldedFn) if fold
-                                  else ("bob", _bob_twin, AttnBobFn))
-        cotangents = (gdq, gdk, gdv, _kept_dq(ctx)) if fold else (gdq, gdk, gdv)
-        outs = None
-        if _call_path_applies(ctx, (gdq, gdk, gdv)):
-            outs = getattr(ctx.call_path, method)(q, k, v, o, lse, do, dlse, *cotangents)
-        if outs is None:
-            bob = twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else function.apply
-            outs = kernel_settings.run_with(ctx.kernel_choices, bob, q, k, v, o, lse, do, dlse,
-                                            *cotangents, mask, ctx.scale, ctx.causal)
+        path = ctx.call_path if _call_path_applies(ctx, (gdq, gdk, gdv)) else None
+        outs = _run_bob(fold, path, ctx.kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
+                        _kept_dq(ctx) if fold else None, mask, ctx.scale, ctx.causal)
         if fold:        # nothing for o and lse: their cotangents are in gq, gk, gv
             (gq, gk, gv, gdo, gdlse), go, glse = outs, None, None
         else:
@@ -509,6 +500,25 @@ class AttnBwdFn(_Fused):
         tangents = (tq, tk, tv, to, tlse, tdo, tdlse)
         jvp = _backward_jvp_twin if _needs_twin_under_legacy_vmap(*tangents) else AttnBwdJvpFn.apply
         return jvp(q, k, v, o, lse, do, dlse, *tangents, mask, ctx.scale, ctx.causal)
+
+
+def _run_bob(fold, path, kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
+             scale, causal):
+    """The BoB of a first backward (AttnBwdFn's, or the C++ node's second node's), folded
+    (reading dq, if given) or in the chain form: `path`'s kernels directly where a call path
+    applies (path not None), else through its Function (its closed-form twin where legacy
+    vmap would drop the node), under the forward's kernel choices."""
+    method, twin, function = (("bob_folded", _bob_folded_twin, AttnBobFoldedFn) if fold
+                              else ("bob", _bob_twin, AttnBobFn))
+    cotangents = (gdq, gdk, gdv, dq) if fold else (gdq, gdk, gdv)
+    outs = None
+    if path is not None:
+        outs = getattr(path, method)(q, k, v, o, lse, do, dlse, *cotangents)
+    if outs is None:
+        bob = twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else function.apply
+        outs = kernel_settings.run_with(kernel_choices, bob, q, k, v, o, lse, do, dlse,
+                                        *cotangents, mask, scale, causal)
+    return outs
 
 
 def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):

@@ -243,13 +243,18 @@ std::mutex plans_lock;
 std::map<std::vector<int64_t>, std::shared_ptr<const BobPlan>> plans;
 constexpr size_t kPlansLimit = 1024;
 
+// A double's bits, as a key entry (equal keys: the very same scale)
+int64_t bits_of(double x) {
+  int64_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+
 std::vector<int64_t> plan_key(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& gdq, const Tensor& gdk, const Tensor& gdv,
                               bool has_dq, double scale, bool causal) {
-  int64_t scale_bits;
-  std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
   return {q.device().index(), static_cast<int64_t>(q.scalar_type()), q.size(0), q.size(1),
-          k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), causal, scale_bits,
+          k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), causal, bits_of(scale),
           gdq.defined(), gdk.defined(), gdv.defined(), has_dq};
 }
 
@@ -564,11 +569,9 @@ PyObject* current_level = nullptr;    // the interned name "_current_level"
 
 std::vector<int64_t> route_key(const Tensor& q, const Tensor& k, const Tensor& v,
                                double scale, bool causal) {
-  int64_t scale_bits;
-  std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
   return {static_cast<int64_t>(q.device().type()), q.device().index(),
           static_cast<int64_t>(q.scalar_type()), q.size(0), q.size(1), q.size(2), q.size(3),
-          k.size(1), k.size(2), v.size(3), causal, scale_bits};
+          k.size(1), k.size(2), v.size(3), causal, bits_of(scale)};
 }
 
 void remember_route(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
