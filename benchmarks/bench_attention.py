@@ -47,6 +47,8 @@ Timing: median of CUDA-event times of single calls after warm-up, rotating over 
 sets (a call's host time counts in full: the GPU waits for its launches); and
 `back_to_back_ms`, the mean of the same calls issued back to back between two events, as a
 training loop issues them (host time below the GPU time of earlier calls is hidden).
+With `--rounds R` every provider is measured R times in turn and its row pools them, so
+that a slow spell of a shared host does not land on one provider only.
 Memory: peak allocated during one step minus what was allocated before it (the inputs).
 
     python benchmarks/bench_attention.py --out results/ [--n 1024 4096 ...] [--d 64 128]
@@ -344,6 +346,22 @@ def accuracy(B, H, n, d, causal, dtype, sbar_split=False):
             for name, e in exact.items()}
 
 
+def use_provider_settings(prov):
+    """The BOB_COMPILE_* settings a provider's name asks for, and only those."""
+    clear_provider_settings()
+    for form in ("folded", "chain"):
+        if prov.split("@")[0].endswith("_" + form):
+            os.environ["BOB_COMPILE_BOB_FORM"] = form
+    if prov.endswith("_python_node"):
+        os.environ["BOB_COMPILE_CPP_NODE"] = "off"
+    if prov.endswith("_sbar_split"):
+        os.environ["BOB_COMPILE_SBAR_SPLIT"] = "1"
+    if "@" in prov:
+        os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = \
+            prov.split("@")[1].split(":")
+    kernel_settings.reload()
+
+
 # --------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser()
@@ -362,6 +380,9 @@ def main():
     ap.add_argument("--single-shot-n", type=int, default=1 << 30,
                     help="from this N on, time one call only (kernels already compiled at "
                          "smaller N in this process), with its peak memory")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every provider this many times, in turn; rows pool the "
+                         "single calls of all rounds and take the median back-to-back time")
     ap.add_argument("--accuracy-n", type=int, default=2048)
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--tag", default="")
@@ -398,43 +419,46 @@ def main():
                 sets = 2 if n <= 65536 else 1
                 inputs = make_inputs(B, H, n, d, dtype, sets, args.kv_heads)
                 pairs = B * H * visible_pairs(n, causal)
-                for prov in args.providers + [f"bob_compile_chain@{x}" for x in args.variants]:
-                    variant = None
-                    clear_provider_settings()
-                    for form in ("folded", "chain"):
-                        if prov.split("@")[0].endswith("_" + form):
-                            os.environ["BOB_COMPILE_BOB_FORM"] = form
-                    if prov.endswith("_python_node"):
-                        os.environ["BOB_COMPILE_CPP_NODE"] = "off"
-                    if prov.endswith("_sbar_split"):
-                        os.environ["BOB_COMPILE_SBAR_SPLIT"] = "1"
-                    if "@" in prov:
-                        variant = prov.split("@")[1].split(":")
-                        os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = variant
-                    kernel_settings.reload()
-                    if prov in slow or (prov == "torch_math" and n > args.math_max_n):
+                providers = args.providers + [f"bob_compile_chain@{x}" for x in args.variants]
+                reps = 10 if n <= 16384 else (4 if n <= 65536 else 2)
+                warmup = 2 if n <= 65536 else 0
+                # rounds: every provider once per round, in turn, so that a slow spell of the
+                # host or GPU lands on all of them rather than on one
+                runs = {}
+                for _ in range(args.rounds if n < args.single_shot_n else 1):
+                    for prov in providers:
+                        if prov in slow or (prov == "torch_math" and n > args.math_max_n):
+                            continue
+                        use_provider_settings(prov)
+                        try:
+                            if n >= args.single_shot_n:
+                                ms, mib = single_shot(PROVIDERS[prov.split("@")[0]], inputs[0],
+                                                      scale, causal)
+                                run = (ms, mib, float("nan"), [ms], float("nan"))
+                            else:
+                                run = measure(PROVIDERS[prov.split("@")[0]], inputs, scale,
+                                              causal, reps, warmup)
+                        except torch.OutOfMemoryError:
+                            rows.append(dict(provider=prov, n=n, d=d, causal=causal, oom=True))
+                            torch.cuda.empty_cache()
+                            slow.add(prov)
+                            continue
+                        runs.setdefault(prov, []).append(run)
+                        if run[0] > args.max_step_seconds * 1e3:
+                            slow.add(prov)
+                for prov in providers:
+                    if prov not in runs:
                         continue
-                    reps = 10 if n <= 16384 else (4 if n <= 65536 else 2)
-                    warmup = 2 if n <= 65536 else 0
-                    try:
-                        if n >= args.single_shot_n:
-                            ms, mib = single_shot(PROVIDERS[prov.split("@")[0]], inputs[0],
-                                                  scale, causal)
-                            first_s, times, back_to_back = float("nan"), [ms], float("nan")
-                        else:
-                            ms, mib, first_s, times, back_to_back = measure(
-                                PROVIDERS[prov.split("@")[0]], inputs, scale, causal, reps,
-                                warmup)
-                    except torch.OutOfMemoryError:
-                        rows.append(dict(provider=prov, n=n, d=d, causal=causal, oom=True))
-                        torch.cuda.empty_cache()
-                        slow.add(prov)
-                        continue
+                    use_provider_settings(prov)
+                    times = [t for run in runs[prov] for t in run[3]]
+                    ms = statistics.median(times)
+                    back_to_back = statistics.median(run[4] for run in runs[prov])
+                    mib, first_s = runs[prov][0][1], runs[prov][0][2]
                     order = 50 if prov.startswith(("bob_compile", "op_autograd", "op_forward",
                                                    "torch_math")) \
                         and "first_order" not in prov else 14
                     row = dict(provider=prov, n=n, d=d, causal=causal, ms=ms, times_ms=times,
-                               back_to_back_ms=back_to_back,
+                               back_to_back_ms=back_to_back, rounds=len(runs[prov]),
                                peak_extra_mib=mib, first_call_s=first_s,
                                tflops=order * d * pairs / (ms * 1e-3) / 1e12)
                     if prov.startswith("bob_compile") and order == 50 and n < args.single_shot_n:
@@ -446,8 +470,6 @@ def main():
                           f"({back_to_back:.2f} back to back) "
                           f"{mib:9.1f} MiB {row['tflops']:6.1f} TFLOP/s first {first_s:5.1f} s "
                           f"{row.get('stages_ms', '')}", flush=True)
-                    if ms > args.max_step_seconds * 1e3:
-                        slow.add(prov)
                 del inputs
                 torch.cuda.empty_cache()
                 with open(json_path, "w") as f:
