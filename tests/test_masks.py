@@ -29,10 +29,18 @@ def qkv(b=2, h=2, L=5, S=6, e=4, requires_grad=False):
     (torch.ones(5, 6, dtype=torch.long), RuntimeError, "bool .* or floating"),
     (torch.ones(4, 6, dtype=torch.bool), RuntimeError, "does not broadcast"),
     (torch.ones(3, 1, 5, 6, dtype=torch.bool), RuntimeError, "does not broadcast"),
+    (torch.ones(1, 2, 2, 5, 6, dtype=torch.bool), RuntimeError, "does not broadcast"),  # more dims
+    (torch.ones(2, 2, 5, 1, dtype=torch.bool), None, None),   # broadcasts: accepted
+    (torch.ones(6, dtype=torch.bool), None, None),
     ("causal", TypeError, "must be a Tensor"),
 ])
-def test_mask_errors_say_what_to_do(mask, error, match):
+def test_mask_checks_accept_broadcasts_and_errors_say_what_to_do(mask, error, match):
     q, k, v = qkv()
+    if error is None:
+        expected = sdpa_math(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(bob_compile.attention(q, k, v, attn_mask=mask), expected,
+                                   atol=1e-12, rtol=0)
+        return
     with pytest.raises(error, match=match):
         bob_compile.attention(q, k, v, attn_mask=mask)
 
