@@ -37,6 +37,7 @@ log = logging.getLogger("bob_compile.native_node")
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "native_node.cpp")
 KERNEL_NAMES = ("cudnn", "flash", "cpu_flash")    # the node's kernel numbers (CUDNN, ...)
+_KERNEL_NUMBERS = {name: number for number, name in enumerate(KERNEL_NAMES)}
 
 _extension = None           # the built module, once ready
 # module.fast_attention, which bob_compile.attention calls first (None: not built, or off)
@@ -153,7 +154,10 @@ def attention_output(q, k, v, scale, causal, needs_graph):
         return None
     path = _call_path(kernels.select, q, k, v, None, scale, causal)
     module = _extension
-    if path is None or path.native is None:
+    # the node runs the fused kernels it names; any other call path (Triton's, or one
+    # whose kernels it does not know) stays in Python
+    kernel = None if path is None else _KERNEL_NUMBERS.get(path.native)
+    if kernel is None:
         if module is not None:      # the C++ entry leaves this signature to Python
             module.remember_route(q, k, v, scale, causal, -1, False)
         return None
@@ -163,7 +167,7 @@ def attention_output(q, k, v, scale, causal, needs_graph):
             return None
     elif kernel_settings.current().cpp_node == "off":
         return None
-    kernel, fold = KERNEL_NAMES.index(path.native), kernels.fold_bob(q, k, v)
+    fold = kernels.fold_bob(q, k, v)
     # from the next call of this signature on, the C++ entry runs what follows (fast_entry)
     module.remember_route(q, k, v, scale, causal, kernel, fold)
     try:

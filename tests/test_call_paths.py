@@ -185,6 +185,23 @@ def test_native_first_order_and_a_refusal(call_paths, monkeypatch):
     assert triton_attention._call_paths == {}        # every call path is decided again
 
 
+def test_kernels_the_cpp_node_does_not_know_stay_in_python(call_paths, cpp_node):
+    """A call path whose first order is a kernel the C++ node does not run (here the
+    fixture's "cpu") takes the Python path, built node or not (it raised ValueError once
+    the node was loaded: the suite's result then depended on whether a cached build was
+    ready when this module ran)."""
+    native, calls = call_paths
+    native[0] = "cpu"
+    ours = first_order_step(*inputs(dtype=torch.float32))
+    assert calls == ["forward", "backward"]
+    assert type(ours[0].grad_fn).__name__ != "CppFunction"
+    q, k, v, do = inputs(dtype=torch.float32)
+    expected = torch.autograd.grad(
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do)
+    for a, b in zip(ours[1:], expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_deterministic_algorithms_keep_pytorchs_backward_out(call_paths, monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the first-order backward runs our
     kernels (PyTorch's fused backwards accumulate dq with atomics, and native SDPA then
