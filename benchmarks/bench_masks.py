@@ -89,6 +89,13 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--profile", action="store_true",
                    help="also print each padded row's GPU time per step by kernel")
+    p.add_argument("--python-node", action="store_true",
+                   help="also time the structured masked rows through the Python autograd "
+                        "node (what ran before masked calls went through the C++ node)")
+    p.add_argument("--host", action="store_true",
+                   help="also print the host time per masked call at a size where the GPU "
+                        "work is negligible (B=2, H=4, N=128): C++ node, Python node, no mask")
+    p.add_argument("--tag", default="", help="suffix of the JSON file's name")
     p.add_argument("--summary-per-call", action="store_true",
                    help="summarize the mask in every op call, as before the backwards reused "
                         "their forward's summary (for comparison)")
@@ -117,6 +124,12 @@ def main():
     cot = tuple(torch.randn(B, H, S, d, device=dev, dtype=dtype) for _ in range(3))
 
     rows = {}
+    if args.python_node:
+        for name, mask, is_causal in (("padded, bool mask (Python node)", key_mask, causal),
+                                      ("padded, HF 4-D mask (Python node)", hf_4d, False)):
+            with python_node():
+                rows[name] = median_ms(lambda: step(q, k, v, do, cot, mask, is_causal),
+                                       args.reps)
     for name, mask, is_causal in (
             ("padded, bool mask", key_mask, causal), ("padded, general mask", general, causal),
             ("padded, additive mask", additive, causal), ("padded, HF 4-D mask", hf_4d, False),
@@ -158,8 +171,10 @@ def main():
                   general_vs_structured=rows["padded, 4-D mask read per tile"]
                   / rows["padded, HF 4-D mask"],
                   masked_vs_per_sequence_rel_l2=worst)
+    if args.host:
+        result["host_us"] = host_times()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_masks.json"), "w") as f:
+    with open(os.path.join(args.out, f"bench_masks{args.tag}.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"B={B} H={H} S={S} d={d} lengths={lengths} visible pairs={pairs:,}")
     print(f"masked step vs per-sequence unmasked on real tokens: rel L2 {worst:.2e}")
@@ -168,6 +183,56 @@ def main():
         print(f"{name:32s} {ms:9.3f} {ms / reference:9.2f}x")
     print(f"general (read per tile) vs structured (HF 4-D): "
           f"{result['general_vs_structured']:.2f}x")
+    for name, us in result.get("host_us", {}).items():
+        print(f"host per call, {name:44s} {us:8.1f} us")
+
+
+class python_node:
+    """Masked calls through the Python autograd node (the C++ node declines them)."""
+
+    def __enter__(self):
+        from bob_compile import native_node
+        self.module, self.real = native_node, native_node.masked_attention_output
+        native_node.masked_attention_output = lambda *a: None
+
+    def __exit__(self, *exc):
+        self.module.masked_attention_output = self.real
+
+
+def host_times(calls=200):
+    """Host time per call (µs) where the GPU work is negligible: `calls` calls issued back to
+    back, then one synchronization, per row."""
+    import time
+    B, H, N, d, dtype = 2, 4, 128, 64, torch.bfloat16
+    q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(4))
+    cot = tuple(torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
+    key_mask = (torch.arange(N, device="cuda")[None, :] < torch.tensor([N, N - 40],
+                                                                        device="cuda")[:, None])
+    key_mask = key_mask[:, None, None, :]
+
+    def first_order(mask):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        o = bob_compile.attention(qq, kk, vv, attn_mask=mask, is_causal=True)
+        torch.autograd.grad(o, (qq, kk, vv), do)
+
+    def timed(fn):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    out = {}
+    for order, fn in (("forward + backward", first_order),
+                      ("second-order step", lambda m: step(q, k, v, do, cot, m, True))):
+        out[f"{order}, key mask, C++ node"] = timed(lambda: fn(key_mask))
+        with python_node():
+            out[f"{order}, key mask, Python node"] = timed(lambda: fn(key_mask))
+        out[f"{order}, no mask"] = timed(lambda: fn(None))
+    return out
 
 
 if __name__ == "__main__":

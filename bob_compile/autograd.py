@@ -158,57 +158,61 @@ class _Fused(torch.autograd.Function):
 
 
 def attention_output(q, k, v, mask, scale, causal):
-    """o of the attention op. Where nothing can differentiate it (plain eager, no grad
-    needed, no forward-mode AD) the implementation's forward_output runs, without an lse
-    (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
-    where PyTorch's fused kernels compute a plain eager call (mask-free), the C++ node
-    (native_node.py) runs it, with or without a graph; everywhere else, the op through
-    AttnFn (attention_with_lse)."""
+    """o of the attention op. A plain eager call runs through the C++ node (native_node.py)
+    where PyTorch's fused kernels compute it, or, with a mask, the Triton kernels do, with or
+    without a graph; else, where nothing can differentiate it (no grad needed, no
+    forward-mode AD), the implementation's forward_output, without an lse (PyTorch's fused
+    forward then skips computing it, as native SDPA does without grad); everywhere else, the
+    op through AttnFn (attention_with_lse)."""
     if not _functorch_active() and _plain_eager((q, k, v, mask)):
         no_graph = _no_graph_needed((q, k, v))
         if mask is None:
             o = native_node.attention_output(q, k, v, scale, causal, not no_graph)
-            if o is not None:
-                return o
+        else:
+            o = native_node.masked_attention_output(q, k, v, mask, scale, causal, not no_graph)
+        if o is not None:
+            return o
         if no_graph:
             return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
                            (q, k, v, mask, scale, causal))
     return attention_with_lse(q, k, v, mask, scale, causal)[0]
 
 
-def native_node_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused):
+def native_node_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused, mask):
     """The backwards of the C++ node (native_node.py) that it does not run itself: what
     AttnFn.backward runs there (a create_graph backward, an lse cotangent, a tensor subclass,
     deterministic algorithms). refused: the message of the fused backward's refusal, if it
-    refused. o and lse are the node's outputs (they carry its history, for a third order)."""
+    refused. o and lse are the node's outputs (they carry its history, for a third order);
+    mask: the call's (B, Hq, L, S) mask view, or None."""
     if refused is not None:
         triton_attention.native_refused(native_node.KERNEL_NAMES[kernels], q, v, causal,
                                         refused)
     if do is None and dlse is None:
         return None, None, None
-    return differentiable_first_backward(q, k, v, o, lse, do, dlse, None, scale, causal)
+    return differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal)
 
 
 def native_bob_backward(q, k, v, o, lse, do, o_attached, lse_attached, gdq, gdk, gdv, dq,
-                        scale, causal, wants_plan):
+                        scale, causal, wants_plan, mask):
     """The backward of the C++ node's first backward (native_node.py) where it does not run
     it itself: what AttnBwdFn.backward runs for o and lse that came in detached (the folded
     BoB), returning (gq, gk, gv, gdo). o_attached, lse_attached: the forward's outputs with
     their history, which a third order differentiates through; dq: the first backward's dq
     (None if modified in place since); wants_plan: the node has no plan of this signature's
-    launches yet and could replay one (native_node.bob_folded_with_plan)."""
+    launches yet and could replay one (native_node.bob_folded_with_plan); mask: the call's
+    (B, Hq, L, S) mask view, or None."""
     if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
         o, lse = o_attached, lse_attached
     path = None
     if not torch.is_grad_enabled() and not _profiling() and _plain_eager((gdq, gdk, gdv)):
-        path = ops.call_path(kernels.select, q, k, v, None, scale, causal)
+        path = ops.call_path(kernels.select, q, k, v, mask, scale, causal)
     if path is not None and wants_plan:
         outs = native_node.bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq,
                                                 scale, causal)
         if outs is not None:
             return outs[:4]
         path = None
-    return _run_bob(True, path, None, q, k, v, o, lse, do, None, gdq, gdk, gdv, dq, None, scale,
+    return _run_bob(True, path, None, q, k, v, o, lse, do, None, gdq, gdk, gdv, dq, mask, scale,
                     causal)[:4]
 
 

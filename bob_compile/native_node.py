@@ -29,9 +29,10 @@ import time
 
 import torch
 
-from . import kernels, ops
+from . import kernels, launch_programs, ops
+from .kernels import layout, triton_attention, triton_masks
 from .kernels import settings as kernel_settings
-from .kernels import triton_attention
+from .kernels.params import AttentionParams
 
 log = logging.getLogger("bob_compile.native_node")
 
@@ -70,6 +71,7 @@ def _build():
         from .autograd import native_bob_backward, native_node_backward
         module.set_general_backward(native_node_backward)
         module.set_bob_backward(native_bob_backward)
+        module.set_triton_stage(run_triton_stage)
         module.set_python_state(kernel_settings.kernel_choices_variable(), _forward_ad)
         _connect_driver(module)
         _extension = module
@@ -111,6 +113,7 @@ def _forget_plans(settings):
     tuning, fast launches), routes the kernels chosen: made again under the new ones."""
     if _extension is not None:
         _extension.forget_bob_plans()
+        _extension.forget_programs()
         _extension.forget_routes()
     _install_entry(settings)
 
@@ -172,13 +175,99 @@ def attention_output(q, k, v, scale, causal, needs_graph):
     module.remember_route(q, k, v, scale, causal, kernel, fold)
     try:
         if not needs_graph:
-            return module.forward_output(q, k, v, scale, causal, kernel)
-        return module.attention(q, k, v, scale, causal, kernel, fold)[0]
+            return module.forward_output(q, k, v, None, scale, causal, kernel)
+        return module.attention(q, k, v, None, scale, causal, kernel, fold)[0]
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError) as e:
         triton_attention.native_refused(path.native, q, v, causal, e)
         return None
+
+
+# --------------------------------------------------------------------------------------
+# Masked calls: the op's Triton kernels in the C++ nodes, replayed from programs
+# --------------------------------------------------------------------------------------
+# PyTorch's fused kernels take no mask that skips hidden tiles, so a masked call's stages are
+# the Triton kernels (its forward with the mask's summary, its first backward, the folded
+# BoB). The nodes run them as they run the fused ones (kernels TRITON): each stage from a
+# program of its launches where the node holds one for the call's signature (made from a
+# recording of the first Python run that took replayable paths: launch_programs.py), else
+# through run_triton_stage below. The mask's summary is made by the forward's program and
+# kept in the node for the backwards.
+def masked_attention_output(q, k, v, mask, scale, causal, needs_graph):
+    """o of a plain eager call with a mask through the C++ node (needs_graph as for
+    attention_output); None where the node does not apply: inputs the Triton kernels do not
+    take or an empty length, forward-mode AD, the profiler, a compiled graph's kernel
+    choices, Triton's own launcher (fast launches off), or the node not built yet."""
+    if _forward_ad._current_level >= 0 or _profiling() or kernel_settings.overridden() is not None:
+        return None
+    if not (q.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2]
+            and k.shape[2]):
+        return None
+    settings = kernel_settings.current()
+    if not settings.fast_launch or settings.cpp_node == "off" \
+            or kernels.select(q, k, v) is not triton_attention:
+        return None
+    module = _extension if _extension is not None else extension()
+    if module is None:
+        return None
+    mask = ops.flat_mask(mask, q, k)
+    if needs_graph:
+        return module.attention(q, k, v, mask, scale, causal, module.TRITON,
+                                kernels.fold_bob(q, k, v))[0]
+    return module.forward_output(q, k, v, mask, scale, causal, module.TRITON)
+
+
+def _forward_stage(q, k, v, mask, scale, causal):
+    summary = triton_masks.mask_summary(mask)
+    params = AttentionParams(scale=scale, causal=causal, mask=mask, mask_summary=summary)
+    o, lse = triton_attention.attention_forward(q, k, v, params)
+    return (o, 0), (lse, None), (summary, None)
+
+
+def _backward_stage(q, k, v, o, lse, do, mask, key_range, scale, causal):
+    params = AttentionParams(scale=scale, causal=causal, mask=mask, mask_summary=key_range)
+    dq, dk, dv = triton_attention.attention_backward(
+        q, k, v, o, lse, do, None, params, dq_atomics=kernel_settings.current().bwd_dq_atomics)
+    return (dq, 0), (dk, 1), (dv, 2)
+
+
+def _bob_stage(q, k, v, o, lse, do, dq, gdq, gdk, gdv, mask, key_range, scale, causal):
+    params = AttentionParams(scale=scale, causal=causal, mask=mask, mask_summary=key_range)
+    gq, gk, gv, gdo, _ = triton_attention.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv,
+                                                     dq, params)
+    return (gq, 0), (gk, 1), (gv, 2), (gdo, 5)
+
+
+# by the node's stage numbers (module.STAGES): (output, the input it is laid out like), each
+_STAGES = (_forward_stage, _backward_stage, _bob_stage)
+
+
+def run_triton_stage(stage, inputs, scale, causal, wants_program):
+    """A masked call's stage for the node (native_node.cpp run_stage), by Python: its outputs,
+    each laid out like its input. wants_program: recorded, and its program handed to the
+    node, or, where every launch took a replayable path and still the stage cannot be
+    replayed (an op besides allocations and views), the mark that it has none."""
+    run = _STAGES[stage]
+    if not wants_program:
+        return _laid_out(run(*inputs, scale, causal), inputs)
+    with launch_programs.recorded_stage() as recorded:
+        outputs = run(*inputs, scale, causal)
+    module = _extension
+    if module is not None:
+        program = recorded.program(module, inputs, outputs)
+        if program is not None:
+            module.register_program(stage, list(inputs), scale, causal, True, *program)
+        elif launch_programs.replays_complete(recorded.record):
+            log.info("bob_compile: the %s stage of a masked call runs from Python (its "
+                     "recording cannot be replayed)", module.STAGES[stage])
+            module.register_program(stage, list(inputs), scale, causal, False, [], [], [])
+    return _laid_out(outputs, inputs)
+
+
+def _laid_out(outputs, inputs):
+    return tuple(t if like is None else layout.in_order_of(t, inputs[like])
+                 for t, like in outputs)
 
 
 # --------------------------------------------------------------------------------------
@@ -200,64 +289,21 @@ def bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale, ca
     module = _extension
     if outs is not None and module is not None and kernel_settings.current().fast_launch:
         named = dict(Q=q, K=k, V=v, O=o, LSE=lse, DO=do, DQ=dq, GDQ=gdq, GDK=gdk, GDV=gdv)
-        launches = _replayable(module, record, named)
+        launches = _bob_launches(module, record, named)
         if launches is not None:
             module.register_bob_plan(q, k, v, gdq, gdk, gdv, dq is not None, scale, causal,
                                      launches)
     return outs
 
 
-def _replayable(module, record, named):
-    """The recorded launches as the C++ node's plan (see above), or None where one cannot
-    be replayed: a launch not through a DirectLaunch or by a provisional plan, a cluster or
-    cooperative launch, an argument that is none of the named tensors, or one tensor named
-    twice (its role would be ambiguous in a later call)."""
-    from .kernels import triton_common
+def _bob_launches(module, record, named):
+    """The recorded launches as the node's plan (launch_programs.launch_arguments), the
+    tensors named by role (module.SLOT_NAMES); None where one cannot be replayed, or where
+    one tensor has two roles (its role would be ambiguous in a later call)."""
     slot_of = {}
     for name, tensor in {**named, **record.tensors}.items():
         if tensor is not None:
             if id(tensor) in slot_of:
                 return None
             slot_of[id(tensor)] = module.SLOT_NAMES.index(name)
-    kind = {name: i for i, name in enumerate(module.ARG_KINDS)}
-    launches = []
-    for kernel, grid, args, direct, kept in record.launches:
-        if direct is None or not kept or direct.cooperative or direct.pdl:
-            return None
-        num_warps, num_ctas, shared_bytes = direct.metadata
-        if num_ctas != 1:
-            return None
-        signature = direct.compiled.src.signature
-        names, stride_owners = triton_common.runtime_parameters(kernel)
-        by_name = dict(zip(names, args))
-        plan_args = []
-        for name, value in zip(names, args):
-            ty = signature[name]
-            if name in stride_owners:
-                tensor_name, dim = stride_owners[name]
-                slot = slot_of.get(id(by_name[tensor_name]))
-                if slot is None:
-                    return None
-                if ty == "constexpr":           # a stride of 1, compiled in
-                    plan_args.append((kind["stride_one"], slot, dim, 0, 0, 0, 0, 0.0))
-                else:
-                    plan_args.append((kind["stride"], slot, dim, int(value % 16 == 0),
-                                      int(ty == "i64"), 0, 0, 0.0))
-            elif isinstance(value, torch.Tensor):
-                slot = slot_of.get(id(value))
-                if slot is None:
-                    return None
-                plan_args.append((kind["pointer"], slot, 0, int(value.data_ptr() % 16 == 0), 0,
-                                  module.scalar_type_code(value), 0, 0.0))
-            elif ty == "constexpr":             # an int of 1 or None, compiled in
-                continue
-            elif ty in ("i32", "i64") and type(value) is int:
-                plan_args.append((kind["int32" if ty == "i32" else "int64"], 0, 0, 0, 0, 0, value,
-                                  0.0))
-            elif ty == "fp32" and type(value) is float:
-                plan_args.append((kind["float32"], 0, 0, 0, 0, 0, 0, value))
-            else:
-                return None
-        launches.append((direct.function, grid[0], grid[1], 32 * num_warps, shared_bytes,
-                         plan_args))
-    return launches or None
+    return launch_programs.launch_arguments(module, record, slot_of)

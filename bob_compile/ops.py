@@ -65,7 +65,7 @@ def _flat_rows(r: Optional[Tensor], qf: Tensor):
     return r if r.shape == shape else r.reshape(shape)
 
 
-def _flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
+def flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
     """The mask as the kernels take it, (B, Hq, L, S), broadcast dims as stride-0 views."""
     if mask is None:
         return None
@@ -80,7 +80,7 @@ def _flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
 def _params(q, k, mask, scale, causal, keep_mask_summary):
     if mask is None:
         return AttentionParams(scale=scale, causal=causal)
-    return AttentionParams(scale=scale, causal=causal, mask=_flat_mask(mask, q, k),
+    return AttentionParams(scale=scale, causal=causal, mask=flat_mask(mask, q, k),
                            keep_mask_summary=keep_mask_summary)
 
 

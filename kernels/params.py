@@ -26,11 +26,13 @@ class AttentionParams:
     a key). It applies on top of causal;
     keep_mask_summary: whether the Triton kernels may keep this call's summary of its mask
     for the backwards of the same call (triton_masks.py, "One summary per forward"): only
-    plain eager calls, where no compiled graph or CUDA graph owns the memory.
+    plain eager calls, where no compiled graph or CUDA graph owns the memory;
+    mask_summary: the mask's summary (triton_masks.mask_summary) where the caller made it
+    already (the C++ node keeps its forward's for the backwards: bob_compile/native_node.py).
     Keyword-only, checked."""
-    __slots__ = ("scale", "causal", "mask", "keep_mask_summary")
+    __slots__ = ("scale", "causal", "mask", "keep_mask_summary", "mask_summary")
 
-    def __init__(self, *, scale, causal, mask=None, keep_mask_summary=False):
+    def __init__(self, *, scale, causal, mask=None, keep_mask_summary=False, mask_summary=None):
         if causal is not True and causal is not False:
             raise TypeError(f"AttentionParams: causal must be a bool, got {causal!r}")
         if scale is True or scale is False:
@@ -40,6 +42,9 @@ class AttentionParams:
                             f"{type(mask).__name__}{tuple(getattr(mask, 'shape', ()))}")
         self.scale, self.causal, self.mask = scale, causal, mask
         self.keep_mask_summary = keep_mask_summary
+        if mask_summary is not None and mask is None:
+            raise TypeError("AttentionParams: mask_summary without a mask")
+        self.mask_summary = mask_summary
 
     def __repr__(self):
         mask = "None" if self.mask is None else f"<{self.mask.dtype} {tuple(self.mask.shape)}>"

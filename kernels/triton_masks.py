@@ -39,12 +39,15 @@ READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL = 0, 1, 2      # a summary's 
 
 def mask_kind_and_tensor(params, fallback, reuse=False):
     """(MASK_KIND, the tensor to pass as MASK, KEY_RANGE = mask_summary(mask)): `fallback`
-    (never read) for both without a mask. reuse=True (the backwards): the summary the last
-    forward made of this very mask, if there is one (see "One summary per forward" below)."""
+    (never read) for both without a mask. The caller's summary where params carries one;
+    reuse=True (the backwards): the summary the last forward made of this very mask, if
+    there is one (see "One summary per forward" below)."""
     mask = params.mask
     if mask is None:
         return NO_MASK, fallback, fallback
     kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
+    if params.mask_summary is not None:
+        return kind, mask, params.mask_summary
     if not params.keep_mask_summary:
         return kind, mask, mask_summary(mask)
     return kind, mask, summary_of_forward(mask, reuse)

@@ -92,7 +92,7 @@ def test_bob_from_plans(cpp_node, dtype, causal, gqa, head_dim):
     assert type(g1[0].grad_fn).__name__ == "CppFunction"
     vs = [torch.randn(t.shape, device="cuda", dtype=dtype, generator=g) for t in g1]
     calls = []
-    cpp_node.set_bob_backward(lambda *a: calls.append(a[-1]) or native_bob_backward(*a))
+    cpp_node.set_bob_backward(lambda *a: calls.append(a[-2]) or native_bob_backward(*a))
     try:
         torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)    # compiles, tunes
         cpp_node.forget_bob_plans()
@@ -162,3 +162,103 @@ def test_repeated_calls_take_the_cpp_entry(cpp_node, monkeypatch):
         torch.testing.assert_close(a, first, rtol=0, atol=0)
     torch.testing.assert_close(torch.autograd.grad(again, q, do)[0],
                                torch.autograd.grad(python, q, do)[0])
+
+
+# ----------------------------------------------------------------------------- masked calls
+def mask_of(kind, B, Hq, L, S, g, dtype):
+    """(mask, is_causal) of one kind, as models pass them: key padding (HF's attention_mask
+    as (B, 1, 1, S)) with is_causal, the same additive, HF's 4-D padding-and-causal mask,
+    and a random 4-D pattern (read per tile)."""
+    lengths = torch.tensor([S, S - 37, S // 2 + 5][:B], device="cuda")
+    key = (torch.arange(S, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    if kind == "key padding":
+        return key, True
+    if kind == "additive":
+        return torch.zeros(key.shape, device="cuda", dtype=dtype).masked_fill(
+            ~key, torch.finfo(dtype).min), True
+    if kind == "hf 4-d":
+        return key & torch.ones(L, S, dtype=torch.bool, device="cuda").tril(), False
+    return torch.rand(B, Hq, L, S, device="cuda", generator=g) > 0.3, False
+
+
+def masked_step(q, k, v, do, vs, mask, causal, gqa):
+    """As step() above, with a mask."""
+    def attend(q, k, v):
+        return bob_compile.attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    with torch.no_grad():
+        without_grad = attend(q, k, v)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = attend(q, k, v)
+    first = torch.autograd.grad(o, (q, k, v), do)
+    o = attend(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    second = torch.autograd.grad(grads, (q, k, v), vs)
+    return type(o.grad_fn).__name__, (without_grad, o, *first, *second)
+
+
+@pytest.mark.parametrize("kind", ["key padding", "additive", "hf 4-d", "read per tile"])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_masked_calls_from_programs(cpp_node, monkeypatch, kind, gqa, head_dim):
+    """A masked call's stages (forward with the mask's summary, first backward, folded BoB)
+    run in the C++ nodes: by Python while a signature compiles and tunes, recorded once its
+    launches are replayable, then from programs, with no Python: the same bits as the Python
+    node, in the same layouts."""
+    from bob_compile import native_node
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(4)
+    kv = 2 if gqa else 4
+    q, k, v, do = randn_like_views(g, (3, 4, 200, head_dim), (3, kv, 200, head_dim),
+                                   (3, kv, 200, head_dim), (3, 4, 200, head_dim), dtype=dtype)
+    vs = [torch.randn(t.shape, device="cuda", dtype=dtype, generator=g) for t in (q, k, v)]
+    mask, causal = mask_of(kind, 3, 4, 200, 200, g, dtype)
+    stages = []
+    cpp_node.set_triton_stage(
+        lambda *a: stages.append(a[0]) or native_node.run_triton_stage(*a))
+    try:
+        for _ in range(3):      # compiles and tunes; records; replays
+            masked_step(q, k, v, do, vs, mask, causal, gqa)
+        stages.clear()
+        name, ours = masked_step(q, k, v, do, vs, mask, causal, gqa)
+    finally:
+        cpp_node.set_triton_stage(native_node.run_triton_stage)
+    assert name == "CppFunction" and stages == [] and cpp_node.program_count() >= 3
+    monkeypatch.setattr(native_node, "masked_attention_output", lambda *a: None)
+    name, python_node = masked_step(q, k, v, do, vs, mask, causal, gqa)
+    assert name != "CppFunction"
+    for a, b in zip(ours, python_node, strict=True):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_masked_calls_in_the_node_at_every_order(cpp_node, monkeypatch):
+    """Through the C++ node, a masked call's third order (the BoB differentiated: Python's
+    math twin) equals the Python node's, and a mask modified in place before the backward is
+    refused, as autograd refuses it there."""
+    from bob_compile import native_node
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = randn_like_views(g, *[(2, 2, 70, 32)] * 3, dtype=torch.float32)
+    mask, _ = mask_of("key padding", 2, 2, 70, 70, g, torch.float32)
+
+    def third_order():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        o = bob_compile.attention(qq, kk, vv, attn_mask=mask, is_causal=True)
+        (dq,) = torch.autograd.grad(o.square().sum(), qq, create_graph=True)
+        (gk,) = torch.autograd.grad(dq.square().sum(), kk, create_graph=True)
+        return type(o.grad_fn).__name__, torch.autograd.grad(gk.sum(), (qq, kk, vv))
+
+    name, ours = third_order()
+    assert name == "CppFunction"
+    monkeypatch.setattr(native_node, "masked_attention_output", lambda *a: None)
+    name, python_node = third_order()
+    assert name != "CppFunction"
+    for a, b in zip(ours, python_node, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    qq = q.detach().requires_grad_()
+    changed = mask.clone()
+    o = bob_compile.attention(qq, k, v, attn_mask=changed, is_causal=True)
+    assert type(o.grad_fn).__name__ == "CppFunction"
+    changed[0, 0, 0, 3] = False
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()

@@ -69,7 +69,7 @@ def test_first_order_runs_in_cpp(cpp_node, general_calls, shape, layout):
     B, H, L, S, E, causal = shape
     torch.manual_seed(0)
     q, k, v = inputs(B, H, L, S, E, layout)
-    o, lse = cpp_node.attention(q, k, v, 0.3, causal, cpp_node.CPU_FLASH, True)
+    o, lse = cpp_node.attention(q, k, v, None, 0.3, causal, cpp_node.CPU_FLASH, True)
     ro, rlse = math_attention(q, k, v, 0.3, causal)
     close((o, lse), (ro, rlse))
     assert same_layout(o, q)
@@ -99,7 +99,7 @@ def test_second_and_third_order(cpp_node, general_calls, bob_calls, reread_setti
     torch.manual_seed(1)
     q, k, v = inputs(2, 2, 11, 11, 8)
     do = torch.randn(2, 2, 11, 8, dtype=torch.float64)
-    ours = cpp_node.attention(q, k, v, 0.4, causal, cpp_node.CPU_FLASH, folded)[0]
+    ours = cpp_node.attention(q, k, v, None, 0.4, causal, cpp_node.CPU_FLASH, folded)[0]
     ref = math_attention(q, k, v, 0.4, causal)[0]
     g1 = torch.autograd.grad(ours, (q, k, v), do, create_graph=True)
     r1 = torch.autograd.grad(ref, (q, k, v), do, create_graph=True)
@@ -123,7 +123,7 @@ def test_folded_second_order_of_some_outputs(cpp_node, general_calls, bob_calls,
     torch.manual_seed(3)
     q, k, v = inputs(2, 3, 13, 13, 8, layout)
     do = torch.randn(2, 3, 13, 8, dtype=torch.float64, requires_grad=True)
-    ours = cpp_node.attention(q, k, v, 0.35, True, cpp_node.CPU_FLASH, True)[0]
+    ours = cpp_node.attention(q, k, v, None, 0.35, True, cpp_node.CPU_FLASH, True)[0]
     ref = math_attention(q, k, v, 0.35, True)[0]
     g1 = torch.autograd.grad(ours, (q, k, v), do, create_graph=True)
     r1 = torch.autograd.grad(ref, (q, k, v), do, create_graph=True)
@@ -143,7 +143,7 @@ def test_a_dq_changed_in_place_is_not_read(cpp_node, bob_calls):
     torch.manual_seed(4)
     q, k, v = inputs(1, 2, 9, 9, 8)
     do = torch.randn(1, 2, 9, 8, dtype=torch.float64)
-    ours = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH, True)[0]
+    ours = cpp_node.attention(q, k, v, None, 0.5, False, cpp_node.CPU_FLASH, True)[0]
     ref = math_attention(q, k, v, 0.5, False)[0]
     g1 = list(torch.autograd.grad(ours, (q, k, v), do, create_graph=True))
     r1 = list(torch.autograd.grad(ref, (q, k, v), do, create_graph=True))
@@ -159,7 +159,7 @@ def test_a_dual_cotangent_goes_to_python(cpp_node, general_calls):
     import torch.autograd.forward_ad as fwAD
     torch.manual_seed(5)
     q, k, v = inputs(1, 1, 6, 6, 8)
-    ours = cpp_node.attention(q, k, v, 0.5, True, cpp_node.CPU_FLASH, True)[0]
+    ours = cpp_node.attention(q, k, v, None, 0.5, True, cpp_node.CPU_FLASH, True)[0]
     ref = math_attention(q, k, v, 0.5, True)[0]
     do, tangent = torch.randn_like(ours), torch.randn_like(ours)
     with fwAD.dual_level():
@@ -175,7 +175,7 @@ def test_a_dual_cotangent_goes_to_python(cpp_node, general_calls):
 def test_lse_cotangent_goes_to_python(cpp_node, general_calls):
     torch.manual_seed(2)
     q, k, v = inputs(1, 2, 9, 9, 8)
-    o, lse = cpp_node.attention(q, k, v, 0.5, True, cpp_node.CPU_FLASH, True)
+    o, lse = cpp_node.attention(q, k, v, None, 0.5, True, cpp_node.CPU_FLASH, True)
     ro, rlse = math_attention(q, k, v, 0.5, True)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     close(torch.autograd.grad((o, lse), (q, k, v), (do, dlse)),
@@ -186,7 +186,7 @@ def test_lse_cotangent_goes_to_python(cpp_node, general_calls):
 def test_deterministic_algorithms_go_to_python(cpp_node, general_calls):
     """PyTorch's fused backwards accumulate with atomics: the op's deterministic path runs."""
     q, k, v = inputs(1, 1, 6, 6, 8)
-    o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH, True)[0]
+    o = cpp_node.attention(q, k, v, None, 0.5, False, cpp_node.CPU_FLASH, True)[0]
     torch.use_deterministic_algorithms(True)
     try:
         grads = torch.autograd.grad(o.sum(), (q, k, v))
@@ -209,7 +209,7 @@ def test_python_errors_keep_their_type(cpp_node, which):
         q, k, v = inputs(1, 1, 4, 4, 8)
         # the chain form's create_graph backward calls the general backward, the folded
         # form's second order the BoB's
-        o = cpp_node.attention(q, k, v, 0.5, False, cpp_node.CPU_FLASH, which == "bob")[0]
+        o = cpp_node.attention(q, k, v, None, 0.5, False, cpp_node.CPU_FLASH, which == "bob")[0]
         with pytest.raises(Refused, match=f"from the {which} backward"):
             g = torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
             torch.autograd.grad(g[0].sum(), q)
@@ -222,7 +222,7 @@ def test_saved_tensors_die_with_the_backward(cpp_node):
     x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
     q = x * 1
     alive = weakref.ref(q)
-    o = cpp_node.attention(q, x, x, 0.3, True, cpp_node.CPU_FLASH, True)[0]
+    o = cpp_node.attention(q, x, x, None, 0.3, True, cpp_node.CPU_FLASH, True)[0]
     del q
     gc.collect()
     assert alive() is not None
@@ -401,7 +401,7 @@ def test_plans_of_recorded_launches(cpp_node):
         record = triton_common.Recording()
         record.launches.append((_row_dot_kernel, (1, 6), args, *launch))
         record.tensors.update(D=d)
-        return native_node._replayable(cpp_node, record, named)
+        return native_node._bob_launches(cpp_node, record, named)
 
     (launch,) = plan(dict(DO=do, O=o))
     assert launch[:5] == (1234, 1, 6, 128, 512)
@@ -419,6 +419,71 @@ def test_plans_of_recorded_launches(cpp_node):
     assert plan(dict(DO=do)) is None                       # o is no named tensor
     assert plan(dict(DO=do, O=o), (None, True)) is None    # not a direct launch
     assert plan(dict(DO=do, O=o), (direct, False)) is None  # a provisional launch config
+
+
+# ----------------------------------------------------------------------------- masked calls
+def test_programs_of_recorded_stages(cpp_node):
+    """What launch_programs makes of a masked call's stage (a launch recorded by hand, as
+    above): the inputs first among the slots, then each tensor the stage made, fresh (sizes,
+    strides, dtype) or a view (its base slot and offset); the outputs by slot. No program
+    where the stage did more than allocate and view, launched on a tensor it neither got
+    nor made, or got one tensor in two roles."""
+    import types
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from bob_compile import launch_programs
+    from bob_compile.kernels import triton_common
+    from bob_compile.kernels.triton_backward import _row_dot_kernel
+
+    do = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16).transpose(1, 2)
+    o = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
+    outside = torch.empty(2, 3, 5)
+    names, _ = triton_common.runtime_parameters(_row_dot_kernel)
+
+    def stage(do, o, then=None, d_from_outside=False):
+        with launch_programs.recorded_stage() as recorded:
+            d = outside if d_from_outside else torch.empty(o.shape[:3])
+            rows = d.unsqueeze(-1)[:, 1:]
+            args = triton_common.packer(_row_dot_kernel)(DO=do, O=o, DLSE=d, D=d,
+                                                         num_q_heads=3, L=5)
+            signature = {n: native_specialize_impl(BaseBackend, a, False, True, True)[0]
+                         for n, a in zip(names, args)}
+            direct = types.SimpleNamespace(
+                compiled=types.SimpleNamespace(src=types.SimpleNamespace(signature=signature)),
+                function=99, metadata=(4, 1, 0), cooperative=False, pdl=False)
+            recorded.record.launches.append((_row_dot_kernel, (1, 6), args, direct, True))
+            if then is not None:
+                then(d)
+        return recorded, d, rows
+
+    recorded, d, rows = stage(do, o)
+    assert launch_programs.replays_complete(recorded.record)
+    made, launches, outputs = recorded.program(cpp_node, (do, o), [(d, None), (rows, 0)])
+    fresh, unsqueezed, sliced = made
+    assert fresh == (-1, [2, 3, 5], [15, 5, 1], 0, cpp_node.scalar_type_code(d))
+    assert unsqueezed[:4] == (2, [2, 3, 5, 1], [15, 5, 1, 1], 0)       # a view of slot 2
+    assert sliced[:4] == (3, [2, 2, 5, 1], [15, 5, 1, 1], 5)            # of slot 3, 5 further
+    assert outputs == [(2, -1), (4, 0)]
+    got = dict(zip(names, launches[0][5], strict=True))
+    kind = cpp_node.ARG_KINDS.index
+    assert got["DO"][:2] == (kind("pointer"), 0) and got["O"][:2] == (kind("pointer"), 1)
+    assert got["D"][:2] == got["DLSE"][:2] == (kind("pointer"), 2)
+    # the node takes it; registering makes one replayable program, reloading drops it
+    before = cpp_node.program_count()
+    cpp_node.register_program(1, [do, o, None], 1.0, False, True, made, launches, outputs)
+    assert cpp_node.program_count() == before + 1
+    cpp_node.register_program(1, [do, o, do], 1.0, False, False, [], [], [])
+    assert cpp_node.program_count() == before + 1       # marked: Python runs it
+    cpp_node.forget_programs()
+    assert cpp_node.program_count() == 0
+
+    assert stage(do, o, then=lambda d: d.zero_())[0].program(cpp_node, (do, o), []) is None
+    assert stage(do, o, d_from_outside=True)[0].program(cpp_node, (do, o), []) is None
+    assert recorded.program(cpp_node, (do, do), [(d, None)]) is None      # two roles
+    assert recorded.program(cpp_node, (do, o), [(outside, None)]) is None  # not the stage's
+    recorded.record.launches[0] = (*recorded.record.launches[0][:4], False)
+    assert not launch_programs.replays_complete(recorded.record)        # a provisional config
+    assert recorded.program(cpp_node, (do, o), [(d, None)]) is None
 
 
 # ----------------------------------------------------------------------------- the C++ entry

@@ -55,8 +55,10 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Which fused kernels run (the Python side passes these numbers: bob_compile/native_node.py)
-enum Kernels : int64_t { kCudnn = 0, kFlash = 1, kCpuFlash = 2 };
+// Which kernels run (the Python side passes these numbers: bob_compile/native_node.py):
+// PyTorch's fused ones, or (kTriton, calls with a mask) the op's Triton kernels, launched
+// from programs (below, "Programs") or by Python
+enum Kernels : int64_t { kCudnn = 0, kFlash = 1, kCpuFlash = 2, kTriton = 3 };
 
 // ---------------------------------------------------------------------------- layouts
 // Outputs are dense, in the dimension order of the input they are shaped like
@@ -115,13 +117,6 @@ std::tuple<Tensor, Tensor> fused_forward(const Tensor& q, const Tensor& k, const
   if (!with_lse) return {in_order_of(o, q), Tensor()};
   // cuDNN's lse is (B, H, L, 1); all are float32 (the CPU kernel's: its accumulation type)
   return {in_order_of(o, q), lse.reshape(q.sizes().slice(0, 3)).contiguous()};
-}
-
-// o alone, for a call nothing differentiates
-Tensor forward_output(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                      bool causal, int64_t kernels) {
-  RECORD_FUNCTION("bob_compile::attn_fwd", std::vector<c10::IValue>());
-  return std::get<0>(fused_forward(q, k, v, scale, causal, kernels, false));
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_backward(const Tensor& dout, const Tensor& q,
@@ -303,6 +298,31 @@ bool pack_arguments(const KernelLaunch& launch, const Tensor* slots,
   return true;
 }
 
+// Launches every kernel of `launches` on device's current stream, their arguments taken from
+// `slots`; false, and nothing launched, where an argument does not specialize as compiled
+bool launch_all(const std::vector<KernelLaunch>& launches, const Tensor* slots,
+                const c10::Device& device) {
+  std::vector<std::vector<uint64_t>> values(launches.size());
+  for (size_t i = 0; i < launches.size(); ++i) {
+    if (!pack_arguments(launches[i], slots, values[i])) return false;
+  }
+  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+                     ->getStream(device)
+                     .native_handle();
+  std::vector<void*> pointers;
+  for (size_t i = 0; i < launches.size(); ++i) {
+    const KernelLaunch& launch = launches[i];
+    pointers.clear();
+    for (auto& cell : values[i]) pointers.push_back(&cell);
+    int status = cu_launch_kernel(reinterpret_cast<void*>(launch.function), launch.grid_x,
+                                  launch.grid_y, 1, launch.threads, 1, 1, launch.shared_bytes,
+                                  stream, pointers.data(), nullptr);
+    TORCH_CHECK(status == 0, "bob_compile: launching a Triton kernel from a plan failed (CUDA "
+                "driver error ", status, ")");
+  }
+  return true;
+}
+
 // The folded BoB from a plan: (gq, gk, gv, gdo) in the layouts of q, k, v and dO, or
 // nothing where the plan does not apply (Python then runs it)
 std::optional<std::array<Tensor, 4>> bob_from_plan(const Tensor& q, const Tensor& k,
@@ -341,36 +361,17 @@ std::optional<std::array<Tensor, 4>> bob_from_plan(const Tensor& q, const Tensor
       return std::nullopt;    // refused: Python's path logs it and takes the Triton forward
     }
   }
-  std::vector<std::vector<uint64_t>> values(plan->launches.size());
-  for (size_t i = 0; i < plan->launches.size(); ++i) {
-    if (!pack_arguments(plan->launches[i], slots, values[i])) return std::nullopt;
-  }
-  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
-                     ->getStream(q.device())
-                     .native_handle();
-  std::vector<void*> pointers;
-  for (size_t i = 0; i < plan->launches.size(); ++i) {
-    const KernelLaunch& launch = plan->launches[i];
-    pointers.clear();
-    for (auto& cell : values[i]) pointers.push_back(&cell);
-    int status = cu_launch_kernel(reinterpret_cast<void*>(launch.function), launch.grid_x,
-                                  launch.grid_y, 1, launch.threads, 1, 1, launch.shared_bytes,
-                                  stream, pointers.data(), nullptr);
-    TORCH_CHECK(status == 0, "bob_compile: launching a Triton kernel of the BoB failed (CUDA "
-                "driver error ", status, ")");
-  }
+  if (!launch_all(plan->launches, slots, q.device())) return std::nullopt;
   return std::array<Tensor, 4>{in_order_of(slots[kGq], q), in_order_of(slots[kGk], k),
                                in_order_of(slots[kGv], v), in_order_of(slots[kGdo], dout)};
 }
 
-// A plan from Python (native_node.py, register_bob_plan): per launch (function, grid_x,
-// grid_y, threads, shared bytes, [(kind, slot, dim, flag, wide, dtype, int, float), ...])
-void register_bob_plan(const Tensor& q, const Tensor& k, const Tensor& v,
-                       const std::optional<Tensor>& gdq, const std::optional<Tensor>& gdk,
-                       const std::optional<Tensor>& gdv, bool has_dq, double scale, bool causal,
-                       const std::vector<py::tuple>& launches) {
-  auto plan = std::make_shared<BobPlan>();
-  plan->reads_keys_out = false;
+// Launches from Python (native_node.py _replayable): per launch (function, grid_x, grid_y,
+// threads, shared bytes, [(kind, slot, dim, flag, wide, dtype, int, float), ...]); slots
+// numbered below num_slots
+std::vector<KernelLaunch> parse_launches(const std::vector<py::tuple>& launches,
+                                         int64_t num_slots) {
+  std::vector<KernelLaunch> parsed;
   for (const py::tuple& l : launches) {
     KernelLaunch launch;
     launch.function = l[0].cast<uint64_t>();
@@ -385,13 +386,29 @@ void register_bob_plan(const Tensor& q, const Tensor& k, const Tensor& v,
               a[6].cast<int64_t>(), a[7].cast<double>()};
       TORCH_CHECK(arg.kind >= kPointer && arg.kind <= kFloat32, "bad argument kind");
       bool uses_slot = arg.kind == kPointer || arg.kind == kStride || arg.kind == kStrideOne;
-      TORCH_CHECK(!uses_slot || (arg.slot >= 0 && arg.slot < kNumSlots), "bad slot");
+      TORCH_CHECK(!uses_slot || (arg.slot >= 0 && arg.slot < num_slots), "bad slot");
       TORCH_CHECK(!uses_slot || arg.kind == kPointer || (arg.dim >= 0 && arg.dim < 4),
                   "bad dimension");
-      plan->reads_keys_out |= uses_slot && arg.slot == kKeysOut;
       launch.args.push_back(arg);
     }
-    plan->launches.push_back(std::move(launch));
+    parsed.push_back(std::move(launch));
+  }
+  return parsed;
+}
+
+// A plan from Python (native_node.py, register_bob_plan)
+void register_bob_plan(const Tensor& q, const Tensor& k, const Tensor& v,
+                       const std::optional<Tensor>& gdq, const std::optional<Tensor>& gdk,
+                       const std::optional<Tensor>& gdv, bool has_dq, double scale, bool causal,
+                       const std::vector<py::tuple>& launches) {
+  auto plan = std::make_shared<BobPlan>();
+  plan->launches = parse_launches(launches, kNumSlots);
+  plan->reads_keys_out = false;
+  for (const KernelLaunch& launch : plan->launches) {
+    for (const Arg& arg : launch.args) {
+      plan->reads_keys_out |= arg.kind != kInt32 && arg.kind != kInt64 &&
+                              arg.kind != kFloat32 && arg.slot == kKeysOut;
+    }
   }
   auto key = plan_key(q, k, v, gdq.value_or(Tensor()), gdk.value_or(Tensor()),
                       gdv.value_or(Tensor()), has_dq, scale, causal);
@@ -415,28 +432,238 @@ void set_driver(uint64_t launch_kernel, uint64_t context_get_current) {
   cu_ctx_get_current = reinterpret_cast<ContextFn>(context_get_current);
 }
 
+// ---------------------------------------------------------------------------- programs
+// A call with a mask runs the op's Triton kernels in three stages: its forward (the mask's
+// summary, then the forward kernel), its first backward, and the folded BoB. Once Python has
+// run a stage for a call signature under a recording (native_node.py run_triton_stage,
+// launch_programs.py), this module holds a *program* of it: the tensors the stage made
+// (fresh allocations and views, each by sizes, strides and dtype) and its launches, with
+// slots numbered inputs first, then the tensors made, in order. Later calls of the signature
+// make the same tensors and launch the same kernels (as a BoB plan does); a signature whose
+// stage cannot be replayed (an op besides allocations and views, a launch Triton took
+// another path for) is marked so, and Python runs it without recording.
+enum Stage : int64_t { kForwardStage = 0, kBackwardStage = 1, kBobStage = 2 };
+
+struct MadeTensor {
+  int64_t base;     // -1: a fresh allocation, else the slot it is a view of
+  std::vector<int64_t> sizes, strides;
+  int64_t offset;   // a view's storage offset past its base's
+  int64_t dtype;    // a fresh allocation's at::ScalarType
+};
+struct Program {
+  bool replayable;
+  std::vector<MadeTensor> made;
+  std::vector<KernelLaunch> launches;
+  std::vector<std::pair<int64_t, int64_t>> outputs;   // (slot, input laid out like, or -1)
+};
+std::mutex programs_lock;
+std::map<std::vector<int64_t>, std::shared_ptr<const Program>> programs;
+py::object* triton_stage = nullptr;
+
+// The stage, scale, causal and each input's dtype, device, sizes and strides: everything
+// Python's stage decides its allocations, views and launches from, besides the settings
+// (their reload drops every program) and pointer alignment (checked when packing)
+std::vector<int64_t> program_key(int64_t stage, const std::vector<Tensor>& inputs,
+                                 double scale, bool causal) {
+  std::vector<int64_t> key{stage, bits_of(scale), causal};
+  for (const Tensor& t : inputs) {
+    if (!t.defined()) {
+      key.push_back(-1);
+      continue;
+    }
+    key.insert(key.end(), {static_cast<int64_t>(t.scalar_type()),
+                           static_cast<int64_t>(t.device().type()), t.device().index(), t.dim()});
+    key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+    key.insert(key.end(), t.strides().begin(), t.strides().end());
+  }
+  return key;
+}
+
+// The stage's outputs from its program, or nothing where it does not apply
+std::optional<std::vector<Tensor>> replay(const Program& program,
+                                          const std::vector<Tensor>& inputs) {
+  void* context = nullptr;
+  if (cu_ctx_get_current(&context) != 0 || context == nullptr) return std::nullopt;
+  std::vector<Tensor> slots(inputs);
+  slots.reserve(inputs.size() + program.made.size());
+  auto options = inputs[0].options();
+  for (const MadeTensor& m : program.made) {
+    if (m.base < 0) {
+      slots.push_back(at::empty_strided(m.sizes, m.strides,
+                                        options.dtype(static_cast<at::ScalarType>(m.dtype))));
+    } else {
+      const Tensor& base = slots[m.base];
+      if (!base.defined()) return std::nullopt;
+      slots.push_back(base.as_strided(m.sizes, m.strides, base.storage_offset() + m.offset));
+    }
+  }
+  if (!launch_all(program.launches, slots.data(), inputs[0].device())) return std::nullopt;
+  std::vector<Tensor> outputs;
+  for (auto [slot, like] : program.outputs) {
+    outputs.push_back(like < 0 ? slots[slot] : in_order_of(slots[slot], inputs[like]));
+  }
+  return outputs;
+}
+
+// Python's stage (native_node.run_triton_stage), under the GIL; wants_program: record it
+std::vector<Tensor> python_stage(int64_t stage, const std::vector<Tensor>& inputs, double scale,
+                                 bool causal, bool wants_program) {
+  TORCH_CHECK(triton_stage != nullptr, "bob_compile native node: no Triton stage set");
+  py::gil_scoped_acquire gil;
+  try {
+    py::tuple args(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      args[i] = inputs[i].defined() ? py::cast(inputs[i]) : py::none();
+    }
+    py::tuple got = (*triton_stage)(stage, args, scale, causal, wants_program);
+    std::vector<Tensor> outputs;
+    for (const py::handle& h : got) outputs.push_back(tensor_or_undefined(h));
+    return outputs;
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error error;
+    error.persist();
+    throw error;
+  }
+}
+
+// A stage of a masked call: from its program, else by Python (recording it where a program
+// could be replayed on this machine and none is held yet)
+std::vector<Tensor> run_stage(int64_t stage, const std::vector<Tensor>& inputs, double scale,
+                              bool causal) {
+  bool replays = cu_launch_kernel != nullptr && inputs[0].is_cuda();
+  std::shared_ptr<const Program> program;
+  if (replays) {
+    auto key = program_key(stage, inputs, scale, causal);
+    {
+      std::lock_guard<std::mutex> guard(programs_lock);
+      auto found = programs.find(key);
+      if (found != programs.end()) program = found->second;
+    }
+    if (program && program->replayable) {
+      auto outputs = replay(*program, inputs);
+      if (outputs) return *outputs;
+    }
+  }
+  return python_stage(stage, inputs, scale, causal, replays && !program);
+}
+
+// A program from Python (launch_programs.py): made, [(base, sizes, strides, offset, dtype)];
+// launches as parse_launches takes them; outputs, [(slot, like)]. replayable=false marks the
+// signature as one Python runs unrecorded
+void register_program(int64_t stage, const std::vector<std::optional<Tensor>>& inputs,
+                      double scale, bool causal, bool replayable,
+                      const std::vector<py::tuple>& made, const std::vector<py::tuple>& launches,
+                      const std::vector<std::pair<int64_t, int64_t>>& outputs) {
+  auto program = std::make_shared<Program>();
+  program->replayable = replayable;
+  auto num_inputs = static_cast<int64_t>(inputs.size());
+  for (const py::tuple& m : made) {
+    MadeTensor t{m[0].cast<int64_t>(), m[1].cast<std::vector<int64_t>>(),
+                 m[2].cast<std::vector<int64_t>>(), m[3].cast<int64_t>(), m[4].cast<int64_t>()};
+    auto slot = num_inputs + static_cast<int64_t>(program->made.size());
+    TORCH_CHECK(t.base < slot && t.sizes.size() == t.strides.size(), "bad made tensor");
+    program->made.push_back(std::move(t));
+  }
+  auto num_slots = num_inputs + static_cast<int64_t>(program->made.size());
+  program->launches = parse_launches(launches, num_slots);
+  for (auto [slot, like] : outputs) {
+    TORCH_CHECK(slot >= 0 && slot < num_slots && like < num_inputs, "bad output");
+  }
+  program->outputs = outputs;
+  TORCH_CHECK(!replayable || !program->outputs.empty(), "a program without outputs");
+  std::vector<Tensor> tensors;
+  for (const auto& t : inputs) tensors.push_back(t.value_or(Tensor()));
+  auto key = program_key(stage, tensors, scale, causal);
+  std::lock_guard<std::mutex> guard(programs_lock);
+  if (programs.size() >= kPlansLimit) programs.clear();
+  programs[key] = std::move(program);
+}
+
+void forget_programs() {
+  std::lock_guard<std::mutex> guard(programs_lock);
+  programs.clear();
+}
+
+size_t program_count() {
+  std::lock_guard<std::mutex> guard(programs_lock);
+  size_t replayable = 0;
+  for (const auto& entry : programs) replayable += entry.second->replayable;
+  return replayable;
+}
+
 // ---------------------------------------------------------------------------- the nodes
+// What a node's stages run: PyTorch's fused kernels, or (kTriton) the masked call's programs
+struct Forward {
+  Tensor o, lse, key_range;   // key_range: the mask's summary (kTriton), for the backwards
+};
+
+Forward node_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                     double scale, bool causal, int64_t kernels, bool with_lse) {
+  if (kernels == kTriton) {
+    auto out = run_stage(kForwardStage, {q, k, v, mask}, scale, causal);
+    return {out[0], out[1], out[2]};
+  }
+  auto [o, lse] = fused_forward(q, k, v, scale, causal, kernels, with_lse);
+  return {o, lse, Tensor()};
+}
+
+// o alone, for a call nothing differentiates
+Tensor forward_output(const Tensor& q, const Tensor& k, const Tensor& v,
+                      const std::optional<Tensor>& mask, double scale, bool causal,
+                      int64_t kernels) {
+  RECORD_FUNCTION("bob_compile::attn_fwd", std::vector<c10::IValue>());
+  return node_forward(q, k, v, mask.value_or(Tensor()), scale, causal, kernels, false).o;
+}
+
+std::tuple<Tensor, Tensor, Tensor> node_backward(const Tensor& dout, const Tensor& q,
+                                                 const Tensor& k, const Tensor& v,
+                                                 const Tensor& o, const Tensor& lse,
+                                                 const Tensor& mask, const Tensor& key_range,
+                                                 double scale, bool causal, int64_t kernels) {
+  if (kernels == kTriton) {
+    auto out = run_stage(kBackwardStage, {q, k, v, o, lse, dout, mask, key_range}, scale, causal);
+    return {out[0], out[1], out[2]};
+  }
+  return fused_backward(dout, q, k, v, o, lse, scale, causal, kernels);
+}
+
+Tensor saved_tensor(AutogradContext* ctx, const char* name) {
+  auto found = ctx->saved_data.find(name);
+  return found == ctx->saved_data.end() ? Tensor() : found->second.toTensor();
+}
+
+// A masked call's mask (undefined without one), passed to the nodes' apply as a non-tensor
+// argument: an undefined tensor argument cannot be a node's input, and the mask never gets a
+// gradient. The nodes save it for their backwards, which refuses one modified in place since.
+struct Mask {
+  Tensor tensor;
+};
+
 // o and lse of the forward, with their history: what a third order differentiates the BoB
-// through. Passed to NativeAttentionBackward::apply as one non-tensor argument, so that they
-// make no edges of that node (the folded BoB returns no cotangents for them).
+// through; and the mask with its summary. Passed to NativeAttentionBackward::apply as one
+// non-tensor argument, so that they make no edges of that node (the folded BoB returns no
+// cotangents for o and lse).
 struct ForwardOutputs {
-  Tensor o, lse;
+  Tensor o, lse, mask, key_range;
 };
 
 // The first backward of a folded second order (what AttnBwdFn is to the Python node, for o
-// and lse detached: autograd.py _first_backward): forward, PyTorch's fused backward; backward,
-// the folded BoB (from a plan, or by Python).
+// and lse detached: autograd.py _first_backward): forward, the first-order backward;
+// backward, the folded BoB (from a plan or a program, or by Python).
 struct NativeAttentionBackward : public torch::autograd::Function<NativeAttentionBackward> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& o, const Tensor& lse,
-                               const Tensor& dout, const ForwardOutputs& attached, double scale,
-                               bool causal, int64_t kernels) {
+                               const Tensor& dout, const ForwardOutputs& attached,
+                               double scale, bool causal, int64_t kernels) {
     RECORD_FUNCTION("bob_compile::attn_bwd", std::vector<c10::IValue>());
-    auto [dq, dk, dv] = fused_backward(dout, q, k, v, o, lse, scale, causal, kernels);
-    ctx->save_for_backward({q, k, v, o, lse, dout, attached.o, attached.lse});
+    auto [dq, dk, dv] = node_backward(dout, q, k, v, o, lse, attached.mask, attached.key_range,
+                                      scale, causal, kernels);
+    ctx->save_for_backward({q, k, v, o, lse, dout, attached.o, attached.lse, attached.mask});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["kernels"] = kernels;
+    if (attached.key_range.defined()) ctx->saved_data["key_range"] = attached.key_range;
     // dq, for the BoB's row pass to read R = dS k from (autograd.py _keep_dq): detached, so
     // that the caller may still modify it in place; a changed version is not read
     ctx->saved_data["dq"] = dq.detach();
@@ -452,7 +679,7 @@ struct NativeAttentionBackward : public torch::autograd::Function<NativeAttentio
     if (!gdq.defined() && !gdk.defined() && !gdv.defined()) return result;
     auto saved = ctx->get_saved_variables();
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
-    const Tensor &dout = saved[5];
+    const Tensor &dout = saved[5], &mask = saved[8];
     double scale = ctx->saved_data["scale"].toDouble();
     bool causal = ctx->saved_data["causal"].toBool();
     int64_t kernels = ctx->saved_data["kernels"].toInt();
@@ -465,6 +692,12 @@ struct NativeAttentionBackward : public torch::autograd::Function<NativeAttentio
                  plain_or_undefined(gdk, k) && plain_or_undefined(gdv, v);
     if (plain) {
       RECORD_FUNCTION("bob_compile::attn_bob_folded", std::vector<c10::IValue>());
+      if (kernels == kTriton) {
+        auto got = run_stage(kBobStage, {q, k, v, o, lse, dout, dq, gdq, gdk, gdv, mask,
+                                         saved_tensor(ctx, "key_range")}, scale, causal);
+        result[0] = got[0], result[1] = got[1], result[2] = got[2], result[5] = got[3];
+        return result;
+      }
       auto got = bob_from_plan(q, k, v, o, lse, dout, dq, gdq, gdk, gdv, scale, causal, kernels);
       if (got) {
         result[0] = (*got)[0], result[1] = (*got)[1], result[2] = (*got)[2];
@@ -472,45 +705,48 @@ struct NativeAttentionBackward : public torch::autograd::Function<NativeAttentio
         return result;
       }
     }
-    bool wants_plan = plain && cu_launch_kernel != nullptr && q.is_cuda();
+    bool wants_plan = plain && kernels != kTriton && cu_launch_kernel != nullptr && q.is_cuda();
     call_python(bob_backward, "BoB backward", result, {0, 1, 2, 5}, q, k, v, o, lse, dout,
-                saved[6], saved[7], gdq, gdk, gdv, dq, scale,
-                causal, wants_plan);
+                saved[6], saved[7], gdq, gdk, gdv, dq, scale, causal, wants_plan, mask);
     return result;
   }
 };
 
 struct NativeAttention : public torch::autograd::Function<NativeAttention> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, double scale, bool causal, int64_t kernels,
-                               bool fold) {
+                               const Tensor& v, const Mask& mask, double scale, bool causal,
+                               int64_t kernels, bool fold) {
     RECORD_FUNCTION("bob_compile::attn_fwd", std::vector<c10::IValue>());
-    auto [o, lse] = fused_forward(q, k, v, scale, causal, kernels, true);
-    ctx->save_for_backward({q, k, v, o, lse});
+    auto out = node_forward(q, k, v, mask.tensor, scale, causal, kernels, true);
+    ctx->save_for_backward({q, k, v, out.o, out.lse, mask.tensor});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["kernels"] = kernels;
     ctx->saved_data["fold"] = fold;
+    if (out.key_range.defined()) ctx->saved_data["key_range"] = out.key_range;
     ctx->set_materialize_grads(false);      // dlse stays undefined in ordinary training
-    return {o, lse};
+    return {out.o, out.lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& dout = grads[0];
     const Tensor& dlse = grads[1];
-    variable_list result(7);
+    variable_list result(8);
     if (!dout.defined() && !dlse.defined()) return result;
     auto saved = ctx->get_saved_variables();
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    const Tensor& mask = saved[5];
     double scale = ctx->saved_data["scale"].toDouble();
     bool causal = ctx->saved_data["causal"].toBool();
     int64_t kernels = ctx->saved_data["kernels"].toInt();
+    Tensor key_range = saved_tensor(ctx, "key_range");
     std::string refused;
     if (dout.defined() && !dlse.defined() && !deterministic() && plain_like(dout, o)) {
       try {
         if (!c10::GradMode::is_enabled()) {
           RECORD_FUNCTION("bob_compile::attn_bwd", std::vector<c10::IValue>());
-          auto [dq, dk, dv] = fused_backward(dout, q, k, v, o, lse, scale, causal, kernels);
+          auto [dq, dk, dv] = node_backward(dout, q, k, v, o, lse, mask, key_range, scale,
+                                            causal, kernels);
           result[0] = dq, result[1] = dk, result[2] = dv;
           return result;
         }
@@ -520,31 +756,35 @@ struct NativeAttention : public torch::autograd::Function<NativeAttention> {
         if (ctx->saved_data["fold"].toBool() &&
             !c10::impl::tls_is_dispatch_key_included(
                 c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
-          auto grads = NativeAttentionBackward::apply(q, k, v, o.detach(), lse.detach(), dout,
-                                                      ForwardOutputs{o, lse}, scale, causal,
-                                                      kernels);
+          auto grads = NativeAttentionBackward::apply(
+              q, k, v, o.detach(), lse.detach(), dout, ForwardOutputs{o, lse, mask, key_range},
+              scale, causal, kernels);
           result[0] = grads[0], result[1] = grads[1], result[2] = grads[2];
           return result;
         }
       } catch (const c10::OutOfMemoryError&) {
         throw;      // not a refusal: the general path would run out of memory too
       } catch (const c10::Error& e) {
+        if (kernels == kTriton) throw;      // the op's own kernels: nothing to fall back to
         refused = e.what_without_backtrace();
       }
     }
     call_python(general_backward, "general backward", result, {0, 1, 2}, q, k, v, o, lse,
                 dout, dlse, scale, causal, kernels,
-                refused.empty() ? std::optional<std::string>() : std::optional(refused));
+                refused.empty() ? std::optional<std::string>() : std::optional(refused), mask);
     return result;
   }
 };
 
 // (o, lse) of the attention op through the node (or without one where no input requires
-// grad or grad mode is off: Function::apply decides). fold: whether a second order takes the
-// folded form (kernels.fold_bob)
+// grad or grad mode is off: Function::apply decides). mask: a masked call's (B, Hq, L, S)
+// view (kernels kTriton); fold: whether a second order takes the folded form
+// (kernels.fold_bob)
 std::tuple<Tensor, Tensor> attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     double scale, bool causal, int64_t kernels, bool fold) {
-  auto out = NativeAttention::apply(q, k, v, scale, causal, kernels, fold);
+                                     const std::optional<Tensor>& mask, double scale,
+                                     bool causal, int64_t kernels, bool fold) {
+  auto out = NativeAttention::apply(q, k, v, Mask{mask.value_or(Tensor())}, scale, causal,
+                                    kernels, fold);
   return {out[0], out[1]};
 }
 
@@ -675,8 +915,9 @@ py::object fast_attention(py::handle query, py::handle key, py::handle value, py
   Tensor o;
   try {
     o = needs_graph
-            ? NativeAttention::apply(q, k, v, scale, causal, route.kernels, route.fold)[0]
-            : forward_output(q, k, v, scale, causal, route.kernels);
+            ? NativeAttention::apply(q, k, v, Mask{}, scale, causal, route.kernels,
+                                     route.fold)[0]
+            : forward_output(q, k, v, std::nullopt, scale, causal, route.kernels);
   } catch (const c10::OutOfMemoryError&) {
     throw;
   } catch (const c10::Error&) {
@@ -719,12 +960,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the contextvar of kernel choices, and torch.autograd.forward_ad");
   m.def("register_bob_plan", &register_bob_plan, "the launches of a folded BoB's signature");
   m.def("forget_bob_plans", &forget_bob_plans, "drop every plan");
+  m.def("set_triton_stage",
+        [](py::object fn) { set_python_function(triton_stage, std::move(fn)); },
+        "the Python function that runs (and records) a masked call's stage");
+  m.def("register_program", &register_program, "the program of a masked call's stage");
+  m.def("forget_programs", &forget_programs, "drop every program");
+  m.def("program_count", &program_count, "how many replayable programs are kept");
   m.def("bob_plan_count", &bob_plan_count, "how many plans are kept");
   m.def("scalar_type_code", [](const Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
         "the number of a tensor's dtype in plans");
   m.attr("CUDNN") = static_cast<int64_t>(kCudnn);
   m.attr("FLASH") = static_cast<int64_t>(kFlash);
   m.attr("CPU_FLASH") = static_cast<int64_t>(kCpuFlash);
+  m.attr("TRITON") = static_cast<int64_t>(kTriton);
+  m.attr("STAGES") = py::make_tuple("forward", "backward", "bob_folded");
   py::list slot_names;
   for (auto name : kSlotNames) slot_names.append(name);
   m.attr("SLOT_NAMES") = slot_names;
