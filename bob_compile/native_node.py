@@ -12,6 +12,10 @@ the first time a signature runs), or by Python (autograd.native_bob_backward). E
 backward calls autograd.native_node_backward, which is what the Python node (AttnFn in
 autograd.py) runs there: exact at every order either way.
 
+A plain eager call with a mask runs through the same nodes with the op's Triton kernels
+(masked_attention_output): each stage from a program of its launches once Python has recorded
+one (run_triton_stage, launch_programs.py), the mask's summary kept in the node.
+
 The node is compiled on first use with torch.utils.cpp_extension (a C++ compiler and ninja,
 which PyTorch's own extensions need too) into BOB_COMPILE_CACHE_DIR, keyed by its source,
 the torch version and the Python version, so a machine builds it once. BOB_COMPILE_CPP_NODE

@@ -18,6 +18,10 @@
 //              deterministic algorithms, or the fused kernel refusing) calls the Python
 //              function set by set_general_backward, the op's own differentiable path.
 //
+// A call with a mask runs the same two nodes with the op's Triton kernels instead of the
+// fused ones (kTriton): each stage (forward with the mask's summary, first backward, folded
+// BoB) from a program of its allocations and launches (below, "Programs"), or by Python.
+//
 // NativeAttentionBackward's backward is the folded backward-over-backward (the BoB), three
 // Triton kernels. Once the Python BoB has run for a call signature it hands this module a
 // plan of its launches (register_bob_plan: the compiled kernels' CUDA functions, grids,
