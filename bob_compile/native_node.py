@@ -166,7 +166,7 @@ def attention_output(q, k, v, scale, causal, needs_graph):
     kernel = None if path is None else _KERNEL_NUMBERS.get(path.native)
     if kernel is None:
         if module is not None:      # the C++ entry leaves this signature to Python
-            module.remember_route(q, k, v, scale, causal, -1, False)
+            module.remember_route(q, k, v, None, scale, causal, -1, False)
         return None
     if module is None:
         module = extension()
@@ -176,7 +176,7 @@ def attention_output(q, k, v, scale, causal, needs_graph):
         return None
     fold = kernels.fold_bob(q, k, v)
     # from the next call of this signature on, the C++ entry runs what follows (fast_entry)
-    module.remember_route(q, k, v, scale, causal, kernel, fold)
+    module.remember_route(q, k, v, None, scale, causal, kernel, fold)
     try:
         if not needs_graph:
             return module.forward_output(q, k, v, None, scale, causal, kernel)
@@ -215,10 +215,12 @@ def masked_attention_output(q, k, v, mask, scale, causal, needs_graph):
     module = _extension if _extension is not None else extension()
     if module is None:
         return None
+    fold = kernels.fold_bob(q, k, v)
+    # from the next call of this signature on, the C++ entry runs what follows (fast_entry)
+    module.remember_route(q, k, v, mask, scale, causal, module.TRITON, fold)
     mask = ops.flat_mask(mask, q, k)
     if needs_graph:
-        return module.attention(q, k, v, mask, scale, causal, module.TRITON,
-                                kernels.fold_bob(q, k, v))[0]
+        return module.attention(q, k, v, mask, scale, causal, module.TRITON, fold)[0]
     return module.forward_output(q, k, v, mask, scale, causal, module.TRITON)
 
 

@@ -262,3 +262,32 @@ def test_masked_calls_in_the_node_at_every_order(cpp_node, monkeypatch):
     changed[0, 0, 0, 3] = False
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         o.sum().backward()
+
+
+def test_repeated_masked_calls_take_the_cpp_entry(cpp_node, monkeypatch):
+    """From its second call on, a masked signature's calls (the mask's dtype, shape and
+    strides included) run from the C++ entry: the same bits as attention()'s Python lines;
+    a mask that requires grad is still refused by them."""
+    import sys
+    module = sys.modules["bob_compile.attention"]
+    calls = []
+    real = module.attention_output
+    monkeypatch.setattr(module, "attention_output", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v, do = randn_like_views(g, *[(2, 4, 130, 64)] * 4, dtype=torch.bfloat16)
+    q.requires_grad_()
+    mask, _ = mask_of("key padding", 2, 4, 130, 130, g, torch.bfloat16)
+    cpp_node.forget_routes()
+    first = bob_compile.attention(q, k, v, attn_mask=mask, is_causal=True)
+    again = bob_compile.attention(q, k, v, attn_mask=mask, is_causal=True)
+    with torch.no_grad():
+        without_grad = bob_compile.attention(q, k, v, attn_mask=mask, is_causal=True)
+    assert len(calls) == 1 and type(again.grad_fn).__name__ == "CppFunction"
+    other = bob_compile.attention(q, k, v, attn_mask=mask.expand(2, 1, 130, 130), is_causal=True)
+    assert len(calls) == 2          # another mask shape: another route
+    for a in (again, without_grad, other):
+        torch.testing.assert_close(a, first, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(again, q, do)[0],
+                               torch.autograd.grad(first, q, do)[0], rtol=0, atol=0)
+    with pytest.raises(TypeError, match="requires grad"):
+        bob_compile.attention(q, k, v, attn_mask=mask.float().requires_grad_(), is_causal=True)

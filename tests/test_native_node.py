@@ -486,6 +486,87 @@ def test_programs_of_recorded_stages(cpp_node):
     assert recorded.program(cpp_node, (do, o), [(d, None)]) is None
 
 
+@pytest.fixture
+def blockwise_stages(cpp_node):
+    """The masked node's stages (kernels TRITON) run by the blockwise CPU kernels, as
+    native_node.run_triton_stage runs the Triton ones on CUDA (the same inputs and outputs;
+    never recorded: no driver here), so that the masked node's plumbing runs on the CPU in
+    float64. Yields the names of the stages run."""
+    from bob_compile.kernels import blockwise, triton_masks
+    from bob_compile.kernels.params import AttentionParams
+    ran = []
+
+    def stage(number, inputs, scale, causal, wants_program):
+        assert not wants_program
+        ran.append(cpp_node.STAGES[number])
+        *tensors, mask = inputs[:4] if number == 0 else inputs[:-1]
+        params = AttentionParams(scale=scale, causal=causal, mask=mask)
+        if number == 0:
+            return (*blockwise.forward(*tensors, params), triton_masks.summarize_with_torch(mask))
+        if number == 1:
+            return blockwise.backward(*tensors, None, params)
+        q, k, v, o, lse, do, dq, gdq, gdk, gdv = tensors
+        return blockwise.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq, params)[:4]
+
+    cpp_node.set_triton_stage(stage)
+    yield ran
+    cpp_node.set_triton_stage(native_node.run_triton_stage)
+
+
+def masked_math_attention(q, k, v, mask, scale):
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    L, S = s.shape[-2:]
+    return s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v
+
+
+def test_masked_node_at_every_order(cpp_node, blockwise_stages):
+    """A masked call through the node (kernels TRITON): forward, first backward and folded BoB
+    in its stages, the mask's summary kept from the forward for the backwards, a third order
+    by the op's Python path with the mask; all equal to autograd through math attention."""
+    torch.manual_seed(2)
+    q, k, v = inputs(2, 2, 11, 11, 8, "blhd")
+    mask = torch.rand(2, 1, 11, 11) > 0.4
+    mask[..., 0] = True         # every row sees a key (math attention gives NaN otherwise)
+    flat = mask.expand(2, 2, 11, 11)
+
+    def ours(q, k, v):
+        return cpp_node.attention(q, k, v, flat, 0.4, True, cpp_node.TRITON, True)[0]
+
+    def math(q, k, v):
+        return masked_math_attention(q, k, v, flat, 0.4)
+
+    do, t = torch.randn(2, 2, 11, 8, dtype=torch.float64), torch.randn(2, 2, 11, 8)
+    results = []
+    for attend in (ours, math):
+        o = attend(q, k, v)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        hvp = torch.autograd.grad((dq * t).sum() + dk.square().sum(), (q, k, v),
+                                  create_graph=True)
+        third = torch.autograd.grad(hvp[1].square().sum(), (q, v))
+        results.append((o, dq, dk, dv, *hvp, *third))
+    assert type(results[0][0].grad_fn).__name__ == "CppFunction"
+    assert blockwise_stages == ["forward", "backward", "bob_folded"]
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_masked_node_errors(cpp_node, blockwise_stages):
+    """A mask modified in place before the backward is refused, as autograd refuses it; a
+    Python exception raised in a stage reaches the caller as itself."""
+    q, k, v = inputs(1, 1, 5, 5, 8)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool)
+    o = cpp_node.attention(q, k, v, mask, 0.5, False, cpp_node.TRITON, True)[0]
+    mask[0, 0, 0, 0] = False
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
+    def refuse(*args):
+        raise ValueError("no stage here")
+    cpp_node.set_triton_stage(refuse)
+    with pytest.raises(ValueError, match="no stage here"):
+        cpp_node.attention(q, k, v, mask, 0.5, False, cpp_node.TRITON, True)
+
+
 # ----------------------------------------------------------------------------- the C++ entry
 @pytest.fixture
 def python_calls(cpu_kernels_as_native, monkeypatch):

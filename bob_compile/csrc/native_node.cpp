@@ -795,7 +795,7 @@ std::tuple<Tensor, Tensor> attention(const Tensor& q, const Tensor& k, const Ten
 // ---------------------------------------------------------------------------- the entry
 // bob_compile.attention's first lines (attention.py): for a call whose route Python has
 // decided before (remember_route), o from here, or None where Python must run the call
-// (anything but 4-D plain tensors without a mask and a float or default scale; a torch.func
+// (anything but 4-D plain tensors, a plain mask or none, and a float or default scale; a torch.func
 // transform, dispatch or torch-function mode, JIT trace, the profiler, autocast, a compiled
 // graph's kernel choices, a forward-AD level or tangent; an unknown signature; a kernel's
 // refusal).
@@ -811,19 +811,28 @@ PyObject* kernel_choices = nullptr;   // kernels/settings.py's contextvar of ker
 PyObject* forward_ad = nullptr;       // torch.autograd.forward_ad (its _current_level)
 PyObject* current_level = nullptr;    // the interned name "_current_level"
 
+// a mask by its dtype, sizes and strides (the broadcast attention.py accepted for them)
 std::vector<int64_t> route_key(const Tensor& q, const Tensor& k, const Tensor& v,
-                               double scale, bool causal) {
-  return {static_cast<int64_t>(q.device().type()), q.device().index(),
-          static_cast<int64_t>(q.scalar_type()), q.size(0), q.size(1), q.size(2), q.size(3),
-          k.size(1), k.size(2), v.size(3), causal, bits_of(scale)};
+                               const Tensor& mask, double scale, bool causal) {
+  std::vector<int64_t> key{static_cast<int64_t>(q.device().type()), q.device().index(),
+                           static_cast<int64_t>(q.scalar_type()), q.size(0), q.size(1),
+                           q.size(2), q.size(3), k.size(1), k.size(2), v.size(3), causal,
+                           bits_of(scale)};
+  if (mask.defined()) {
+    key.insert(key.end(), {static_cast<int64_t>(mask.scalar_type()), mask.dim()});
+    key.insert(key.end(), mask.sizes().begin(), mask.sizes().end());
+    key.insert(key.end(), mask.strides().begin(), mask.strides().end());
+  }
+  return key;
 }
 
-void remember_route(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                    bool causal, int64_t kernels, bool fold) {
+void remember_route(const Tensor& q, const Tensor& k, const Tensor& v,
+                    const std::optional<Tensor>& mask, double scale, bool causal,
+                    int64_t kernels, bool fold) {
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return;     // the entry takes 4-D only
   std::lock_guard<std::mutex> guard(routes_lock);
   if (routes.size() >= kRoutesLimit) routes.clear();
-  routes[route_key(q, k, v, scale, causal)] = Route{kernels, fold};
+  routes[route_key(q, k, v, mask.value_or(Tensor()), scale, causal)] = Route{kernels, fold};
 }
 
 void forget_routes() {
@@ -878,15 +887,17 @@ bool nothing_intercepts(const Tensor& q) {
 py::object fast_attention(py::handle query, py::handle key, py::handle value, py::handle mask,
                           py::handle is_causal, py::handle scale_arg, py::handle enable_gqa) {
   py::object none = py::none();
-  if (!mask.is_none() || !PyBool_Check(is_causal.ptr()) || !PyBool_Check(enable_gqa.ptr()) ||
+  if (!PyBool_Check(is_causal.ptr()) || !PyBool_Check(enable_gqa.ptr()) ||
       !(scale_arg.is_none() || PyFloat_CheckExact(scale_arg.ptr())) ||
       !THPVariable_CheckExact(query.ptr()) || !THPVariable_CheckExact(key.ptr()) ||
-      !THPVariable_CheckExact(value.ptr())) {
+      !THPVariable_CheckExact(value.ptr()) ||
+      !(mask.is_none() || THPVariable_CheckExact(mask.ptr()))) {
     return none;
   }
   const Tensor& q = THPVariable_Unpack(query.ptr());
   const Tensor& k = THPVariable_Unpack(key.ptr());
   const Tensor& v = THPVariable_Unpack(value.ptr());
+  Tensor m = mask.is_none() ? Tensor() : THPVariable_Unpack(mask.ptr());
   bool causal = is_causal.ptr() == Py_True;
   // first what intercepts ops (plain_tensor's first call makes a tensor, which no mode may see)
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || !nothing_intercepts(q) ||
@@ -894,6 +905,12 @@ py::object fast_attention(py::handle query, py::handle key, py::handle value, py
       k.device() != q.device() || v.device() != q.device() || !plain_tensor(q) ||
       !plain_tensor(k) || !plain_tensor(v) || q._fw_grad(0).defined() ||
       k._fw_grad(0).defined() || v._fw_grad(0).defined()) {
+    return none;
+  }
+  // a mask: what attention.py checks besides its shape (its route was remembered for this
+  // dtype, shape and strides, so its broadcast was accepted), as a plain tensor
+  if (m.defined() && (m.requires_grad() || m.device() != q.device() || !plain_tensor(m) ||
+                      m._fw_grad(0).defined())) {
     return none;
   }
   // the shapes attention.py accepts without broadcasting (GQA only where asked for)
@@ -909,19 +926,24 @@ py::object fast_attention(py::handle query, py::handle key, py::handle value, py
   Route route;
   {
     std::lock_guard<std::mutex> guard(routes_lock);
-    auto found = routes.find(route_key(q, k, v, scale, causal));
+    auto found = routes.find(route_key(q, k, v, m, scale, causal));
     if (found == routes.end()) return none;
     route = found->second;
   }
-  if (route.kernels < 0 || (route.kernels == kCpuFlash) == q.is_cuda()) return none;
+  if (route.kernels < 0 || (route.kernels == kCpuFlash) == q.is_cuda() ||
+      (route.kernels == kTriton) != m.defined()) {
+    return none;
+  }
   bool needs_graph = c10::GradMode::is_enabled() &&
                      (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  // the mask as the kernels take it, (B, Hq, L, S) (ops.py flat_mask)
+  if (m.defined()) m = m.expand({q.size(0), q.size(1), q.size(2), k.size(2)});
   Tensor o;
   try {
     o = needs_graph
-            ? NativeAttention::apply(q, k, v, Mask{}, scale, causal, route.kernels,
+            ? NativeAttention::apply(q, k, v, Mask{m}, scale, causal, route.kernels,
                                      route.fold)[0]
-            : forward_output(q, k, v, std::nullopt, scale, causal, route.kernels);
+            : forward_output(q, k, v, m, scale, causal, route.kernels);
   } catch (const c10::OutOfMemoryError&) {
     throw;
   } catch (const c10::Error&) {
@@ -947,6 +969,15 @@ void set_python_function(py::object*& slot, py::object fn) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // a Python exception raised in a Python stage called from a node's forward (python_error)
+  // leaves this module's functions as itself; anything else as pybind11 translates it
+  py::register_local_exception_translator([](std::exception_ptr e) {
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (python_error& error) {
+      error.restore();
+    }
+  });
   m.def("attention", &attention, "(o, lse) through the C++ autograd node");
   m.def("forward_output", &forward_output, "o of a call nothing differentiates");
   m.def("set_general_backward",
