@@ -192,11 +192,13 @@ class python_node:
 
     def __enter__(self):
         from bob_compile import native_node
-        self.module, self.real = native_node, native_node.masked_attention_output
+        self.module = native_node
+        self.real = native_node.masked_attention_output, native_node.fast_entry
         native_node.masked_attention_output = lambda *a: None
+        native_node.fast_entry = None
 
     def __exit__(self, *exc):
-        self.module.masked_attention_output = self.real
+        self.module.masked_attention_output, self.module.fast_entry = self.real
 
 
 def host_times(calls=200):
