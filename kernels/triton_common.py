@@ -202,11 +202,13 @@ def key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary_ptr, sre, BLOCK_M: tl.
                           BLOCK_N: tl.constexpr):
     """A row-block-major kernel's two key loops [lo1, hi1) and [lo2, hi2) (lo1, lo2
     multiples of BLOCK_N) for rows [m0, m0 + BLOCK_M), restricted to the key blocks holding
-    keys its (batch, head)'s mask lets them see: keys in [first, end), and with the causal
-    mask folded in (KEYS_IN_RANGE_CAUSAL) none past the block's last row; then the
-    summary (first, end, structure) from KEY_RANGE (triton_masks.py)."""
+    keys its (batch, head)'s mask lets them see: keys in [first, end), and where no row
+    sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL) none past
+    the block's last row; then the summary (first, end, structure) from KEY_RANGE
+    (triton_masks.py)."""
     first, end, structure = load_mask_summary(summary_ptr, sre)
-    end_seen = tl.where(structure == 2, tl.minimum(end, m0 + BLOCK_M), end)
+    below_diagonal = (structure == 2) | (structure == 3)
+    end_seen = tl.where(below_diagonal, tl.minimum(end, m0 + BLOCK_M), end)
     block_of_first = (first // BLOCK_N) * BLOCK_N
     return (tl.maximum(lo1, block_of_first), tl.minimum(hi1, end_seen),
             tl.maximum(lo2, block_of_first), tl.minimum(hi2, end_seen), first, end, structure)
@@ -217,10 +219,12 @@ def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, BLOCK_M: tl.c
                           BLOCK_N: tl.constexpr):
     """A key-block-major kernel's two query loops [m_lo, m_mid) and [m_mid, m_hi) for keys
     [n0, n0 + BLOCK_N), restricted by its (batch, head)'s mask: none when it hides every
-    key of the block, and with the causal mask folded in (KEYS_IN_RANGE_CAUSAL) none above
-    the diagonal; then the summary (first, end, structure) from KEY_RANGE."""
+    key of the block, and where no row sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL,
+    READ_THE_MASK_CAUSAL) no query block above it; then the summary (first, end,
+    structure) from KEY_RANGE."""
     first, end, structure = load_mask_summary(summary_ptr, sre)
-    m_lo = tl.where(structure == 2, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
+    below_diagonal = (structure == 2) | (structure == 3)
+    m_lo = tl.where(below_diagonal, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
     m_mid = tl.maximum(m_mid, m_lo)
     unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
     return (m_lo, tl.where(unseen, m_lo, m_mid), tl.where(unseen, m_lo, m_hi), first, end,
@@ -236,7 +240,7 @@ def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, first, end, s
     (batch, head)'s structure says the mask is a key range [first, end) (with key <= query
     for KEYS_IN_RANGE_CAUSAL), from indices; elsewhere from a tile of the mask, pairs
     outside [0, L) x [0, S) reading as hidden."""
-    if structure != 0:
+    if (structure == 1) | (structure == 2):
         if TRANSPOSED:
             keys, rows = offs_n[:, None], offs_m[None, :]
         else:

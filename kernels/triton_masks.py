@@ -12,7 +12,10 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
                  nothing to a visible score. Such masks are applied from indices and never
                  read, and the causal form also skips the key blocks above the diagonal
                  (triton_common.apply_mask_tile, key_loops_within_mask,
-                 row_loops_within_mask).
+                 row_loops_within_mask). READ_THE_MASK_CAUSAL: any other mask whose rows
+                 see no key above the diagonal (a causal mask with holes, packed sequences'
+                 block-diagonal causal masks): read, with the blocks above the diagonal
+                 skipped as well.
 
 The summary is computed on the device by every forward, by two small kernels (per-row
 counts, then per (batch, head)) without a host synchronization; the backwards of that call
@@ -34,7 +37,8 @@ from .triton_common import BUILD_ERRORS, blocks, fixed_plan, interpreting, strid
 log = logging.getLogger("bob_compile.kernels")
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
-READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL = 0, 1, 2      # a summary's structure
+# a summary's structure (the kernels test these numbers: triton_common.py)
+READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL = 0, 1, 2, 3
 
 
 def mask_kind_and_tensor(params, fallback, reuse=False):
@@ -175,6 +179,7 @@ def _summary_kernel(STATS, SUMMARY, L, S, BLOCK_L: tl.constexpr, ROWS_ARE_QUERIE
     # [first, min(end, row + 1)) holds sees exactly that.
     not_range = zero
     not_causal = zero
+    not_below = zero
     adds = zero
     for l0 in range(0, L, BLOCK_L):
         offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -186,12 +191,15 @@ def _summary_kernel(STATS, SUMMARY, L, S, BLOCK_L: tl.constexpr, ROWS_ARE_QUERIE
         not_range += tl.sum((rows & (count != end - first)).to(tl.int32), 0)
         off_causal = (count != in_causal_range) | (below != count)
         not_causal += tl.sum((rows & off_causal).to(tl.int32), 0)
+        not_below += tl.sum((rows & (below != count)).to(tl.int32), 0)
         adds += tl.sum((rows & (zeros != count)).to(tl.int32), 0)
     structure = tl.where(not_range == 0, 1, 0)
     if ROWS_ARE_QUERIES:
         structure = tl.where((structure == 0) & (not_causal == 0), 2, structure)
     if ADDITIVE:
         structure = tl.where(adds == 0, structure, 0)
+    if ROWS_ARE_QUERIES:    # read, but no row sees a key above the diagonal
+        structure = tl.where((structure == 0) & (not_below == 0), 3, structure)
     out = SUMMARY + pid_bh.to(tl.int64) * 3
     tl.store(out, first)
     tl.store(out + 1, end)
@@ -257,5 +265,9 @@ def summarize_with_torch(mask):
     if base.dtype != torch.bool:
         adds_nothing = ((base == 0).sum(-1, dtype=torch.int32) == count).all(-1)
         structure = torch.where(adds_nothing, structure, READ_THE_MASK)
+    if rows_are_queries:
+        below_only = (at_or_below == count).all(-1)
+        structure = torch.where((structure == READ_THE_MASK) & below_only,
+                                READ_THE_MASK_CAUSAL, structure)
     summary = torch.stack((first, end, structure.to(torch.int32)), -1)
     return summary[:, :, None, :].expand(mask.shape[0], mask.shape[1], 1, 3)

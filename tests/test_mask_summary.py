@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 from bob_compile.kernels.triton_masks import (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,  # noqa: E402
-                                              READ_THE_MASK, summarize_with_torch)
+                                              READ_THE_MASK, READ_THE_MASK_CAUSAL,
+                                              summarize_with_torch)
 
 B, H, L, S = 3, 2, 7, 7
 ROWS, KEYS = torch.arange(L)[:, None], torch.arange(S)[None, :]
@@ -54,12 +55,14 @@ def test_additive_masks_that_add_nothing_to_visible_scores():
     assert [r[2] for r in summary(additive)] == [KEYS_IN_RANGE_CAUSAL] * 3
     biased = additive.clone()
     biased[1, 0, 5, 1] = 0.5            # a bias on one visible pair: read the mask there
-    assert [r[2] for r in summary(biased)] == [KEYS_IN_RANGE_CAUSAL, READ_THE_MASK,
+    assert [r[2] for r in summary(biased)] == [KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL,
                                               KEYS_IN_RANGE_CAUSAL]
 
 
 @pytest.mark.parametrize("change", ["a hole", "an extra key", "a diagonal shifted by one"])
 def test_almost_structured_masks_are_read(change):
+    """Read; where no row sees a key above the diagonal (a hole in a causal mask), with the
+    blocks above it skipped (READ_THE_MASK_CAUSAL)."""
     mask = (padding([7, 5, 3]) & (KEYS <= ROWS)).expand(B, 1, L, S).clone()
     if change == "a hole":
         mask[1, 0, 4, 2] = False
@@ -68,8 +71,20 @@ def test_almost_structured_masks_are_read(change):
     else:
         mask[1] = padding([5])[0] & (KEYS <= ROWS + 1)
     rows = summary(mask)
-    assert rows[1][2] == READ_THE_MASK
+    assert rows[1][2] == (READ_THE_MASK_CAUSAL if change == "a hole" else READ_THE_MASK)
     assert rows[0][2] == rows[2][2] == KEYS_IN_RANGE_CAUSAL
+
+
+def test_block_diagonal_causal_masks_skip_the_blocks_above_the_diagonal():
+    """Packed sequences (a causal mask within each document): read, nothing above the
+    diagonal; the same pattern broadcast over rows cannot say so."""
+    document = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    packed = (document[:, None] == document[None, :]) & (KEYS <= ROWS)
+    assert [r[2] for r in summary(packed[None, None].expand(B, 1, L, S))] == \
+        [READ_THE_MASK_CAUSAL] * 3
+    one_row = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    one_row[..., ::2] = True
+    assert [r[2] for r in summary(one_row)] == [READ_THE_MASK] * 3
 
 
 def test_rows_broadcast_cannot_hold_a_causal_mask():

@@ -289,17 +289,20 @@ def test_padding_masks_skip_unseen_key_blocks(kind, causal):
                    mask=mask.expand(B, Hq, L, S))
 
 
-def hf_mask(kind, B, L, S, left, extra_key=False):
+def hf_mask(kind, B, L, S, left, extra_key=False, hole=False):
     """Hugging Face's 4-D mask: key padding and a top-left causal mask in one (B, 1, L, S)
     tensor (bool, or additive with the finfo.min fill); batch b keeps S - 9 b keys, at the
     end if left-padded. extra_key: one pair above the diagonal made visible in batch 1 (no
-    longer structured: the kernels must read it)."""
+    longer structured: the kernels must read it); hole: one visible pair hidden in batch 1
+    (read, with the blocks above the diagonal skipped)."""
     keys = torch.arange(S)
     lengths = [S - 9 * b for b in range(B)]
     valid = torch.stack([(keys >= S - n) if left else (keys < n) for n in lengths])
     visible = valid[:, None, None, :] & (keys[None, :] <= torch.arange(L)[:, None])
     if extra_key:
         visible[1, 0, 3, 20] = True
+    if hole:
+        visible[1, 0, 30, 29] = False
     if kind == "bool":
         return visible
     return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
@@ -308,9 +311,10 @@ def hf_mask(kind, B, L, S, left, extra_key=False):
 @in_interpreter
 @pytest.mark.parametrize("kind,left,extra_key,schedule", [
     ("bool", False, False, "two_pass"), ("additive", True, False, "atomic"),
-    ("bool", True, True, "atomic"), ("additive", False, True, "two_pass")],
+    ("bool", True, True, "atomic"), ("additive", False, True, "two_pass"),
+    ("bool", False, "hole", "two_pass")],
     ids=["bool-right-structured", "additive-left-structured-atomic", "bool-left-read-atomic",
-         "additive-right-read"])
+         "additive-right-read", "bool-right-read-below-the-diagonal"])
 def test_hf_masks_every_output(monkeypatch, kind, left, extra_key, schedule):
     """Padding with the causal mask folded in, as HF passes it (is_causal=False): applied
     from indices, with the key blocks above the diagonal skipped (mask_summary), or read
@@ -321,10 +325,14 @@ def test_hf_masks_every_output(monkeypatch, kind, left, extra_key, schedule):
     monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
     settings.reload()
     B, Hq, L, S = 3, 4, 45, 45
-    mask = hf_mask(kind, B, L, S, left, extra_key).expand(B, Hq, L, S)
-    from bob_compile.kernels.triton_masks import KEYS_IN_RANGE_CAUSAL, mask_summary
+    hole = extra_key == "hole"
+    extra_key = extra_key is True
+    mask = hf_mask(kind, B, L, S, left, extra_key, hole).expand(B, Hq, L, S)
+    from bob_compile.kernels.triton_masks import (KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL,
+                                                  mask_summary)
     structures = mask_summary(mask)[:, 0, 0, 2].tolist()
-    assert (structures[1] == KEYS_IN_RANGE_CAUSAL) != extra_key
+    assert structures[1] == (READ_THE_MASK_CAUSAL if hole else
+                             KEYS_IN_RANGE_CAUSAL if not extra_key else 0)
     q, k, v = make_inputs(B, Hq, 2, L, S, 16, 16, torch.float32)
     run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=mask)
 
@@ -349,6 +357,8 @@ def summary_cases():
     per_head[:, 1] = keys <= rows
     per_head[1, 2, 4, 60] = False
     yield "per head", per_head
+    holes = causal & (torch.rand(4, 1, L, S, generator=g) > 0.2)
+    yield "causal with holes", holes.expand(4, 3, L, S)
     yield "one row", causal[:, :, :1].expand(4, 2, 1, S)
 
 
