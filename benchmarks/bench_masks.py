@@ -22,9 +22,12 @@ w.r.t. q, k, v, dO):
   for the same number of visible pairs, the issue's reference for the masked rows.
 CUDA-event medians after warm-up. Checks the masked steps against per-sequence unmasked
 steps on the real tokens (the padded rows' outputs are excluded). `--profile` also prints
-each padded row's GPU time per step by kernel (torch.profiler), host time excluded.
+each padded row's GPU time per step by kernel (torch.profiler), host time excluded;
+`--python-node` adds the structured masked rows through the Python autograd node (as masked
+calls ran before they went through the C++ node); `--host` the host time per call where the
+GPU work is negligible (B = 2, H = 4, N = 128), C++ node, Python node and no mask.
 
-    python benchmarks/bench_masks.py --out results/ [--profile] [--summary-per-call]
+    python benchmarks/bench_masks.py --out results/ [--profile] [--python-node] [--host]
 """
 import argparse
 import json
