@@ -33,6 +33,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -486,6 +487,7 @@ std::vector<int64_t> program_key(int64_t stage, const std::vector<Tensor>& input
 // The stage's outputs from its program, or nothing where it does not apply
 std::optional<std::vector<Tensor>> replay(const Program& program,
                                           const std::vector<Tensor>& inputs) {
+  c10::DeviceGuard on_inputs_device(inputs[0].device());    // its context launches them
   void* context = nullptr;
   if (cu_ctx_get_current(&context) != 0 || context == nullptr) return std::nullopt;
   std::vector<Tensor> slots(inputs);
