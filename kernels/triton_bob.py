@@ -451,10 +451,11 @@ def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False):
     # configs"): with dq read, 128 x 64 with 8 warps and three pipeline stages beats the
     # earlier choice (64 x 64, 4 warps, two stages); without dq, three stages beat two for
     # both tiles that were measured with both.
-    if fold and reads_dq:
+    if fold and reads_dq:   # 64 x 32: the fastest masked row pass on a padded batch ("Masks")
         return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)]
+                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)]
     if fold:
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
@@ -475,9 +476,11 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics):
         return [dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
+    # 32 x 64: the fastest masked column pass on a padded batch (benchmarks/README.md, "Masks")
     return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-            dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)]
+            dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2),
+            dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)]
 
 
 def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=False,

@@ -231,35 +231,67 @@ def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, BLOCK_M: tl.c
             structure)
 
 
+# Where apply_mask_tile takes the mask from (its SOURCE): decided per tile from the
+# structure (a runtime branch in the loop), or known for the whole loop (a kernel that
+# branches once, outside its loops, so that each loop body is free of the branch and of the
+# mask load the other side would hold)
+MASK_BY_STRUCTURE = tl.constexpr(0)
+MASK_FROM_INDICES = tl.constexpr(1)
+MASK_READ = tl.constexpr(2)
+
+
+@triton.jit
+def mask_from_indices(structure):
+    """Whether a (batch, head)'s mask applies from indices (KEYS_IN_RANGE[_CAUSAL])."""
+    return (structure == 1) | (structure == 2)
+
+
 @triton.jit
 def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, first, end, structure,
-                    MASK_KIND: tl.constexpr, TRANSPOSED: tl.constexpr):
+                    MASK_KIND: tl.constexpr, TRANSPOSED: tl.constexpr,
+                    SOURCE: tl.constexpr = MASK_BY_STRUCTURE):
     """Base-2 scores s2 ([M, N], or [N, M] when TRANSPOSED) with the mask applied as
     AttentionParams defines it: bool False hides the pair; an additive value is added
     (times log2 e), and one at or below -1e4 (HIDDEN_AT_OR_BELOW) hides the pair. Where the
     (batch, head)'s structure says the mask is a key range [first, end) (with key <= query
     for KEYS_IN_RANGE_CAUSAL), from indices; elsewhere from a tile of the mask, pairs
-    outside [0, L) x [0, S) reading as hidden."""
-    if (structure == 1) | (structure == 2):
-        if TRANSPOSED:
-            keys, rows = offs_n[:, None], offs_m[None, :]
-        else:
-            keys, rows = offs_n[None, :], offs_m[:, None]
-        in_range = (keys >= first) & (keys < end) & ((structure == 1) | (keys <= rows))
-        s2 = tl.where(in_range, s2, float("-inf"))
+    outside [0, L) x [0, S) reading as hidden. SOURCE: see MASK_BY_STRUCTURE above."""
+    if SOURCE == MASK_FROM_INDICES:
+        s2 = _mask_from_indices(s2, offs_m, offs_n, first, end, structure, TRANSPOSED)
+    elif SOURCE == MASK_READ:
+        s2 = _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND, TRANSPOSED)
+    elif mask_from_indices(structure):
+        s2 = _mask_from_indices(s2, offs_m, offs_n, first, end, structure, TRANSPOSED)
     else:
-        if TRANSPOSED:
-            ptrs = mask_base + offs_n[:, None] * sms + offs_m[None, :] * sml
-            inside = (offs_n[:, None] < S) & (offs_m[None, :] < L)
-        else:
-            ptrs = mask_base + offs_m[:, None] * sml + offs_n[None, :] * sms
-            inside = (offs_m[:, None] < L) & (offs_n[None, :] < S)
-        if MASK_KIND == 1:
-            visible = tl.load(ptrs, mask=inside, other=0) != 0
-            s2 = tl.where(visible, s2, float("-inf"))
-        if MASK_KIND == 2:
-            bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
-            s2 = tl.where(bias <= -1e4, float("-inf"), s2 + bias * 1.4426950408889634)
+        s2 = _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND, TRANSPOSED)
+    return s2
+
+
+@triton.jit
+def _mask_from_indices(s2, offs_m, offs_n, first, end, structure, TRANSPOSED: tl.constexpr):
+    if TRANSPOSED:
+        keys, rows = offs_n[:, None], offs_m[None, :]
+    else:
+        keys, rows = offs_n[None, :], offs_m[:, None]
+    in_range = (keys >= first) & (keys < end) & ((structure == 1) | (keys <= rows))
+    return tl.where(in_range, s2, float("-inf"))
+
+
+@triton.jit
+def _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND: tl.constexpr,
+               TRANSPOSED: tl.constexpr):
+    if TRANSPOSED:
+        ptrs = mask_base + offs_n[:, None] * sms + offs_m[None, :] * sml
+        inside = (offs_n[:, None] < S) & (offs_m[None, :] < L)
+    else:
+        ptrs = mask_base + offs_m[:, None] * sml + offs_n[None, :] * sms
+        inside = (offs_m[:, None] < L) & (offs_n[None, :] < S)
+    if MASK_KIND == 1:
+        visible = tl.load(ptrs, mask=inside, other=0) != 0
+        s2 = tl.where(visible, s2, float("-inf"))
+    if MASK_KIND == 2:
+        bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
+        s2 = tl.where(bias <= -1e4, float("-inf"), s2 + bias * 1.4426950408889634)
     return s2
 
 

@@ -12,10 +12,11 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, blocks, dot_precision, interpreting,
+from .triton_common import (LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
+                            apply_mask_tile, blocks, dot_precision, interpreting,
                             key_blocks_of_row_block, key_loops_within_mask, launch_plan, load_tile,
-                            padded_dim, row_block_program, row_bytes, store_tile, strides_of,
-                            visibility_mask, wide_candidates)
+                            mask_from_indices, padded_dim, row_block_program, row_bytes,
+                            store_tile, strides_of, visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
@@ -32,7 +33,7 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    n_hi, L, S, qk_scale_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -42,7 +43,7 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
             s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                 structure, MASK_KIND, False)
+                                 structure, MASK_KIND, False, MASK_SOURCE)
         m_new = _max_keeping_nan(m_i, tl.reduce(s2, 1, _max_keeping_nan))
         # rows whose scores are all -inf so far keep a finite reference point (no inf - inf)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -52,6 +53,26 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
+                   first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
+                   qk_scale_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                   PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   MASK_SOURCE: tl.constexpr):
+    """The key blocks visible to every row [lo1, hi1), then those straddling the diagonal
+    or the keys' end [lo2, hi2) (key_blocks_of_row_block)."""
+    acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
+                                   mask_base, sml, sme, first, end, structure, offs_m, offs_e,
+                                   offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
+                                   HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E,
+                                   PAD_EV, DOT_PRECISION, MASK_SOURCE)
+    return _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base,
+                          sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2,
+                          L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                          MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_SOURCE)
 
 
 @triton.jit
@@ -82,16 +103,30 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   mask_base, sml, sme, first, end, structure, offs_m, offs_e,
-                                   offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
-                                   HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E,
-                                   PAD_EV, DOT_PRECISION)
-    acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   mask_base, sml, sme, first, end, structure, offs_m, offs_e,
-                                   offs_ev, lo2, hi2, L, S, qk_scale_log2, HEAD_DIM,
-                                   HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
-                                   DOT_PRECISION)
+    # A mask's source is decided once, here, not per tile: each loop body then holds one
+    # kind of masking, without a branch or the other kind's mask load (with the branch in its
+    # loop, the masked forward took ~2.6x the unmasked one's time per visible pair on the
+    # H200: benchmarks/README.md, "Masks")
+    if MASK_KIND == 0:
+        acc, l_i, m_i = _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
+                                       mask_base, sml, sme, first, end, structure, offs_m,
+                                       offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
+                                       qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, CAUSAL,
+                                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
+                                       MASK_BY_STRUCTURE)
+    elif mask_from_indices(structure):
+        acc, l_i, m_i = _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
+                                       mask_base, sml, sme, first, end, structure, offs_m,
+                                       offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
+                                       qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, CAUSAL,
+                                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
+                                       MASK_FROM_INDICES)
+    else:
+        acc, l_i, m_i = _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
+                                       mask_base, sml, sme, first, end, structure, offs_m,
+                                       offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
+                                       qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, CAUSAL,
+                                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
 
     # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running
     # max still -inf means all its scores are -inf (infinite inputs, or a mask hiding every
@@ -119,9 +154,12 @@ def forward_candidates(dtype, head_dim, head_dim_v):
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)]
+    # 64 x 32: the fastest masked forward on a padded batch (B = 8, N = 2048; benchmarks/
+    # README.md, "Masks")
     return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
             dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)]
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)]
 
 
 def attention_forward(q, k, v, params):
