@@ -40,10 +40,12 @@ def launch_arguments(module, record, slot_of):
     slot_of mapping id(tensor) to its slot; None where one cannot be replayed: a launch not
     through a DirectLaunch or by a provisional launch config, a cluster or cooperative launch,
     or an argument that is none of the slots' tensors."""
+    if not replays_complete(record):
+        return None
     kind = {name: i for i, name in enumerate(module.ARG_KINDS)}
     launches = []
-    for kernel, grid, args, direct, kept in record.launches:
-        if direct is None or not kept or direct.cooperative or direct.pdl:
+    for kernel, grid, args, direct, _ in record.launches:
+        if direct.cooperative or direct.pdl:
             return None
         num_warps, num_ctas, shared_bytes = direct.metadata
         if num_ctas != 1:

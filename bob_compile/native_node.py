@@ -152,12 +152,20 @@ def extension(wait=None):
     return _extension
 
 
+def _something_intercepts():
+    """Forward-mode AD, the profiler or a compiled graph's kernel choices: the op's Python
+    path runs (the nodes have no jvp, the profiler should see the op's name, and kernel
+    choices are Python's)."""
+    return _forward_ad._current_level >= 0 or _profiling() or \
+        kernel_settings.overridden() is not None
+
+
 def attention_output(q, k, v, scale, causal, needs_graph):
     """o of a plain eager call without a mask through the C++ node (needs_graph: some input
     requires grad under grad mode; else the forward alone, without the lse); None where the
     node does not apply (not PyTorch's fused kernels, forward-mode AD, the profiler, a
     compiled graph's kernel choices; not built yet) or the kernel refused."""
-    if _forward_ad._current_level >= 0 or _profiling() or kernel_settings.overridden() is not None:
+    if _something_intercepts():
         return None
     path = _call_path(kernels.select, q, k, v, None, scale, causal)
     module = _extension
@@ -203,7 +211,7 @@ def masked_attention_output(q, k, v, mask, scale, causal, needs_graph):
     attention_output); None where the node does not apply: inputs the Triton kernels do not
     take or an empty length, forward-mode AD, the profiler, a compiled graph's kernel
     choices, Triton's own launcher (fast launches off), or the node not built yet."""
-    if _forward_ad._current_level >= 0 or _profiling() or kernel_settings.overridden() is not None:
+    if _something_intercepts():
         return None
     if not (q.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2]
             and k.shape[2]):

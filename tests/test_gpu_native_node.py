@@ -136,15 +136,22 @@ def test_plans_are_forgotten_on_reload(cpp_node, reread_settings):
     assert cpp_node.bob_plan_count() == 0
 
 
-def test_repeated_calls_take_the_cpp_entry(cpp_node, monkeypatch):
-    """From its second call on, a signature's calls run from the C++ entry: the same kernels
-    as attention()'s Python lines, so the same bits; with and without grad."""
+def python_lines(monkeypatch):
+    """A list that grows by one for each bob_compile.attention call that runs its Python
+    lines (not the C++ entry)."""
     import sys
-    from bob_compile import native_node
     module = sys.modules["bob_compile.attention"]
     calls = []
     real = module.attention_output
     monkeypatch.setattr(module, "attention_output", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_repeated_calls_take_the_cpp_entry(cpp_node, monkeypatch):
+    """From its second call on, a signature's calls run from the C++ entry: the same kernels
+    as attention()'s Python lines, so the same bits; with and without grad."""
+    from bob_compile import native_node
+    calls = python_lines(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, do = randn_like_views(g, *[(2, 4, 130, 64)] * 4, dtype=torch.bfloat16)
     q.requires_grad_()
@@ -270,11 +277,7 @@ def test_repeated_masked_calls_take_the_cpp_entry(cpp_node, monkeypatch):
     """From its second call on, a masked signature's calls (the mask's dtype, shape and
     strides included) run from the C++ entry: the same bits as attention()'s Python lines;
     a mask that requires grad is still refused by them."""
-    import sys
-    module = sys.modules["bob_compile.attention"]
-    calls = []
-    real = module.attention_output
-    monkeypatch.setattr(module, "attention_output", lambda *a: calls.append(1) or real(*a))
+    calls = python_lines(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(6)
     q, k, v, do = randn_like_views(g, *[(2, 4, 130, 64)] * 4, dtype=torch.bfloat16)
     q.requires_grad_()

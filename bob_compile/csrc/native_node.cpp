@@ -176,6 +176,15 @@ Tensor tensor_or_undefined(const py::handle& h) {
   return h.is_none() ? Tensor() : h.cast<Tensor>();
 }
 
+// A Python exception (caught under the GIL) as what the autograd engine carries across
+// threads, and this module's exception translator restores, with its Python type
+[[noreturn]] void throw_python_error(py::error_already_set& e) {
+  e.restore();
+  python_error error;
+  error.persist();
+  throw error;
+}
+
 // Calls a Python backward (which returns a tuple of tensors or Nones) under the GIL and puts
 // its results at `positions` of the gradients returned; a Python exception is rethrown as
 // what the engine carries across threads with its Python type. The arguments are converted
@@ -190,10 +199,7 @@ void call_python(py::object* fn, const char* what, variable_list& result,
     size_t i = 0;
     for (size_t position : positions) result[position] = tensor_or_undefined(got[i++]);
   } catch (py::error_already_set& e) {
-    e.restore();
-    python_error error;
-    error.persist();
-    throw error;
+    throw_python_error(e);
   }
 }
 
@@ -371,7 +377,12 @@ std::optional<std::array<Tensor, 4>> bob_from_plan(const Tensor& q, const Tensor
                                in_order_of(slots[kGv], v), in_order_of(slots[kGdo], dout)};
 }
 
-// Launches from Python (native_node.py _replayable): per launch (function, grid_x, grid_y,
+// A pointer or a stride: an argument taken from a slot's tensor
+bool uses_slot(const Arg& arg) {
+  return arg.kind == kPointer || arg.kind == kStride || arg.kind == kStrideOne;
+}
+
+// Launches from Python (launch_programs.launch_arguments): per launch (function, grid_x, grid_y,
 // threads, shared bytes, [(kind, slot, dim, flag, wide, dtype, int, float), ...]); slots
 // numbered below num_slots
 std::vector<KernelLaunch> parse_launches(const std::vector<py::tuple>& launches,
@@ -390,9 +401,8 @@ std::vector<KernelLaunch> parse_launches(const std::vector<py::tuple>& launches,
               a[3].cast<int64_t>(), a[4].cast<int64_t>(), a[5].cast<int64_t>(),
               a[6].cast<int64_t>(), a[7].cast<double>()};
       TORCH_CHECK(arg.kind >= kPointer && arg.kind <= kFloat32, "bad argument kind");
-      bool uses_slot = arg.kind == kPointer || arg.kind == kStride || arg.kind == kStrideOne;
-      TORCH_CHECK(!uses_slot || (arg.slot >= 0 && arg.slot < num_slots), "bad slot");
-      TORCH_CHECK(!uses_slot || arg.kind == kPointer || (arg.dim >= 0 && arg.dim < 4),
+      TORCH_CHECK(!uses_slot(arg) || (arg.slot >= 0 && arg.slot < num_slots), "bad slot");
+      TORCH_CHECK(!uses_slot(arg) || arg.kind == kPointer || (arg.dim >= 0 && arg.dim < 4),
                   "bad dimension");
       launch.args.push_back(arg);
     }
@@ -411,8 +421,7 @@ void register_bob_plan(const Tensor& q, const Tensor& k, const Tensor& v,
   plan->reads_keys_out = false;
   for (const KernelLaunch& launch : plan->launches) {
     for (const Arg& arg : launch.args) {
-      plan->reads_keys_out |= arg.kind != kInt32 && arg.kind != kInt64 &&
-                              arg.kind != kFloat32 && arg.slot == kKeysOut;
+      plan->reads_keys_out |= uses_slot(arg) && arg.slot == kKeysOut;
     }
   }
   auto key = plan_key(q, k, v, gdq.value_or(Tensor()), gdk.value_or(Tensor()),
@@ -526,10 +535,7 @@ std::vector<Tensor> python_stage(int64_t stage, const std::vector<Tensor>& input
     for (const py::handle& h : got) outputs.push_back(tensor_or_undefined(h));
     return outputs;
   } catch (py::error_already_set& e) {
-    e.restore();
-    python_error error;
-    error.persist();
-    throw error;
+    throw_python_error(e);
   }
 }
 
