@@ -16,12 +16,14 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, apply_mask_tile, blocks, column_block_program, dot_precision,
+from .triton_common import (LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
+                            apply_mask_tile, blocks, column_block_program, dot_precision,
                             fixed_plan, interpreting, key_blocks_of_row_block,
                             key_loops_within_mask, launch_plan, load_lse2, load_row_vector,
-                            load_tile, padded_dim, row_block_program, row_blocks_of_key_block,
-                            row_bytes, row_loops_within_mask, store_tile, strides_of,
-                            visibility_mask, wide_candidates)
+                            load_tile, mask_from_indices, padded_dim, row_block_program,
+                            row_blocks_of_key_block, row_bytes, row_loops_within_mask,
+                            store_tile, strides_of, unmasked_key_blocks_of_range,
+                            unmasked_query_blocks_of_range, visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
@@ -87,7 +89,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                  DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  MASK_SOURCE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -105,7 +108,7 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
             s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                  structure, MASK_KIND, True)
+                                  structure, MASK_KIND, True, MASK_SOURCE)
         pt = tl.math.exp2(s2t - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -152,20 +155,47 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
         dq_base = DQ_ACC + row * HEAD_DIM
         mask_base = MASK + b * smb + h * smh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
-        first, end, structure = 0, S, 0
-        if MASK_KIND != 0:      # only the query blocks that see keys of this block
+        if MASK_KIND == 0:
+            dk, dv = _column_steps(
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                sqe, sdl, sde, HEAD_DIM, sml, sme, 0, S, 0, m_lo, m_mid, n0, L, S,
+                qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
+                True, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, MASK_BY_STRUCTURE)
+            dk, dv = _column_steps(
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                sqe, sdl, sde, HEAD_DIM, sml, sme, 0, S, 0, m_mid, m_hi, n0, L, S,
+                qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
+                False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, MASK_BY_STRUCTURE)
+        else:
+            # only the query blocks that see keys of this block; the mask's source decided
+            # once (triton_forward.py), none on the query blocks that see all of them
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-        dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, first, end,
-                               structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale, HEAD_DIM,
-                               HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL,
-                               MASK_KIND, DQ_ATOMICS, DOT_PRECISION)
-        dk, dv = _column_steps(dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base,
-                               mask_base, sql, sqe, sdl, sde, HEAD_DIM, sml, sme, first, end,
-                               structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale, HEAD_DIM,
-                               HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL,
-                               MASK_KIND, DQ_ATOMICS, DOT_PRECISION)
+            if mask_from_indices(structure):
+                m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
+                                                         structure, L, BLOCK_M, BLOCK_N)
+                dk, dv = _column_steps(
+                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0,
+                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                    BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION,
+                    MASK_FROM_INDICES)
+                dk, dv = _column_steps(
+                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0,
+                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                    BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, MASK_BY_STRUCTURE)
+            else:
+                dk, dv = _column_steps(
+                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0,
+                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                    BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
+                dk, dv = _column_steps(
+                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0,
+                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                    BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -184,7 +214,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
               first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi, L, S, qk_scale_log2,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-              PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              MASK_SOURCE: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -194,7 +225,7 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
             s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                 structure, MASK_KIND, False)
+                                 structure, MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = (p * (dp - d[:, None])).to(k.dtype)
@@ -226,18 +257,44 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    first, end, structure = 0, S, 0
-    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
+    if MASK_KIND == 0:
+        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
+                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV,
+                       DOT_PRECISION, MASK_BY_STRUCTURE)
+        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
+                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV,
+                       DOT_PRECISION, MASK_BY_STRUCTURE)
+    else:
+        # only the key blocks holding keys this (b, h) sees; the mask's source decided once
+        # (triton_forward.py), none on the key blocks wholly inside a key range
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-                   first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S,
-                   qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E,
-                   PAD_EV, DOT_PRECISION)
-    dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-                   first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2,
-                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV,
-                   DOT_PRECISION)
+        if mask_from_indices(structure):
+            a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
+                                                        structure, BLOCK_N)
+            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, a_end,
+                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES)
+            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, a_end,
+                           b_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+                           CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, MASK_BY_STRUCTURE)
+            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, b_end, hi2,
+                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES)
+        else:
+            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1,
+                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
+                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
+            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2,
+                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 

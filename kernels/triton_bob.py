@@ -35,12 +35,14 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, apply_mask_tile, blocks, column_block_program, dot_precision,
+from .triton_common import (LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
+                            apply_mask_tile, blocks, column_block_program, dot_precision,
                             fixed_plan, interpreting, key_blocks_of_row_block,
                             key_loops_within_mask, launch_plan, load_row_vector, load_tile,
-                            note_tensors, padded_dim, row_block_program, row_blocks_of_key_block,
-                            row_bytes, row_loops_within_mask, store_tile, strides_of,
-                            visibility_mask, wide_candidates)
+                            mask_from_indices, note_tensors, padded_dim, row_block_program,
+                            row_blocks_of_key_block, row_bytes, row_loops_within_mask,
+                            store_tile, strides_of, unmasked_key_blocks_of_range,
+                            unmasked_query_blocks_of_range, visibility_mask, wide_candidates)
 from . import settings
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
@@ -79,7 +81,7 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
-               SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -90,7 +92,7 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
             s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                 structure, MASK_KIND, False)
+                                 structure, MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
         delta = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - d[:, None]
         if HAS_GDV:
@@ -183,24 +185,60 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     mask_base = MASK + b * smb + h * smh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    first, end, structure = 0, S, 0
-    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
+    if MASK_KIND == 0:
+        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, 0, S, 0,
+            offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
+            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
+        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, 0, S, 0,
+            offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
+            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
+    else:
+        # only the key blocks holding keys this (b, h) sees; the mask's source decided
+        # once (triton_forward.py), none on the key blocks wholly inside a key range
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-    gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-        gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-        gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
-        structure, offs_m, offs_e,
-        offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-        CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV, ACCUMULATE_B,
-        ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION)
-    gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-        gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-        gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first, end,
-        structure, offs_m, offs_e,
-        offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
-        ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION)
+        if mask_from_indices(structure):
+            a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
+                                                        structure, BLOCK_N)
+            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+                end, structure, offs_m, offs_e, offs_ev, lo1, a_end, L, S, qk_scale_log2, scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION,
+                MASK_FROM_INDICES)
+            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+                end, structure, offs_m, offs_e, offs_ev, a_end, b_end, L, S, qk_scale_log2, scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
+                HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
+            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+                end, structure, offs_m, offs_e, offs_ev, b_end, hi2, L, S, qk_scale_log2, scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION,
+                MASK_FROM_INDICES)
+        else:
+            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+                end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
+            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+                end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
 
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
@@ -244,7 +282,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-                  ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  MASK_SOURCE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
@@ -267,7 +306,7 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
             s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                  structure, MASK_KIND, True)
+                                  structure, MASK_KIND, True, MASK_SOURCE)
         pt = tl.math.exp2(s2t - lse2[None, :])
         deltat = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - d[None, :]
         if HAS_GDV:
@@ -368,24 +407,58 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
         gdq_base = GDQ + b * sgqb + h * sgqh
         mask_base = MASK + b * smb + h * smh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
-        first, end, structure = 0, S, 0
-        if MASK_KIND != 0:      # only the query blocks that see keys of this block
+        if MASK_KIND == 0:
+            gk, gv = _column_steps(
+                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                sme, 0, S, 0, m_lo, m_mid, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
+                DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
+                True, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD,
+                DOT_PRECISION, MASK_BY_STRUCTURE)
+            gk, gv = _column_steps(
+                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                sme, 0, S, 0, m_mid, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
+                DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
+                False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD,
+                DOT_PRECISION, MASK_BY_STRUCTURE)
+        else:
+            # only the query blocks that see keys of this block; the mask's source decided
+            # once (triton_forward.py), none on the query blocks that see all of them
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-        gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
-                               D + row, ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl,
-                               sde, sgql, sgqe, sml, sme, first, end, structure, m_lo, m_mid, n0,
-                               L, S, qk_scale_log2, scale,
-                               GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND,
-                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD, DOT_PRECISION)
-        gk, gv = _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row,
-                               D + row, ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl,
-                               sde, sgql, sgqe, sml, sme, first, end, structure, m_mid, m_hi, n0,
-                               L, S, qk_scale_log2, scale,
-                               GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND,
-                               HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD, DOT_PRECISION)
+            if mask_from_indices(structure):
+                m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
+                                                         structure, L, BLOCK_M, BLOCK_N)
+                gk, gv = _column_steps(
+                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                    sme, first, end, structure, m_lo, m_split, n0, L, S, qk_scale_log2, scale,
+                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                    BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                    ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES)
+                gk, gv = _column_steps(
+                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                    sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
+                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                    BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
+                    FOLD, DOT_PRECISION, MASK_BY_STRUCTURE)
+            else:
+                gk, gv = _column_steps(
+                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                    sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
+                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                    BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                    ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
+                gk, gv = _column_steps(
+                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                    sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
+                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                    BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                    ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
     store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),

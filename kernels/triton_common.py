@@ -231,6 +231,40 @@ def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, BLOCK_M: tl.c
             structure)
 
 
+@triton.jit
+def unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end, structure,
+                                 BLOCK_N: tl.constexpr):
+    """For a mask applied from indices (a key range [first, end), with the causal mask folded
+    in for KEYS_IN_RANGE_CAUSAL), after key_loops_within_mask: (a_end, b_end) splitting a
+    row block's visible key blocks [lo1, hi2) into [lo1, a_end), the partial block holding
+    `first`; [a_end, b_end), blocks wholly inside the range that every row of the block sees
+    (no mask at all); and [b_end, hi2), the blocks at the range's end and the diagonal. The
+    first and last need the mask; the middle is the unmasked kernel's loop."""
+    full_lo = ((first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(hi1, (end // BLOCK_N) * BLOCK_N)
+    # KEYS_IN_RANGE_CAUSAL: a key block is seen by every row iff its last key <= m0
+    full_hi = tl.where(structure == 2, tl.minimum(full_hi, ((m0 + 1) // BLOCK_N) * BLOCK_N),
+                       full_hi)
+    a_end = tl.maximum(tl.minimum(full_lo, hi2), lo1)
+    b_end = tl.maximum(full_hi, a_end)
+    return a_end, b_end
+
+
+@triton.jit
+def unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end, structure, L,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For a mask applied from indices, after row_loops_within_mask: where a key block's
+    query loop [m_lo, m_hi) can drop the mask. A key block wholly inside [first, end) is
+    seen by every query block past the diagonal (past m_mid, or with the causal mask folded
+    in, past the first one below the block's last key); one holding an end of the range
+    needs the mask on every query block."""
+    inside = (n0 >= first) & (n0 + BLOCK_N <= end)
+    _, causal_start = row_blocks_of_key_block(n0, L, BLOCK_M, BLOCK_N, True)
+    split = tl.where(structure == 2, tl.maximum(m_mid, causal_start), m_mid)
+    split = tl.where(inside, split, m_hi)
+    return tl.minimum(tl.maximum(split, m_lo), m_hi)
+
+
 # Where apply_mask_tile takes the mask from (its SOURCE): decided per tile from the
 # structure (a runtime branch in the loop), or known for the whole loop (a kernel that
 # branches once, outside its loops, so that each loop body is free of the branch and of the

@@ -4,8 +4,8 @@ One program per (block of BLOCK_M query rows, batch x query head); it streams th
 blocks its rows can see with the online softmax (running max m, running sum l, both in base
 2). Interior key blocks run without any mask; only the causal diagonal and the partial last
 key block are masked. A mask tensor (MASK_KIND != 0) is read in every block, unless it is
-a key range (with the causal mask folded in or not: triton_masks.py), which is
-applied from indices.
+a key range (with the causal mask folded in or not: triton_masks.py), which is applied from
+indices to the blocks at the range's ends and the diagonal only.
 """
 import torch
 import triton
@@ -16,7 +16,8 @@ from .triton_common import (LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_RE
                             apply_mask_tile, blocks, dot_precision, interpreting,
                             key_blocks_of_row_block, key_loops_within_mask, launch_plan, load_tile,
                             mask_from_indices, padded_dim, row_block_program, row_bytes,
-                            store_tile, strides_of, visibility_mask, wide_candidates)
+                            store_tile, strides_of, unmasked_key_blocks_of_range,
+                            visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor
 
 
@@ -56,26 +57,6 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
 
 
 @triton.jit
-def _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-                   first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
-                   qk_scale_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                   PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   MASK_SOURCE: tl.constexpr):
-    """The key blocks visible to every row [lo1, hi1), then those straddling the diagonal
-    or the keys' end [lo2, hi2) (key_blocks_of_row_block)."""
-    acc, l_i, m_i = _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                   mask_base, sml, sme, first, end, structure, offs_m, offs_e,
-                                   offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
-                                   HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E,
-                                   PAD_EV, DOT_PRECISION, MASK_SOURCE)
-    return _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base,
-                          sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2,
-                          L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                          MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_SOURCE)
-
-
-@triton.jit
 def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
                     sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                     sob, soh, sol, soe, smb, smh, sml, sme, srb, srh, srl, sre,
@@ -104,29 +85,50 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
     # A mask's source is decided once, here, not per tile: each loop body then holds one
-    # kind of masking, without a branch or the other kind's mask load (with the branch in its
-    # loop, the masked forward took ~2.6x the unmasked one's time per visible pair on the
-    # H200: benchmarks/README.md, "Masks")
+    # kind of masking, without a branch or the other kind's mask load, and a mask applied
+    # from indices leaves the key blocks wholly inside its range unmasked (with the branch
+    # in its loop, the masked forward took ~2.6x the unmasked one's time per visible pair
+    # on the H200: benchmarks/README.md, "Masks")
     if MASK_KIND == 0:
-        acc, l_i, m_i = _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                       mask_base, sml, sme, first, end, structure, offs_m,
-                                       offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
-                                       qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, CAUSAL,
-                                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-                                       MASK_BY_STRUCTURE)
+        acc, l_i, m_i = _forward_steps(
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
+            MASK_BY_STRUCTURE)
+        acc, l_i, m_i = _forward_steps(
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
+            MASK_BY_STRUCTURE)
     elif mask_from_indices(structure):
-        acc, l_i, m_i = _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                       mask_base, sml, sme, first, end, structure, offs_m,
-                                       offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
-                                       qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, CAUSAL,
-                                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-                                       MASK_FROM_INDICES)
+        a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end, structure,
+                                                    BLOCK_N)
+        acc, l_i, m_i = _forward_steps(
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo1, a_end, L, S, qk_scale_log2, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
+            MASK_FROM_INDICES)
+        acc, l_i, m_i = _forward_steps(
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, a_end, b_end, L, S, qk_scale_log2,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
+            MASK_BY_STRUCTURE)
+        acc, l_i, m_i = _forward_steps(
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, b_end, hi2, L, S, qk_scale_log2, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
+            MASK_FROM_INDICES)
     else:
-        acc, l_i, m_i = _forward_loops(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                                       mask_base, sml, sme, first, end, structure, offs_m,
-                                       offs_e, offs_ev, lo1, hi1, lo2, hi2, L, S,
-                                       qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, CAUSAL,
-                                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
+        acc, l_i, m_i = _forward_steps(
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
+            MASK_READ)
+        acc, l_i, m_i = _forward_steps(
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
+            MASK_READ)
 
     # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running
     # max still -inf means all its scores are -inf (infinite inputs, or a mask hiding every

@@ -277,11 +277,14 @@ def test_masks_every_output(monkeypatch, schedule, kind, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_padding_masks_skip_unseen_key_blocks(kind, causal):
     """Key padding as HF builds it: batch 0 left-padded, batch 1 right-padded, batch 2 sees
-    no key at all; the kernels skip the key blocks outside each batch's visible range."""
-    B, Hq, L, S = 3, 4, 37, 70
+    no key at all, batch 3 a range whose ends fall on the interpreter's 16-key blocks; the
+    kernels skip the key blocks outside each batch's visible range and mask only those
+    holding an end of it (and the diagonal)."""
+    B, Hq, L, S = 4, 4, 37, 70
     visible = torch.zeros(B, 1, 1, S, dtype=torch.bool)
     visible[0, ..., 40:] = True
     visible[1, ..., :21] = True
+    visible[3, ..., 16:64] = True
     mask = visible if kind == "bool" else \
         torch.zeros(B, 1, 1, S).masked_fill(~visible, torch.finfo(torch.float32).min)
     q, k, v = make_inputs(B, Hq, 2, L, S, 16, 16, torch.float32)
