@@ -16,15 +16,16 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
-                            apply_mask_tile, blocks, column_block_program, dot_precision,
-                            fixed_plan, interpreting, key_blocks_of_row_block,
-                            key_loops_within_mask, launch_plan, load_lse2, load_row_vector,
-                            load_tile, mask_from_indices, padded_dim, row_block_program,
-                            row_blocks_of_key_block, row_bytes, row_loops_within_mask,
-                            store_tile, strides_of, unmasked_key_blocks_of_range,
-                            unmasked_query_blocks_of_range, visibility_mask, wide_candidates)
-from .triton_masks import mask_flags, mask_kind_and_tensor
+from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES,
+                            MASK_READ, READ_PATH, apply_mask_tile, blocks, column_block_program,
+                            dot_precision, fixed_plan, group_on_mask_path, interpreting,
+                            key_blocks_of_row_block, key_loops_within_mask, launch_mask_path,
+                            load_lse2, load_row_vector, load_tile, on_mask_path, padded_dim,
+                            read_path_first, row_block_program, row_blocks_of_key_block,
+                            row_bytes, row_loops_within_mask, store_tile, strides_of,
+                            unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
+                            visibility_mask, wide_candidates)
+from .triton_masks import mask_flags, mask_kind_and_tensor, mask_paths
 
 
 # --------------------------------------------------------------------------------------
@@ -131,12 +132,16 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   MASK_KIND: tl.constexpr, DQ_ATOMICS: tl.constexpr,
+                   MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DQ_ATOMICS: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
                                                               BLOCK_EV)
+    if MASK_KIND != 0:      # only this launch's key/value heads (MASK_PATH)
+        if group_on_mask_path(KEY_RANGE + b * srb + hk * kv_group * srh, srh, sre,
+                              kv_group, MASK_PATH) == 0:
+            return
     k = load_tile(K + b * skb + hk * skh, offs_n, offs_e, skn, ske, S, HEAD_DIM, True, PAD_E)
     v = load_tile(V + b * svb + hk * svh, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, True, PAD_EV)
     dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
@@ -171,7 +176,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
             # once (triton_forward.py), none on the query blocks that see all of them
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-            if mask_from_indices(structure):
+            if MASK_PATH == INDICES_PATH:
                 m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
                                                          structure, L, BLOCK_M, BLOCK_N)
                 dk, dv = _column_steps(
@@ -211,12 +216,16 @@ strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", 
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
-              first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi, L, S, qk_scale_log2,
+              first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi, gap_lo, gap_len, L, S,
+              qk_scale_log2,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
               MASK_SOURCE: tl.constexpr):
-    for n0 in range(n_lo, n_hi, BLOCK_N):
+    # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
+    # blocks at both ends of a key range: one pipeline)
+    for n in range(n_lo, n_hi - gap_len, BLOCK_N):
+        n0 = n + tl.where(n >= gap_lo, gap_len, 0)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
@@ -242,11 +251,15 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    if MASK_KIND != 0:      # only this launch's (batch, head)s (MASK_PATH)
+        if on_mask_path(tl.load(KEY_RANGE + b * srb + h * srh + 2 * sre),
+                        MASK_PATH) == 0:
+            return
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
     lse2 = load_lse2_for_probabilities(LSE + row, offs_m, L)
@@ -259,11 +272,11 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
     if MASK_KIND == 0:
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
-                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2,
+                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV,
                        DOT_PRECISION, MASK_BY_STRUCTURE)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
-                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2,
+                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV,
                        DOT_PRECISION, MASK_BY_STRUCTURE)
     else:
@@ -271,29 +284,26 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
         # (triton_forward.py), none on the key blocks wholly inside a key range
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-        if mask_from_indices(structure):
+        if MASK_PATH == INDICES_PATH:
             a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
                                                         structure, BLOCK_N)
             dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, a_end,
-                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES)
-            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                            sml, sme, first, end, structure, offs_m, offs_e, offs_ev, a_end,
-                           b_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+                           b_end, 0, 0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
                            CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, MASK_BY_STRUCTURE)
             dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, b_end, hi2,
-                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi2,
+                           a_end, b_end - a_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
+                           BLOCK_N, True, CAUSAL,
                            MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES)
         else:
             dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1,
-                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0,
+                           0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
                            MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
             dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2,
-                           L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0,
+                           0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
                            MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
@@ -305,7 +315,16 @@ strides_of(_dq_kernel, Q="sq", K="sk", V="sv", DO="sd", DQ="sdq", MASK="sm", KEY
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-def column_candidates(dtype, head_dim, head_dim_v, atomics):
+def column_candidates(dtype, head_dim, head_dim_v, atomics, read=False):
+    """read: for a mask read per tile (its own measured best first)."""
+    candidates = _column_candidates(dtype, head_dim, head_dim_v, atomics)
+    # 64 x 64 with 4 warps: the fastest dk/dv pass reading its mask on a padded batch
+    # (benchmarks/README.md, "Masks")
+    return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
+                                            num_stages=2)) if read else candidates
+
+
+def _column_candidates(dtype, head_dim, head_dim_v, atomics):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v) * (2 if atomics else 1)
@@ -317,13 +336,20 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics):
             dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)]
 
 
-def dq_candidates(dtype, head_dim, head_dim_v):
+def dq_candidates(dtype, head_dim, head_dim_v, read=False):
+    """read: for a mask read per tile (its own measured best first)."""
+    candidates = _dq_candidates(dtype, head_dim, head_dim_v)
+    # 64 x 32: the fastest dq pass reading its mask on a padded batch ("Masks")
+    return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
+                                            num_stages=3)) if read else candidates
+
+
+def _dq_candidates(dtype, head_dim, head_dim_v):
     if interpreting():
         return [dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
     if nbytes > 128:
         return wide_candidates(nbytes, column=False)
-    # 64 x 32: the fastest masked dq pass on a padded batch (benchmarks/README.md, "Masks")
     return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
@@ -343,23 +369,26 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
               if dq_atomics else dk)
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
 
-    def common():
+    def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                    CAUSAL=causal, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype))
+                    CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
+                    DOT_PRECISION=dot_precision(q.dtype))
 
-    def launch_columns(plan):
-        if dq_atomics:
-            dq_acc.zero_()
-        plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
-             KEY_RANGE=key_range,
-             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-             scale=scale)
+    paths = mask_paths(mask_kind)
+    for path in paths:
+        def launch_columns(plan, zero=path == paths[0]):
+            if dq_atomics and zero:     # once: a masked kernel's two launches add into it
+                dq_acc.zero_()
+            plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
+                 Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
+                 KEY_RANGE=key_range,
+                 num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+                 scale=scale)
 
-    launch_columns(launch_plan(
-        "bwd_columns", q, k, v, causal, (dq_atomics, *mask_flags(mask_kind)),
-        lambda: column_candidates(q.dtype, E, Ev, dq_atomics),
-        lambda: dict(common(), DQ_ATOMICS=dq_atomics), launch_columns, pairs=L * S))
+        launch_mask_path(
+            "bwd_columns", q, k, v, causal, (dq_atomics, *mask_flags(mask_kind, path)),
+            lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
+            lambda: dict(common(path), DQ_ATOMICS=dq_atomics), launch_columns, L * S, path)
     if dq_atomics:
         return dq_acc.to(q.dtype), dk, dv
 
@@ -371,7 +400,8 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
              scale=scale)
 
-    launch_rows(launch_plan(
-        "bwd_dq", q, k, v, causal, mask_flags(mask_kind), lambda: dq_candidates(q.dtype, E, Ev), common,
-        launch_rows, pairs=L * S))
+    for path in paths:
+        launch_mask_path("bwd_dq", q, k, v, causal, mask_flags(mask_kind, path),
+                         lambda: dq_candidates(q.dtype, E, Ev, read=path == READ_PATH),
+                         lambda: common(path), launch_rows, L * S, path)
     return dq, dk, dv

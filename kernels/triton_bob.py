@@ -35,16 +35,17 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
-                            apply_mask_tile, blocks, column_block_program, dot_precision,
-                            fixed_plan, interpreting, key_blocks_of_row_block,
-                            key_loops_within_mask, launch_plan, load_row_vector, load_tile,
-                            mask_from_indices, note_tensors, padded_dim, row_block_program,
-                            row_blocks_of_key_block, row_bytes, row_loops_within_mask,
-                            store_tile, strides_of, unmasked_key_blocks_of_range,
-                            unmasked_query_blocks_of_range, visibility_mask, wide_candidates)
+from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES,
+                            MASK_READ, READ_PATH, apply_mask_tile, blocks, column_block_program,
+                            dot_precision, fixed_plan, group_on_mask_path, interpreting,
+                            key_blocks_of_row_block, key_loops_within_mask, launch_mask_path,
+                            load_row_vector, load_tile, note_tensors, on_mask_path, padded_dim,
+                            read_path_first, row_block_program, row_blocks_of_key_block,
+                            row_bytes, row_loops_within_mask, store_tile, strides_of,
+                            unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
+                            visibility_mask, wide_candidates)
 from . import settings
-from .triton_masks import mask_flags, mask_kind_and_tensor
+from .triton_masks import mask_flags, mask_kind_and_tensor, mask_paths
 
 
 # --------------------------------------------------------------------------------------
@@ -76,6 +77,7 @@ def _store_row_outputs(gq, gdo_sum, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev
 def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
                mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
+               gap_lo, gap_len,
                L, S, qk_scale_log2, scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
@@ -83,7 +85,10 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
                SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr):
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
-    for n0 in range(n_lo, n_hi, BLOCK_N):
+    # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
+    # blocks at both ends of a key range: one pipeline)
+    for n in range(n_lo, n_hi - gap_len, BLOCK_N):
+        n0 = n + tl.where(n >= gap_lo, gap_len, 0)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
@@ -145,7 +150,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                MASK_KIND: tl.constexpr,
+                MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
                 HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -158,6 +163,10 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     READ_R: tl.constexpr = FOLD and HAS_F and HAS_DQ
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    if MASK_KIND != 0:      # only this launch's (batch, head)s (MASK_PATH)
+        if on_mask_path(tl.load(KEY_RANGE + b * srb + h * srh + 2 * sre),
+                        MASK_PATH) == 0:
+            return
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
     gdq = q
@@ -189,13 +198,15 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, 0, S, 0,
-            offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+            offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale, HEAD_DIM,
+            HEAD_DIM_V,
             BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
             ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, 0, S, 0,
-            offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V,
+            offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale, HEAD_DIM,
+            HEAD_DIM_V,
             BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
             ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
     else:
@@ -203,26 +214,21 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
         # once (triton_forward.py), none on the key blocks wholly inside a key range
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-        if mask_from_indices(structure):
+        if MASK_PATH == INDICES_PATH:
             a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
                                                         structure, BLOCK_N)
             gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
                 gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
                 gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, lo1, a_end, L, S, qk_scale_log2, scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
-                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION,
-                MASK_FROM_INDICES)
-            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, a_end, b_end, L, S, qk_scale_log2, scale,
+                end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
+                scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
                 HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
             gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
                 gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
                 gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, b_end, hi2, L, S, qk_scale_log2, scale,
+                end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
+                qk_scale_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
                 HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION,
                 MASK_FROM_INDICES)
@@ -230,13 +236,13 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
                 gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
                 gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, scale,
+                end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
                 HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
             gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
                 gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
                 gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, scale,
+                end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
                 HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
 
@@ -374,13 +380,17 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   MASK_KIND: tl.constexpr,
+                   MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                    ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
                                                               BLOCK_EV)
+    if MASK_KIND != 0:      # only this launch's key/value heads (MASK_PATH)
+        if group_on_mask_path(KEY_RANGE + b * srb + hk * kv_group * srh, srh, sre,
+                              kv_group, MASK_PATH) == 0:
+            return
     k = load_tile(K + b * skb + hk * skh, offs_n, offs_e, skn, ske, S, HEAD_DIM, True, PAD_E)
     v = load_tile(V + b * svb + hk * svh, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, True, PAD_EV)
     gdk = k
@@ -427,7 +437,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
             # once (triton_forward.py), none on the query blocks that see all of them
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-            if mask_from_indices(structure):
+            if MASK_PATH == INDICES_PATH:
                 m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
                                                          structure, L, BLOCK_M, BLOCK_N)
                 gk, gv = _column_steps(
@@ -505,10 +515,17 @@ strides_of(_finish_rows_kernel, O="so", DO="sd")
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False):
+def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False, read=False):
     """Launch configs of the row pass, the measured best first (the choice without tuning).
     fold: the folded form's row pass with B accumulated; reads_dq: R read from dq, not
-    accumulated (what autograd runs)."""
+    accumulated (what autograd runs); read: for a mask read per tile."""
+    candidates = _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq)
+    # 64 x 32: the fastest row pass reading its mask on a padded batch ("Masks")
+    return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
+                                            num_stages=3)) if read else candidates
+
+
+def _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
@@ -524,7 +541,7 @@ def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False):
     # configs"): with dq read, 128 x 64 with 8 warps and three pipeline stages beats the
     # earlier choice (64 x 64, 4 warps, two stages); without dq, three stages beat two for
     # both tiles that were measured with both.
-    if fold and reads_dq:   # 64 x 32: the fastest masked row pass on a padded batch ("Masks")
+    if fold and reads_dq:
         return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
@@ -539,7 +556,15 @@ def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False):
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
 
 
-def column_candidates(dtype, head_dim, head_dim_v, atomics):
+def column_candidates(dtype, head_dim, head_dim_v, atomics, read=False):
+    """read: for a mask read per tile (its own measured best first)."""
+    candidates = _column_candidates(dtype, head_dim, head_dim_v, atomics)
+    # 32 x 64: the fastest column pass reading its mask on a padded batch ("Masks")
+    return read_path_first(candidates, dict(BLOCK_M=32, BLOCK_N=64, num_warps=4,
+                                            num_stages=2)) if read else candidates
+
+
+def _column_candidates(dtype, head_dim, head_dim_v, atomics):
     if interpreting():
         return [dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v) * (2 if atomics else 1)
@@ -549,7 +574,6 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics):
         return [dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
-    # 32 x 64: the fastest masked column pass on a padded batch (benchmarks/README.md, "Masks")
     return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
             dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2),
@@ -592,14 +616,19 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     has_b = fold and keys_out is not None
     keys_out_arg = keys_out if has_b else q
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
-    flag_key = (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind), int(fold))
+    paths = mask_paths(mask_kind)
+
+    def flag_key(path):
+        return (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind, path),
+                int(fold))
     # for the C++ node's plans (bob_compile/native_node.py), which make these tensors alike
     note_tensors(GQ=gq, GK=gk, GV=gv, GDO=gdo, GDLSE=gdlse, D=d, ROW_E=row_e, KEYS_OUT=keys_out)
 
-    def common():
+    def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                    CAUSAL=causal, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
-                    HAS_GDQ=has_gdq, HAS_GDK=has_gdk, HAS_GDV=has_gdv, FOLD=fold)
+                    CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
+                    DOT_PRECISION=dot_precision(q.dtype), HAS_GDQ=has_gdq, HAS_GDK=has_gdk,
+                    HAS_GDV=has_gdv, FOLD=fold)
 
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
@@ -612,14 +641,16 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_SBAR_SPLIT); its tuning
     # key grows a flag only then, so that the keys of the single GEMM stay as they were
     split = settings.current().sbar_split and q.dtype != torch.float32
-    row_flags = (*flag_key, int(has_dlse), int(has_dq), int(has_b)) + ((1,) if split else ())
 
     def run_rows():
-        launch_rows(launch_plan(
-            "bob_rows", q, k, v, causal, row_flags,
-            lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq),
-            lambda: dict(common(), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
-                         SPLIT_SBAR=split), launch_rows, pairs=L * S))
+        for path in paths:
+            launch_mask_path(
+                "bob_rows", q, k, v, causal,
+                (*flag_key(path), int(has_dlse), int(has_dq), int(has_b)) + ((1,) if split else ()),
+                lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq,
+                                       read=path == READ_PATH),
+                lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
+                             SPLIT_SBAR=split), launch_rows, L * S, path)
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)
@@ -629,23 +660,24 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     else:
         gq_acc = gdo_acc = dg_acc = sbar_acc = gq  # never touched without ROW_ATOMICS
 
-    def launch_columns(plan):
-        if row_atomics:
-            for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
-                t.zero_()
-        plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, ALPHA=gdlse, ROW_E=row_e, GDQ=gdq_arg,
-             GDK=gdk_arg, GDV=gdv_arg, GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc,
-             DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range,
-             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-             scale=scale)
-
     if fold:        # the column pass reads the row pass's alpha (gdlse) and E
         run_rows()
-    launch_columns(launch_plan(
-        "bob_columns", q, k, v, causal, (row_atomics, *flag_key),
-        lambda: column_candidates(q.dtype, E, Ev, row_atomics),
-        lambda: dict(common(), ROW_ATOMICS=row_atomics), launch_columns, pairs=L * S))
+    for path in paths:
+        def launch_columns(plan, zero=path == paths[0]):
+            if row_atomics and zero:    # once: a masked kernel's two launches add into them
+                for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
+                    t.zero_()
+            plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
+                 Q=q, K=k, V=v, DO=do, LSE=lse, D=d, ALPHA=gdlse, ROW_E=row_e, GDQ=gdq_arg,
+                 GDK=gdk_arg, GDV=gdv_arg, GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc,
+                 DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range,
+                 num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+                 scale=scale)
+
+        launch_mask_path(
+            "bob_columns", q, k, v, causal, (row_atomics, *flag_key(path)),
+            lambda: column_candidates(q.dtype, E, Ev, row_atomics, read=path == READ_PATH),
+            lambda: dict(common(path), ROW_ATOMICS=row_atomics), launch_columns, L * S, path)
     if fold:
         return gq, gk, gv, gdo, gdlse
 

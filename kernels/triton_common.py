@@ -16,6 +16,7 @@ and little else (benchmarks/bench_host_overhead.py measures it).
 """
 import inspect
 import json
+import logging
 import math
 import os
 import threading
@@ -26,6 +27,7 @@ import triton.language as tl
 
 from . import settings
 
+log = logging.getLogger("bob_compile.kernels")
 # exp(x) = exp2(x * log2(e)); the kernels work in base 2 because EX2 is one instruction.
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -274,10 +276,47 @@ MASK_FROM_INDICES = tl.constexpr(1)
 MASK_READ = tl.constexpr(2)
 
 
+# A masked kernel runs as two launches, one per MASK_PATH: INDICES_PATH takes the
+# (batch, head)s whose mask applies from indices (two loops: the key blocks wholly inside
+# its range, without a mask, and those holding its ends or the diagonal), READ_PATH those
+# whose mask is read per tile; a program of the other kind leaves at once (the host does not
+# know the summary: it is made on the device without a synchronization). One kernel holding
+# both kinds of loops needed far more registers than either, as if each loop's values were
+# live for all: the masked forward at 128 x 64 took 191 registers per thread against 120
+# unmasked (half the occupancy), the BoB row pass spilled 936 bytes per thread against 152.
+NO_MASK_PATH = tl.constexpr(0)
+INDICES_PATH = tl.constexpr(1)
+READ_PATH = tl.constexpr(2)
+
+
 @triton.jit
 def mask_from_indices(structure):
     """Whether a (batch, head)'s mask applies from indices (KEYS_IN_RANGE[_CAUSAL])."""
     return (structure == 1) | (structure == 2)
+
+
+@triton.jit
+def on_mask_path(structure, MASK_PATH: tl.constexpr):
+    """Whether a (batch, head) with this summary structure is this launch's (MASK_PATH)."""
+    if MASK_PATH == INDICES_PATH:
+        return mask_from_indices(structure)
+    else:
+        return (structure != 1) & (structure != 2)
+
+
+@triton.jit
+def group_on_mask_path(summary_ptr, srh, sre, kv_group, MASK_PATH: tl.constexpr):
+    """For a key-block-major program, which handles every query head of a key/value head:
+    the group is INDICES_PATH's when each of its heads' masks applies from indices, else
+    READ_PATH's (reading a mask is right for any structure)."""
+    read = tl.zeros([], tl.int32)
+    for g in range(0, kv_group):
+        structure = tl.load(summary_ptr + g * srh + 2 * sre)
+        read += ((structure != 1) & (structure != 2)).to(tl.int32)
+    if MASK_PATH == INDICES_PATH:
+        return read == 0
+    else:
+        return read > 0
 
 
 @triton.jit
@@ -471,7 +510,9 @@ def _choose_config(key, candidates, run, pairs):
         try:
             ms = triton.testing.do_bench(lambda: run(config), warmup=3, rep=12,
                                          return_mode="median")
-        except Exception:  # e.g. out of shared memory for this block shape: not a candidate
+        except Exception as e:  # e.g. out of shared memory for this block shape
+            log.info("launch config %s of %s is not a candidate: %s: %s", config, key,
+                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             continue
         if ms < best_ms:
             best, best_ms = config, ms
@@ -522,7 +563,7 @@ def tuning_key(kernel, q, k, v, causal, *flags):
 # a profiler such as proton, a kernel that needs scratch memory, a launcher of another
 # shape) takes Triton's own path.
 _MAX_SPECIALIZATIONS = 64   # per plan; varying lengths would otherwise grow it forever
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 def _current_device():
@@ -817,6 +858,13 @@ except ImportError:  # a Triton without it: every launch takes Triton's path
         pass
 
 
+def _plan_of(constexprs, cfg):
+    """The LaunchPlan of a candidate config (BLOCK_M, BLOCK_N, num_warps, num_stages, and
+    optionally maxnreg: a bound on registers per thread)."""
+    return LaunchPlan(dict(constexprs, **{name: cfg[name] for name in
+                                          ("BLOCK_M", "BLOCK_N", *_OPTIONS) if name in cfg}))
+
+
 def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, pairs):
     """The LaunchPlan of one launch site: `constexprs()` plus the chosen config's BLOCK_M,
     BLOCK_N, num_warps and num_stages. Chosen (tuned, or read from the tuning cache) on the
@@ -834,8 +882,7 @@ def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, 
     fixed = constexprs()
 
     def as_plan(cfg):
-        return LaunchPlan(dict(fixed, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        return _plan_of(fixed, cfg)
 
     cfg, final = _choose_config(tuning_key(kernel, q, k, v, causal, *flags), candidates(),
                                 lambda c: launch(as_plan(c)), pairs)
@@ -844,6 +891,44 @@ def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, 
         chosen[memo] = plan
         plan.kept = True
     return plan
+
+
+def launch_mask_path(kernel, q, k, v, causal, flags, candidates, constexprs, launch, pairs,
+                     path):
+    """Launches one MASK_PATH of a kernel (plain kernels: path NO_MASK_PATH, the tuned
+    `launch_plan`). A masked path is not timed: its work depends on the mask's summary,
+    which the host does not see (one of the two launches may have nothing to do), so a
+    timing could choose for the wrong kind of mask and be remembered. It takes the first
+    candidate that builds on this device; each kernel lists the measured best first."""
+    if path == NO_MASK_PATH:
+        return launch(launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs,
+                                  launch, pairs))
+    chosen = TUNING_CACHE.chosen
+    memo = (kernel, q.device, q.dtype, q.shape[-1], v.shape[-1], causal, flags,
+            length_bucket(q.shape[-2]), length_bucket(k.shape[-2]))
+    plan = chosen.get(memo)
+    if plan is not None:
+        return launch(plan)
+    fixed = constexprs()
+    error = None
+    for cfg in candidates():
+        plan = _plan_of(fixed, cfg)
+        try:    # a build error is raised before the kernel runs: nothing was written
+            launch(plan)
+        except BUILD_ERRORS as e:
+            log.info("launch config %s of %s (mask path %d) does not build: %s", cfg, kernel,
+                     path, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            error = e
+            continue
+        plan.kept = True
+        chosen[memo] = plan
+        return None
+    raise error
+
+
+def read_path_first(candidates, best):
+    """The candidates with `best` first: the read path's measured best, where it is one."""
+    return [best] + [c for c in candidates if c != best] if best in candidates else candidates
 
 
 _fixed_plans = {}

@@ -12,13 +12,14 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
-                            apply_mask_tile, blocks, dot_precision, interpreting,
-                            key_blocks_of_row_block, key_loops_within_mask, launch_plan, load_tile,
-                            mask_from_indices, padded_dim, row_block_program, row_bytes,
+from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES,
+                            MASK_READ, NO_MASK_PATH, READ_PATH, apply_mask_tile, blocks,
+                            dot_precision, interpreting, key_blocks_of_row_block,
+                            key_loops_within_mask, launch_mask_path, load_tile, on_mask_path,
+                            padded_dim, read_path_first, row_block_program, row_bytes,
                             store_tile, strides_of, unmasked_key_blocks_of_range,
                             visibility_mask, wide_candidates)
-from .triton_masks import mask_flags, mask_kind_and_tensor
+from .triton_masks import mask_flags, mask_kind_and_tensor, mask_paths
 
 
 @triton.jit
@@ -31,11 +32,15 @@ def _max_keeping_nan(a, b):
 @triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo,
-                   n_hi, L, S, qk_scale_log2, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   n_hi, gap_lo, gap_len, L, S, qk_scale_log2, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_V: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr):
-    for n0 in range(n_lo, n_hi, BLOCK_N):
+    # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
+    # blocks at both ends of a key range: one pipeline)
+    for n in range(n_lo, n_hi - gap_len, BLOCK_N):
+        n0 = n + tl.where(n >= gap_lo, gap_len, 0)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
@@ -64,11 +69,15 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    if MASK_KIND != 0:      # only this launch's (batch, head)s (MASK_PATH)
+        if on_mask_path(tl.load(KEY_RANGE + b * srb + h * srh + 2 * sre),
+                        MASK_PATH) == 0:
+            return
 
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     k_base = K + b * skb + hk * skh
@@ -92,41 +101,37 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
     if MASK_KIND == 0:
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_BY_STRUCTURE)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, HEAD_DIM,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_BY_STRUCTURE)
-    elif mask_from_indices(structure):
+    elif MASK_PATH == INDICES_PATH:
         a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end, structure,
                                                     BLOCK_N)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, a_end, L, S, qk_scale_log2, HEAD_DIM,
-            HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_FROM_INDICES)
-        acc, l_i, m_i = _forward_steps(
-            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, a_end, b_end, L, S, qk_scale_log2,
+            end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_BY_STRUCTURE)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, b_end, hi2, L, S, qk_scale_log2, HEAD_DIM,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
+            qk_scale_log2, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_FROM_INDICES)
     else:
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, L, S, qk_scale_log2, HEAD_DIM,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_READ)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, L, S, qk_scale_log2, HEAD_DIM,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_READ)
 
@@ -146,7 +151,24 @@ strides_of(_forward_kernel, Q="sq", K="sk", V="sv", O="so", MASK="sm", KEY_RANGE
 
 
 # Candidate launch configs, best measured default first (see benchmarks/README.md).
-def forward_candidates(dtype, head_dim, head_dim_v):
+def forward_candidates(dtype, head_dim, head_dim_v, path=NO_MASK_PATH):
+    """path: a masked launch's MASK_PATH (triton_common.py), which has its own best first."""
+    candidates = _forward_candidates(dtype, head_dim, head_dim_v)
+    if path == READ_PATH:
+        # 64 x 32: the fastest forward reading its mask on a padded batch (B = 8, N = 2048;
+        # benchmarks/README.md, "Masks")
+        return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
+                                                num_stages=3))
+    if path == INDICES_PATH and not interpreting() and row_bytes(dtype, head_dim,
+                                                                   head_dim_v) <= 128:
+        # a key range's two loops take ~150 registers per thread where ptxas may choose,
+        # one program per SM at 8 warps; bounded to 128 they fit without a spill (sm_90),
+        # two per SM, as the unmasked forward's 120
+        return [dict(candidates[0], maxnreg=128)] + candidates
+    return candidates
+
+
+def _forward_candidates(dtype, head_dim, head_dim_v):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
@@ -156,8 +178,6 @@ def forward_candidates(dtype, head_dim, head_dim_v):
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)]
-    # 64 x 32: the fastest masked forward on a padded batch (B = 8, N = 2048; benchmarks/
-    # README.md, "Masks")
     return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
             dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -178,10 +198,12 @@ def attention_forward(q, k, v, params):
              Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E)
 
-    launch(launch_plan(
-        "forward", q, k, v, causal, mask_flags(mask_kind),
-        lambda: forward_candidates(q.dtype, E, Ev),
-        lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
-                     CAUSAL=causal, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype)),
-        launch, pairs=L * S))
+    for path in mask_paths(mask_kind):
+        launch_mask_path(
+            "forward", q, k, v, causal, mask_flags(mask_kind, path),
+            lambda: forward_candidates(q.dtype, E, Ev, path),
+            lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E),
+                         BLOCK_EV=padded_dim(Ev), CAUSAL=causal, MASK_KIND=mask_kind,
+                         MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype)),
+            launch, L * S, path)
     return o, lse

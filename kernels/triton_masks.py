@@ -97,9 +97,17 @@ def summary_of_forward(mask, reuse):
     return summary
 
 
-def mask_flags(kind):
-    """The tuning-key flags of a mask kind (none without a mask: unmasked keys unchanged)."""
-    return () if kind == NO_MASK else (f"mask{kind}",)
+def mask_paths(kind):
+    """A kernel's launches for a mask kind (triton_common.py, MASK_PATH): one without a
+    mask; with one, a launch for the (batch, head)s whose mask applies from indices and one
+    for those whose mask is read."""
+    return (0,) if kind == NO_MASK else (1, 2)
+
+
+def mask_flags(kind, path=0):
+    """The launch-key flags of a mask kind and path (none without a mask: unmasked keys
+    unchanged)."""
+    return () if kind == NO_MASK else (f"mask{kind}", f"path{path}")
 
 
 def _stored(mask):

@@ -292,6 +292,29 @@ def test_padding_masks_skip_unseen_key_blocks(kind, causal):
                    mask=mask.expand(B, Hq, L, S))
 
 
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+def test_heads_of_a_group_whose_masks_differ_in_kind(monkeypatch, schedule):
+    """Per-head masks under GQA: in one key/value group a head whose mask is a key range
+    (applied from indices) beside one whose mask must be read. The row-major kernels take
+    each query head by its own kind; the key-block-major ones, which sum over the group,
+    read the mask for the whole group (triton_common.py, MASK_PATH)."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, Hkv, L, S = 2, 4, 2, 37, 70
+    g = torch.Generator().manual_seed(11)
+    mask = torch.zeros(B, Hq, L, S, dtype=torch.bool)
+    mask[:, 0, :, 5:60] = True                          # group 0: a key range ...
+    mask[:, 1] = torch.rand(B, L, S, generator=g) > 0.4   # ... beside a pattern
+    mask[:, 2, :, :50] = True                           # group 1: key ranges only
+    mask[:, 3, :, 17:] = True
+    from bob_compile.kernels.triton_masks import mask_summary
+    assert mask_summary(mask)[0, :, 0, 2].tolist() == [1, 0, 1, 1]
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, True, (True, True, True), True, torch.float32, mask=mask)
+
+
 def hf_mask(kind, B, L, S, left, extra_key=False, hole=False):
     """Hugging Face's 4-D mask: key padding and a top-left causal mask in one (B, 1, L, S)
     tensor (bool, or additive with the finfo.min fill); batch b keeps S - 9 b keys, at the
