@@ -110,6 +110,10 @@ def main():
     if args.summary_per_call:
         from bob_compile.kernels import triton_masks
         triton_masks.summary_of_forward = lambda mask, reuse: triton_masks.mask_summary(mask)
+    # the C++ autograd node builds in the background on first use: wait for it, so that no
+    # row is timed through the Python node beside a compiler (a training run has it built)
+    from bob_compile import native_node
+    native_node.extension(wait=True)
     dev, dtype, causal = "cuda", torch.bfloat16, True
     B, H, S, d = args.batch, args.heads, args.max_len, args.d
     g = torch.Generator().manual_seed(0)

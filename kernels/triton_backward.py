@@ -16,13 +16,13 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES,
-                            MASK_READ, READ_PATH, apply_mask_tile, blocks, column_block_program,
+from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
+                            NO_MASK_PATH, READ_PATH, apply_mask_tile, blocks, column_block_program,
                             dot_precision, fixed_plan, group_on_mask_path, interpreting,
-                            key_blocks_of_row_block, key_loops_within_mask, launch_mask_path,
-                            load_lse2, load_row_vector, load_tile, on_mask_path, padded_dim,
-                            read_path_first, row_block_program, row_blocks_of_key_block,
-                            row_bytes, row_loops_within_mask, store_tile, strides_of,
+                            key_blocks_of_row_block, key_loops_within_mask, launch_plan, load_lse2,
+                            load_row_vector, load_tile, on_mask_path, padded_dim, read_path_first,
+                            row_block_program, row_blocks_of_key_block, row_bytes,
+                            row_loops_within_mask, store_tile, strides_of,
                             unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
                             visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_paths
@@ -374,21 +374,25 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
                     DOT_PRECISION=dot_precision(q.dtype))
 
-    paths = mask_paths(mask_kind)
-    for path in paths:
-        def launch_columns(plan, zero=path == paths[0]):
-            if dq_atomics and zero:     # once: a masked kernel's two launches add into it
-                dq_acc.zero_()
-            plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-                 Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
-                 KEY_RANGE=key_range,
-                 num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-                 scale=scale)
+    def launch_columns(plan):
+        plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
+             KEY_RANGE=key_range,
+             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             scale=scale)
 
-        launch_mask_path(
-            "bwd_columns", q, k, v, causal, (dq_atomics, *mask_flags(mask_kind, path)),
-            lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
-            lambda: dict(common(path), DQ_ATOMICS=dq_atomics), launch_columns, L * S, path)
+    # the plans first (tuning runs the kernels), then the launches: the atomic dq adds
+    # into a buffer zeroed once before them, a masked kernel's two launches included
+    paths = mask_paths(mask_kind)
+    plans = [launch_plan(
+        "bwd_columns", q, k, v, causal, (dq_atomics, *mask_flags(mask_kind, path)),
+        lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
+        lambda: dict(common(path), DQ_ATOMICS=dq_atomics), launch_columns, L * S,
+        may_be_empty=path != NO_MASK_PATH) for path in paths]
+    if dq_atomics:
+        dq_acc.zero_()
+    for plan in plans:
+        launch_columns(plan)
     if dq_atomics:
         return dq_acc.to(q.dtype), dk, dv
 
@@ -401,7 +405,8 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
              scale=scale)
 
     for path in paths:
-        launch_mask_path("bwd_dq", q, k, v, causal, mask_flags(mask_kind, path),
-                         lambda: dq_candidates(q.dtype, E, Ev, read=path == READ_PATH),
-                         lambda: common(path), launch_rows, L * S, path)
+        launch_rows(launch_plan("bwd_dq", q, k, v, causal, mask_flags(mask_kind, path),
+                                lambda: dq_candidates(q.dtype, E, Ev, read=path == READ_PATH),
+                                lambda: common(path), launch_rows, L * S,
+                                may_be_empty=path != NO_MASK_PATH))
     return dq, dk, dv

@@ -35,13 +35,13 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES,
-                            MASK_READ, READ_PATH, apply_mask_tile, blocks, column_block_program,
+from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
+                            NO_MASK_PATH, READ_PATH, apply_mask_tile, blocks, column_block_program,
                             dot_precision, fixed_plan, group_on_mask_path, interpreting,
-                            key_blocks_of_row_block, key_loops_within_mask, launch_mask_path,
+                            key_blocks_of_row_block, key_loops_within_mask, launch_plan,
                             load_row_vector, load_tile, note_tensors, on_mask_path, padded_dim,
-                            read_path_first, row_block_program, row_blocks_of_key_block,
-                            row_bytes, row_loops_within_mask, store_tile, strides_of,
+                            read_path_first, row_block_program, row_blocks_of_key_block, row_bytes,
+                            row_loops_within_mask, store_tile, strides_of,
                             unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
                             visibility_mask, wide_candidates)
 from . import settings
@@ -644,13 +644,14 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
 
     def run_rows():
         for path in paths:
-            launch_mask_path(
+            launch_rows(launch_plan(
                 "bob_rows", q, k, v, causal,
                 (*flag_key(path), int(has_dlse), int(has_dq), int(has_b)) + ((1,) if split else ()),
                 lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq,
                                        read=path == READ_PATH),
                 lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
-                             SPLIT_SBAR=split), launch_rows, L * S, path)
+                             SPLIT_SBAR=split), launch_rows, L * S,
+                may_be_empty=path != NO_MASK_PATH))
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)
@@ -662,22 +663,26 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
 
     if fold:        # the column pass reads the row pass's alpha (gdlse) and E
         run_rows()
-    for path in paths:
-        def launch_columns(plan, zero=path == paths[0]):
-            if row_atomics and zero:    # once: a masked kernel's two launches add into them
-                for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
-                    t.zero_()
-            plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-                 Q=q, K=k, V=v, DO=do, LSE=lse, D=d, ALPHA=gdlse, ROW_E=row_e, GDQ=gdq_arg,
-                 GDK=gdk_arg, GDV=gdv_arg, GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc,
-                 DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range,
-                 num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-                 scale=scale)
+    def launch_columns(plan):
+        plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
+             Q=q, K=k, V=v, DO=do, LSE=lse, D=d, ALPHA=gdlse, ROW_E=row_e, GDQ=gdq_arg,
+             GDK=gdk_arg, GDV=gdv_arg, GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc,
+             DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range,
+             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
+             scale=scale)
 
-        launch_mask_path(
-            "bob_columns", q, k, v, causal, (row_atomics, *flag_key(path)),
-            lambda: column_candidates(q.dtype, E, Ev, row_atomics, read=path == READ_PATH),
-            lambda: dict(common(path), ROW_ATOMICS=row_atomics), launch_columns, L * S, path)
+    # the plans first (tuning runs the kernels), then the launches: the atomic row sums add
+    # into buffers zeroed once before them, a masked kernel's two launches included
+    plans = [launch_plan(
+        "bob_columns", q, k, v, causal, (row_atomics, *flag_key(path)),
+        lambda: column_candidates(q.dtype, E, Ev, row_atomics, read=path == READ_PATH),
+        lambda: dict(common(path), ROW_ATOMICS=row_atomics), launch_columns, L * S,
+        may_be_empty=path != NO_MASK_PATH) for path in paths]
+    if row_atomics:
+        for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
+            t.zero_()
+    for plan in plans:
+        launch_columns(plan)
     if fold:
         return gq, gk, gv, gdo, gdlse
 

@@ -495,9 +495,17 @@ def choose_config(key, candidates, run, pairs=0):
     return _choose_config(key, candidates, run, pairs)[0]
 
 
-def _choose_config(key, candidates, run, pairs):
+# A masked kernel's launch for one MASK_PATH can have nothing to do (every (batch, head) is
+# the other path's): its programs leave at once, and timing its candidates would choose by
+# noise, and remember it. Below this many milliseconds the first (the measured default)
+# stands.
+NO_WORK_MS = 0.02
+
+
+def _choose_config(key, candidates, run, pairs, may_be_empty=False):
     """(config, final): final is False for the provisional first candidate of a problem too
-    large to tune, which a later tuned decision for the same key replaces."""
+    large to tune, which a later tuned decision for the same key replaces. may_be_empty: a
+    launch that may have no work (NO_WORK_MS)."""
     if len(candidates) == 1 or not tuning_enabled():
         return candidates[0], True
     known = TUNING_CACHE.get(key)
@@ -516,6 +524,8 @@ def _choose_config(key, candidates, run, pairs):
             continue
         if ms < best_ms:
             best, best_ms = config, ms
+    if may_be_empty and best_ms < NO_WORK_MS:
+        best = candidates[0]
     TUNING_CACHE.put(key, best)
     return best, True
 
@@ -865,14 +875,15 @@ def _plan_of(constexprs, cfg):
                                           ("BLOCK_M", "BLOCK_N", *_OPTIONS) if name in cfg}))
 
 
-def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, pairs):
+def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, pairs,
+                may_be_empty=False):
     """The LaunchPlan of one launch site: `constexprs()` plus the chosen config's BLOCK_M,
     BLOCK_N, num_warps and num_stages. Chosen (tuned, or read from the tuning cache) on the
     first call per (kernel, device, dtype, head dims, causal, flags, length buckets) and
     then remembered, so that later calls skip the candidate lists, the string key and the
     lock: one dict lookup. `candidates()` returns the candidate configs, `launch(plan)`
     launches once (timed while tuning); flags are the extra parts of `tuning_key`, whose
-    persistent keys stay as they were."""
+    persistent keys stay as they were; may_be_empty: a masked kernel's path (NO_WORK_MS)."""
     chosen = TUNING_CACHE.chosen
     memo = (kernel, q.device, q.dtype, q.shape[-1], v.shape[-1], causal, flags,
             length_bucket(q.shape[-2]), length_bucket(k.shape[-2]))
@@ -885,45 +896,12 @@ def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, 
         return _plan_of(fixed, cfg)
 
     cfg, final = _choose_config(tuning_key(kernel, q, k, v, causal, *flags), candidates(),
-                                lambda c: launch(as_plan(c)), pairs)
+                                lambda c: launch(as_plan(c)), pairs, may_be_empty)
     plan = as_plan(cfg)
     if final:
         chosen[memo] = plan
         plan.kept = True
     return plan
-
-
-def launch_mask_path(kernel, q, k, v, causal, flags, candidates, constexprs, launch, pairs,
-                     path):
-    """Launches one MASK_PATH of a kernel (plain kernels: path NO_MASK_PATH, the tuned
-    `launch_plan`). A masked path is not timed: its work depends on the mask's summary,
-    which the host does not see (one of the two launches may have nothing to do), so a
-    timing could choose for the wrong kind of mask and be remembered. It takes the first
-    candidate that builds on this device; each kernel lists the measured best first."""
-    if path == NO_MASK_PATH:
-        return launch(launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs,
-                                  launch, pairs))
-    chosen = TUNING_CACHE.chosen
-    memo = (kernel, q.device, q.dtype, q.shape[-1], v.shape[-1], causal, flags,
-            length_bucket(q.shape[-2]), length_bucket(k.shape[-2]))
-    plan = chosen.get(memo)
-    if plan is not None:
-        return launch(plan)
-    fixed = constexprs()
-    error = None
-    for cfg in candidates():
-        plan = _plan_of(fixed, cfg)
-        try:    # a build error is raised before the kernel runs: nothing was written
-            launch(plan)
-        except BUILD_ERRORS as e:
-            log.info("launch config %s of %s (mask path %d) does not build: %s", cfg, kernel,
-                     path, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
-            error = e
-            continue
-        plan.kept = True
-        chosen[memo] = plan
-        return None
-    raise error
 
 
 def read_path_first(candidates, best):

@@ -15,7 +15,7 @@ from .layout import empty_like_order
 from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES,
                             MASK_READ, NO_MASK_PATH, READ_PATH, apply_mask_tile, blocks,
                             dot_precision, interpreting, key_blocks_of_row_block,
-                            key_loops_within_mask, launch_mask_path, load_tile, on_mask_path,
+                            key_loops_within_mask, launch_plan, load_tile, on_mask_path,
                             padded_dim, read_path_first, row_block_program, row_bytes,
                             store_tile, strides_of, unmasked_key_blocks_of_range,
                             visibility_mask, wide_candidates)
@@ -199,11 +199,11 @@ def attention_forward(q, k, v, params):
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E)
 
     for path in mask_paths(mask_kind):
-        launch_mask_path(
+        launch(launch_plan(
             "forward", q, k, v, causal, mask_flags(mask_kind, path),
             lambda: forward_candidates(q.dtype, E, Ev, path),
             lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E),
                          BLOCK_EV=padded_dim(Ev), CAUSAL=causal, MASK_KIND=mask_kind,
                          MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype)),
-            launch, L * S, path)
+            launch, L * S, may_be_empty=path != NO_MASK_PATH))
     return o, lse
