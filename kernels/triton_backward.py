@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
-                            NO_MASK_PATH, READ_PATH, apply_mask_tile, blocks, column_block_program,
+                            READ_PATH, apply_mask_tile, blocks, column_block_program,
                             dot_precision, fixed_plan, group_on_mask_path, interpreting,
                             key_blocks_of_row_block, key_loops_within_mask, launch_plan, load_lse2,
                             load_row_vector, load_tile, on_mask_path, padded_dim, read_path_first,
@@ -25,7 +25,7 @@ from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_IN
                             row_loops_within_mask, store_tile, strides_of,
                             unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
                             visibility_mask, wide_candidates)
-from .triton_masks import mask_flags, mask_kind_and_tensor, mask_paths
+from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
 # --------------------------------------------------------------------------------------
@@ -388,7 +388,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
         "bwd_columns", q, k, v, causal, (dq_atomics, *mask_flags(mask_kind, path)),
         lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
         lambda: dict(common(path), DQ_ATOMICS=dq_atomics), launch_columns, L * S,
-        may_be_empty=path != NO_MASK_PATH) for path in paths]
+        has_work=mask_path_work(key_range, path, Hq // Hkv)) for path in paths]
     if dq_atomics:
         dq_acc.zero_()
     for plan in plans:
@@ -408,5 +408,5 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
         launch_rows(launch_plan("bwd_dq", q, k, v, causal, mask_flags(mask_kind, path),
                                 lambda: dq_candidates(q.dtype, E, Ev, read=path == READ_PATH),
                                 lambda: common(path), launch_rows, L * S,
-                                may_be_empty=path != NO_MASK_PATH))
+                                has_work=mask_path_work(key_range, path)))
     return dq, dk, dv

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
 from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
-                            NO_MASK_PATH, READ_PATH, apply_mask_tile, blocks, column_block_program,
+                            READ_PATH, apply_mask_tile, blocks, column_block_program,
                             dot_precision, fixed_plan, group_on_mask_path, interpreting,
                             key_blocks_of_row_block, key_loops_within_mask, launch_plan,
                             load_row_vector, load_tile, note_tensors, on_mask_path, padded_dim,
@@ -45,7 +45,7 @@ from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_IN
                             unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
                             visibility_mask, wide_candidates)
 from . import settings
-from .triton_masks import mask_flags, mask_kind_and_tensor, mask_paths
+from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
 # --------------------------------------------------------------------------------------
@@ -651,7 +651,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
                                        read=path == READ_PATH),
                 lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
                              SPLIT_SBAR=split), launch_rows, L * S,
-                may_be_empty=path != NO_MASK_PATH))
+                has_work=mask_path_work(key_range, path)))
 
     if row_atomics:
         gq_acc = torch.empty((B, Hq, L, E), device=dev, dtype=torch.float32)
@@ -677,7 +677,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
         "bob_columns", q, k, v, causal, (row_atomics, *flag_key(path)),
         lambda: column_candidates(q.dtype, E, Ev, row_atomics, read=path == READ_PATH),
         lambda: dict(common(path), ROW_ATOMICS=row_atomics), launch_columns, L * S,
-        may_be_empty=path != NO_MASK_PATH) for path in paths]
+        has_work=mask_path_work(key_range, path, Hq // Hkv)) for path in paths]
     if row_atomics:
         for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
             t.zero_()

@@ -495,17 +495,13 @@ def choose_config(key, candidates, run, pairs=0):
     return _choose_config(key, candidates, run, pairs)[0]
 
 
-# A masked kernel's launch for one MASK_PATH can have nothing to do (every (batch, head) is
-# the other path's): its programs leave at once, and timing its candidates would choose by
-# noise, and remember it. Below this many milliseconds the first (the measured default)
-# stands.
-NO_WORK_MS = 0.02
-
-
-def _choose_config(key, candidates, run, pairs, may_be_empty=False):
+def _choose_config(key, candidates, run, pairs, has_work=None):
     """(config, final): final is False for the provisional first candidate of a problem too
-    large to tune, which a later tuned decision for the same key replaces. may_be_empty: a
-    launch that may have no work (NO_WORK_MS)."""
+    large to tune, which a later tuned decision for the same key replaces. has_work: for a
+    launch whose work depends on data (a masked kernel's MASK_PATH, one of whose two
+    launches may have nothing to do), whether this one has any; where not, timing would
+    choose by noise (measured: the noise choices cost a mask read per tile 8 % over its
+    default configs), so the first candidate stands, and is not written to the file."""
     if len(candidates) == 1 or not tuning_enabled():
         return candidates[0], True
     known = TUNING_CACHE.get(key)
@@ -513,6 +509,8 @@ def _choose_config(key, candidates, run, pairs, may_be_empty=False):
         return known, True
     if pairs > TUNE_MAX_PAIRS:
         return candidates[0], False
+    if has_work is not None and not has_work():
+        return candidates[0], True
     best, best_ms = candidates[0], math.inf
     for config in candidates:
         try:
@@ -524,8 +522,6 @@ def _choose_config(key, candidates, run, pairs, may_be_empty=False):
             continue
         if ms < best_ms:
             best, best_ms = config, ms
-    if may_be_empty and best_ms < NO_WORK_MS:
-        best = candidates[0]
     TUNING_CACHE.put(key, best)
     return best, True
 
@@ -876,14 +872,14 @@ def _plan_of(constexprs, cfg):
 
 
 def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, pairs,
-                may_be_empty=False):
+                has_work=None):
     """The LaunchPlan of one launch site: `constexprs()` plus the chosen config's BLOCK_M,
     BLOCK_N, num_warps and num_stages. Chosen (tuned, or read from the tuning cache) on the
     first call per (kernel, device, dtype, head dims, causal, flags, length buckets) and
     then remembered, so that later calls skip the candidate lists, the string key and the
     lock: one dict lookup. `candidates()` returns the candidate configs, `launch(plan)`
     launches once (timed while tuning); flags are the extra parts of `tuning_key`, whose
-    persistent keys stay as they were; may_be_empty: a masked kernel's path (NO_WORK_MS)."""
+    persistent keys stay as they were; has_work: see _choose_config."""
     chosen = TUNING_CACHE.chosen
     memo = (kernel, q.device, q.dtype, q.shape[-1], v.shape[-1], causal, flags,
             length_bucket(q.shape[-2]), length_bucket(k.shape[-2]))
@@ -896,7 +892,7 @@ def launch_plan(kernel, q, k, v, causal, flags, candidates, constexprs, launch, 
         return _plan_of(fixed, cfg)
 
     cfg, final = _choose_config(tuning_key(kernel, q, k, v, causal, *flags), candidates(),
-                                lambda c: launch(as_plan(c)), pairs, may_be_empty)
+                                lambda c: launch(as_plan(c)), pairs, has_work)
     plan = as_plan(cfg)
     if final:
         chosen[memo] = plan

@@ -19,7 +19,7 @@ from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_IN
                             padded_dim, read_path_first, row_block_program, row_bytes,
                             store_tile, strides_of, unmasked_key_blocks_of_range,
                             visibility_mask, wide_candidates)
-from .triton_masks import mask_flags, mask_kind_and_tensor, mask_paths
+from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
 @triton.jit
@@ -205,5 +205,5 @@ def attention_forward(q, k, v, params):
             lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E),
                          BLOCK_EV=padded_dim(Ev), CAUSAL=causal, MASK_KIND=mask_kind,
                          MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype)),
-            launch, L * S, may_be_empty=path != NO_MASK_PATH))
+            launch, L * S, has_work=mask_path_work(key_range, path)))
     return o, lse

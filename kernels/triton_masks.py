@@ -104,6 +104,23 @@ def mask_paths(kind):
     return (0,) if kind == NO_MASK else (1, 2)
 
 
+def mask_path_has_work(summary, path, kv_group=1):
+    """Whether a MASK_PATH launch has any (batch, head) to do, from the summary (a host
+    synchronization: only while a launch config is being tuned). kv_group > 1: a
+    key-block-major kernel's, whose programs take a GQA group (the key-range launch only the
+    groups whose heads' masks are all key ranges)."""
+    structure = summary[..., 0, 2]
+    in_range = (structure == KEYS_IN_RANGE) | (structure == KEYS_IN_RANGE_CAUSAL)
+    if path == 1:
+        return bool(in_range.unflatten(1, (-1, kv_group)).all(-1).any())
+    return bool((~in_range).any())
+
+
+def mask_path_work(summary, path, kv_group=1):
+    """launch_plan's has_work for a kernel's MASK_PATH launch (None without a mask)."""
+    return None if path == 0 else lambda: mask_path_has_work(summary, path, kv_group)
+
+
 def mask_flags(kind, path=0):
     """The launch-key flags of a mask kind and path (none without a mask: unmasked keys
     unchanged)."""

@@ -182,3 +182,49 @@ def test_calls_that_may_not_keep_summarize_every_time(summaries_made):
         triton_masks.mask_kind_and_tensor(params, mask, reuse=True)     # its backward
         assert len(triton_masks._forward_summaries) == keep
     assert len(made) == 3
+
+
+def summary_of_structures(*structures):
+    """A (1, Hq, 1, 3) summary whose heads have these structures (first 0, end S)."""
+    out = torch.zeros(1, len(structures), 1, 3, dtype=torch.int32)
+    out[..., 1] = S
+    out[0, :, 0, 2] = torch.tensor(structures)
+    return out
+
+
+@pytest.mark.parametrize("structures,kv_group,indices,read", [
+    ((KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL), 1, True, False),
+    ((READ_THE_MASK, READ_THE_MASK_CAUSAL), 1, False, True),
+    ((KEYS_IN_RANGE, READ_THE_MASK), 1, True, True),
+    # a key-block-major program takes a GQA group: the key-range launch only all-range groups
+    ((KEYS_IN_RANGE, READ_THE_MASK, KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL), 2, False, True),
+    ((KEYS_IN_RANGE, READ_THE_MASK, KEYS_IN_RANGE_CAUSAL, KEYS_IN_RANGE), 2, True, True),
+])
+def test_which_mask_path_has_work(structures, kv_group, indices, read):
+    """A masked kernel's two launches (triton_common.py, MASK_PATH) each take some (batch,
+    head)s; the tuner times a launch's configs only where it has some (launch_plan)."""
+    from bob_compile.kernels.triton_masks import mask_path_has_work
+    summary = summary_of_structures(*structures)
+    assert mask_path_has_work(summary, 1, kv_group) == indices
+    assert mask_path_has_work(summary, 2, kv_group) == read
+
+
+def test_a_launch_without_work_is_not_timed(monkeypatch):
+    """A launch with nothing to do keeps the first candidate, untimed and not written to the
+    tuning file (its timing would be noise); one with work is timed."""
+    from bob_compile.kernels import triton_common
+    monkeypatch.setattr(triton_common, "tuning_enabled", lambda: True)
+    written = []
+    monkeypatch.setattr(triton_common.TUNING_CACHE, "get", lambda key: None)
+    monkeypatch.setattr(triton_common.TUNING_CACHE, "put", lambda key, c: written.append(c))
+    ran = []
+    candidates = [dict(BLOCK_M=64), dict(BLOCK_M=32)]
+    config, final = triton_common._choose_config("key", candidates, ran.append, 1,
+                                                 has_work=lambda: False)
+    assert (config, final, ran, written) == (candidates[0], True, [], [])
+    timings = iter([3.0, 1.0] * 10)
+    monkeypatch.setattr(triton_common.triton.testing, "do_bench",
+                        lambda fn, **kw: (fn(), next(timings))[1])
+    config, _ = triton_common._choose_config("key", candidates, ran.append, 1,
+                                             has_work=lambda: True)
+    assert config == candidates[1] and written == [candidates[1]] and len(ran) == 2
