@@ -16,15 +16,14 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
-                            READ_PATH, apply_mask_tile, blocks, column_block_program,
-                            dot_precision, fixed_plan, group_on_mask_path, interpreting,
-                            key_blocks_of_row_block, key_loops_within_mask, launch_plan, load_lse2,
-                            load_row_vector, load_tile, on_mask_path, padded_dim, read_path_first,
-                            row_block_program, row_blocks_of_key_block, row_bytes,
-                            row_loops_within_mask, store_tile, strides_of,
-                            unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
-                            visibility_mask, wide_candidates)
+from .triton_common import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE,
+                            READ_PATH, apply_mask_tile, blocks, column_block_program, dot_precision,
+                            fixed_plan, group_on_mask_path, interpreting, key_blocks_of_row_block,
+                            key_loops_within_mask, launch_plan, load_lse2, load_row_vector,
+                            load_tile, on_mask_path, padded_dim, read_path_first, row_block_program,
+                            row_blocks_of_key_block, row_bytes, row_loops_within_mask, store_tile,
+                            strides_of, unmasked_key_blocks_of_range,
+                            unmasked_query_blocks_of_range, visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -165,15 +164,15 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
                 sqe, sdl, sde, HEAD_DIM, sml, sme, 0, S, 0, m_lo, m_mid, n0, L, S,
                 qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
-                True, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, MASK_BY_STRUCTURE)
+                True, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
                 sqe, sdl, sde, HEAD_DIM, sml, sme, 0, S, 0, m_mid, m_hi, n0, L, S,
                 qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
-                False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, MASK_BY_STRUCTURE)
+                False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
         else:
-            # only the query blocks that see keys of this block; the mask's source decided
-            # once (triton_forward.py), none on the query blocks that see all of them
+            # only the query blocks that see keys of this block; a key range's launch
+            # leaves those that see all of them unmasked, the other reads (MASK_PATH)
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
             if MASK_PATH == INDICES_PATH:
@@ -189,7 +188,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
                     dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
                     sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0,
                     L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                    BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, MASK_BY_STRUCTURE)
+                    BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
             else:
                 dk, dv = _column_steps(
                     dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
@@ -274,14 +273,14 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
                        sme, 0, S, 0, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV,
-                       DOT_PRECISION, MASK_BY_STRUCTURE)
+                       DOT_PRECISION, NO_MASK_SOURCE)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
                        sme, 0, S, 0, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV,
-                       DOT_PRECISION, MASK_BY_STRUCTURE)
+                       DOT_PRECISION, NO_MASK_SOURCE)
     else:
-        # only the key blocks holding keys this (b, h) sees; the mask's source decided once
-        # (triton_forward.py), none on the key blocks wholly inside a key range
+        # only the key blocks holding keys this (b, h) sees; a key range's launch leaves
+        # the blocks wholly inside it unmasked, the other reads the mask (MASK_PATH)
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
         if MASK_PATH == INDICES_PATH:
@@ -290,7 +289,7 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
             dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                            sml, sme, first, end, structure, offs_m, offs_e, offs_ev, a_end,
                            b_end, 0, 0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                           CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, MASK_BY_STRUCTURE)
+                           CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE)
             dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                            sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi2,
                            a_end, b_end - a_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,

@@ -35,12 +35,12 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES, MASK_READ,
-                            READ_PATH, apply_mask_tile, blocks, column_block_program,
-                            dot_precision, fixed_plan, group_on_mask_path, interpreting,
-                            key_blocks_of_row_block, key_loops_within_mask, launch_plan,
-                            load_row_vector, load_tile, note_tensors, on_mask_path, padded_dim,
-                            read_path_first, row_block_program, row_blocks_of_key_block, row_bytes,
+from .triton_common import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE,
+                            READ_PATH, apply_mask_tile, blocks, column_block_program, dot_precision,
+                            fixed_plan, group_on_mask_path, interpreting, key_blocks_of_row_block,
+                            key_loops_within_mask, launch_plan, load_row_vector, load_tile,
+                            note_tensors, on_mask_path, padded_dim, read_path_first,
+                            row_block_program, row_blocks_of_key_block, row_bytes,
                             row_loops_within_mask, store_tile, strides_of,
                             unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
                             visibility_mask, wide_candidates)
@@ -201,17 +201,17 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale, HEAD_DIM,
             HEAD_DIM_V,
             BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
-            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
+            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, 0, S, 0,
             offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale, HEAD_DIM,
             HEAD_DIM_V,
             BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
-            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
+            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
     else:
-        # only the key blocks holding keys this (b, h) sees; the mask's source decided
-        # once (triton_forward.py), none on the key blocks wholly inside a key range
+        # only the key blocks holding keys this (b, h) sees; a key range's launch leaves
+        # the blocks wholly inside it unmasked, the other reads the mask (MASK_PATH)
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
         if MASK_PATH == INDICES_PATH:
@@ -223,7 +223,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
                 scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
-                HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_BY_STRUCTURE)
+                HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
             gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
                 gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
                 gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
@@ -424,17 +424,17 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 sme, 0, S, 0, m_lo, m_mid, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
                 DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
                 True, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD,
-                DOT_PRECISION, MASK_BY_STRUCTURE)
+                DOT_PRECISION, NO_MASK_SOURCE)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, 0, S, 0, m_mid, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
                 DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
                 False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD,
-                DOT_PRECISION, MASK_BY_STRUCTURE)
+                DOT_PRECISION, NO_MASK_SOURCE)
         else:
-            # only the query blocks that see keys of this block; the mask's source decided
-            # once (triton_forward.py), none on the query blocks that see all of them
+            # only the query blocks that see keys of this block; a key range's launch
+            # leaves those that see all of them unmasked, the other reads (MASK_PATH)
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
             if MASK_PATH == INDICES_PATH:
@@ -453,7 +453,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                     sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
                     GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                     BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
-                    FOLD, DOT_PRECISION, MASK_BY_STRUCTURE)
+                    FOLD, DOT_PRECISION, NO_MASK_SOURCE)
             else:
                 gk, gv = _column_steps(
                     gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,

@@ -267,11 +267,11 @@ def unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end, structure,
     return tl.minimum(tl.maximum(split, m_lo), m_hi)
 
 
-# Where apply_mask_tile takes the mask from (its SOURCE): decided per tile from the
-# structure (a runtime branch in the loop), or known for the whole loop (a kernel that
-# branches once, outside its loops, so that each loop body is free of the branch and of the
-# mask load the other side would hold)
-MASK_BY_STRUCTURE = tl.constexpr(0)
+# Where a loop's apply_mask_tile takes the mask from (its SOURCE), fixed per loop (a per-tile
+# branch in the loop body cost the masked forward ~40 % of its time: benchmarks/README.md,
+# "Masks"): no mask at all (a loop over blocks every row sees), from indices (a key range's
+# edge blocks), or read from the mask tensor
+NO_MASK_SOURCE = tl.constexpr(0)
 MASK_FROM_INDICES = tl.constexpr(1)
 MASK_READ = tl.constexpr(2)
 
@@ -321,19 +321,14 @@ def group_on_mask_path(summary_ptr, srh, sre, kv_group, MASK_PATH: tl.constexpr)
 
 @triton.jit
 def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, first, end, structure,
-                    MASK_KIND: tl.constexpr, TRANSPOSED: tl.constexpr,
-                    SOURCE: tl.constexpr = MASK_BY_STRUCTURE):
+                    MASK_KIND: tl.constexpr, TRANSPOSED: tl.constexpr, SOURCE: tl.constexpr):
     """Base-2 scores s2 ([M, N], or [N, M] when TRANSPOSED) with the mask applied as
     AttentionParams defines it: bool False hides the pair; an additive value is added
     (times log2 e), and one at or below -1e4 (HIDDEN_AT_OR_BELOW) hides the pair. Where the
-    (batch, head)'s structure says the mask is a key range [first, end) (with key <= query
-    for KEYS_IN_RANGE_CAUSAL), from indices; elsewhere from a tile of the mask, pairs
-    outside [0, L) x [0, S) reading as hidden. SOURCE: see MASK_BY_STRUCTURE above."""
+    (batch, head)'s mask is a key range [first, end) (with key <= query for
+    KEYS_IN_RANGE_CAUSAL), from indices (SOURCE MASK_FROM_INDICES); else from a tile of the
+    mask (MASK_READ), pairs outside [0, L) x [0, S) reading as hidden."""
     if SOURCE == MASK_FROM_INDICES:
-        s2 = _mask_from_indices(s2, offs_m, offs_n, first, end, structure, TRANSPOSED)
-    elif SOURCE == MASK_READ:
-        s2 = _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND, TRANSPOSED)
-    elif mask_from_indices(structure):
         s2 = _mask_from_indices(s2, offs_m, offs_n, first, end, structure, TRANSPOSED)
     else:
         s2 = _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND, TRANSPOSED)

@@ -12,13 +12,12 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (INDICES_PATH, LOG2E, MASK_BY_STRUCTURE, MASK_FROM_INDICES,
-                            MASK_READ, NO_MASK_PATH, READ_PATH, apply_mask_tile, blocks,
-                            dot_precision, interpreting, key_blocks_of_row_block,
-                            key_loops_within_mask, launch_plan, load_tile, on_mask_path,
-                            padded_dim, read_path_first, row_block_program, row_bytes,
-                            store_tile, strides_of, unmasked_key_blocks_of_range,
-                            visibility_mask, wide_candidates)
+from .triton_common import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH,
+                            NO_MASK_SOURCE, READ_PATH, apply_mask_tile, blocks, dot_precision,
+                            interpreting, key_blocks_of_row_block, key_loops_within_mask,
+                            launch_plan, load_tile, on_mask_path, padded_dim, read_path_first,
+                            row_block_program, row_bytes, store_tile, strides_of,
+                            unmasked_key_blocks_of_range, visibility_mask, wide_candidates)
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -93,22 +92,22 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-    # A mask's source is decided once, here, not per tile: each loop body then holds one
-    # kind of masking, without a branch or the other kind's mask load, and a mask applied
-    # from indices leaves the key blocks wholly inside its range unmasked (with the branch
-    # in its loop, the masked forward took ~2.6x the unmasked one's time per visible pair
-    # on the H200: benchmarks/README.md, "Masks")
+    # A mask's source is fixed per launch (MASK_PATH), not decided per tile: each loop body
+    # holds one kind of masking, without a branch or the other kind's mask load (with the
+    # branch in its loop, the masked forward took ~2.6x the unmasked one's time per visible
+    # pair on the H200: benchmarks/README.md, "Masks"); a key range's launch runs the key
+    # blocks wholly inside the range unmasked, and its edge blocks in one loop
     if MASK_KIND == 0:
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_BY_STRUCTURE)
+            NO_MASK_SOURCE)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_BY_STRUCTURE)
+            NO_MASK_SOURCE)
     elif MASK_PATH == INDICES_PATH:
         a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end, structure,
                                                     BLOCK_N)
@@ -116,7 +115,7 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_BY_STRUCTURE)
+            NO_MASK_SOURCE)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
