@@ -158,11 +158,11 @@ def forward_candidates(dtype, head_dim, head_dim_v, path=NO_MASK_PATH):
         # benchmarks/README.md, "Masks")
         return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
                                                 num_stages=3))
-    if path == INDICES_PATH and not interpreting() and row_bytes(dtype, head_dim,
-                                                                   head_dim_v) <= 128:
+    if (path == INDICES_PATH and not interpreting() and torch.version.hip is None
+            and row_bytes(dtype, head_dim, head_dim_v) <= 128):
         # a key range's two loops take ~150 registers per thread where ptxas may choose,
-        # one program per SM at 8 warps; bounded to 128 they fit without a spill (sm_90),
-        # two per SM, as the unmasked forward's 120
+        # one program per SM at 8 warps; bounded to 128 (an NVIDIA option) they fit without
+        # a spill (sm_90), two per SM, as the unmasked forward's 120
         return [dict(candidates[0], maxnreg=128)] + candidates
     return candidates
 
