@@ -159,47 +159,37 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
         dq_base = DQ_ACC + row * HEAD_DIM
         mask_base = MASK + b * smb + h * smh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
-        if MASK_KIND == 0:
-            dk, dv = _column_steps(
-                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                sqe, sdl, sde, HEAD_DIM, sml, sme, 0, S, 0, m_lo, m_mid, n0, L, S,
-                qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
-                True, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
-            dk, dv = _column_steps(
-                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                sqe, sdl, sde, HEAD_DIM, sml, sme, 0, S, 0, m_mid, m_hi, n0, L, S,
-                qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
-                False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
-        else:
-            # only the query blocks that see keys of this block; a key range's launch
-            # leaves those that see all of them unmasked, the other reads (MASK_PATH)
+        first, end, structure = 0, S, 0
+        if MASK_KIND != 0:      # only the query blocks that see keys of this block
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-            if MASK_PATH == INDICES_PATH:
-                m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
-                                                         structure, L, BLOCK_M, BLOCK_N)
-                dk, dv = _column_steps(
-                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0,
-                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                    BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION,
-                    MASK_FROM_INDICES)
-                dk, dv = _column_steps(
-                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0,
-                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                    BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
-            else:
-                dk, dv = _column_steps(
-                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0,
-                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                    BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
-                dk, dv = _column_steps(
-                    dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                    sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0,
-                    L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                    BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
+        # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
+        # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
+        if MASK_PATH == INDICES_PATH:
+            m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
+                                                     structure, L, BLOCK_M, BLOCK_N)
+            dk, dv = _column_steps(
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0,
+                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION,
+                MASK_FROM_INDICES)
+            dk, dv = _column_steps(
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0,
+                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
+        else:
+            dk, dv = _column_steps(
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0,
+                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
+            dk, dv = _column_steps(
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
+                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0,
+                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -269,41 +259,33 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    if MASK_KIND == 0:
-        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
-                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV,
-                       DOT_PRECISION, NO_MASK_SOURCE)
-        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml,
-                       sme, 0, S, 0, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV,
-                       DOT_PRECISION, NO_MASK_SOURCE)
-    else:
-        # only the key blocks holding keys this (b, h) sees; a key range's launch leaves
-        # the blocks wholly inside it unmasked, the other reads the mask (MASK_PATH)
+    first, end, structure = 0, S, 0
+    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-        if MASK_PATH == INDICES_PATH:
-            a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
-                                                        structure, BLOCK_N)
-            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, a_end,
-                           b_end, 0, 0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                           CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE)
-            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi2,
-                           a_end, b_end - a_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
-                           BLOCK_N, True, CAUSAL,
-                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES)
-        else:
-            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0,
-                           0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
-                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
-            dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
-                           sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0,
-                           0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                           MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
+    # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
+    # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
+    if MASK_PATH == INDICES_PATH:
+        a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
+                                                    structure, BLOCK_N)
+        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                       sml, sme, first, end, structure, offs_m, offs_e, offs_ev, a_end,
+                       b_end, 0, 0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE)
+        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                       sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi2,
+                       a_end, b_end - a_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
+                       BLOCK_N, True, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES)
+    else:
+        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                       sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0,
+                       0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
+        dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
+                       sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0,
+                       0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 

@@ -194,58 +194,43 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     mask_base = MASK + b * smb + h * smh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    if MASK_KIND == 0:
-        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, 0, S, 0,
-            offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale, HEAD_DIM,
-            HEAD_DIM_V,
-            BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
-            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
-        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, 0, S, 0,
-            offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale, HEAD_DIM,
-            HEAD_DIM_V,
-            BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK, HAS_GDV,
-            ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
-    else:
-        # only the key blocks holding keys this (b, h) sees; a key range's launch leaves
-        # the blocks wholly inside it unmasked, the other reads the mask (MASK_PATH)
+    first, end, structure = 0, S, 0
+    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
             lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-        if MASK_PATH == INDICES_PATH:
-            a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
-                                                        structure, BLOCK_N)
-            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-                scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
-                HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
-            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
-                qk_scale_log2, scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
-                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION,
-                MASK_FROM_INDICES)
-        else:
-            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
-                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
-            gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
-                gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-                gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-                end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
-                HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
-
+    # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
+    # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
+    if MASK_PATH == INDICES_PATH:
+        a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
+                                                    structure, BLOCK_N)
+        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
+            scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
+            HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
+        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
+            qk_scale_log2, scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION,
+            MASK_FROM_INDICES)
+    else:
+        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
+        gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
+            gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
     if FOLD:
@@ -417,58 +402,44 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
         gdq_base = GDQ + b * sgqb + h * sgqh
         mask_base = MASK + b * smb + h * smh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
-        if MASK_KIND == 0:
-            gk, gv = _column_steps(
-                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
-                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                sme, 0, S, 0, m_lo, m_mid, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
-                DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
-                True, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD,
-                DOT_PRECISION, NO_MASK_SOURCE)
-            gk, gv = _column_steps(
-                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
-                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                sme, 0, S, 0, m_mid, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC, GDO_ACC,
-                DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N,
-                False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS, FOLD,
-                DOT_PRECISION, NO_MASK_SOURCE)
-        else:
-            # only the query blocks that see keys of this block; a key range's launch
-            # leaves those that see all of them unmasked, the other reads (MASK_PATH)
+        first, end, structure = 0, S, 0
+        if MASK_KIND != 0:      # only the query blocks that see keys of this block
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
                 m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
-            if MASK_PATH == INDICES_PATH:
-                m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
-                                                         structure, L, BLOCK_M, BLOCK_N)
-                gk, gv = _column_steps(
-                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
-                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                    sme, first, end, structure, m_lo, m_split, n0, L, S, qk_scale_log2, scale,
-                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                    BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                    ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES)
-                gk, gv = _column_steps(
-                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
-                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                    sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
-                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                    BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
-                    FOLD, DOT_PRECISION, NO_MASK_SOURCE)
-            else:
-                gk, gv = _column_steps(
-                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
-                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                    sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
-                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                    BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                    ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
-                gk, gv = _column_steps(
-                    gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
-                    ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                    sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
-                    GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                    BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                    ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
+        # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
+        # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
+        if MASK_PATH == INDICES_PATH:
+            m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
+                                                     structure, L, BLOCK_M, BLOCK_N)
+            gk, gv = _column_steps(
+                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                sme, first, end, structure, m_lo, m_split, n0, L, S, qk_scale_log2, scale,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES)
+            gk, gv = _column_steps(
+                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
+                FOLD, DOT_PRECISION, NO_MASK_SOURCE)
+        else:
+            gk, gv = _column_steps(
+                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
+            gk, gv = _column_steps(
+                gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
+                ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
+                sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
     store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),

@@ -301,7 +301,7 @@ def on_mask_path(structure, MASK_PATH: tl.constexpr):
     if MASK_PATH == INDICES_PATH:
         return mask_from_indices(structure)
     else:
-        return (structure != 1) & (structure != 2)
+        return mask_from_indices(structure) == 0
 
 
 @triton.jit
@@ -312,7 +312,7 @@ def group_on_mask_path(summary_ptr, srh, sre, kv_group, MASK_PATH: tl.constexpr)
     read = tl.zeros([], tl.int32)
     for g in range(0, kv_group):
         structure = tl.load(summary_ptr + g * srh + 2 * sre)
-        read += ((structure != 1) & (structure != 2)).to(tl.int32)
+        read += on_mask_path(structure, READ_PATH).to(tl.int32)
     if MASK_PATH == INDICES_PATH:
         return read == 0
     else:

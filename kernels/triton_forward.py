@@ -95,20 +95,10 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
     # A mask's source is fixed per launch (MASK_PATH), not decided per tile: each loop body
     # holds one kind of masking, without a branch or the other kind's mask load (with the
     # branch in its loop, the masked forward took ~2.6x the unmasked one's time per visible
-    # pair on the H200: benchmarks/README.md, "Masks"); a key range's launch runs the key
-    # blocks wholly inside the range unmasked, and its edge blocks in one loop
-    if MASK_KIND == 0:
-        acc, l_i, m_i = _forward_steps(
-            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
-            HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
-            NO_MASK_SOURCE)
-        acc, l_i, m_i = _forward_steps(
-            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
-            HEAD_DIM_V, BLOCK_N, True, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
-            NO_MASK_SOURCE)
-    elif MASK_PATH == INDICES_PATH:
+    # pair on the H200: benchmarks/README.md, "Masks"). A key range's launch runs the key
+    # blocks wholly inside the range unmasked and its edge blocks in one loop; else no
+    # mask, or the mask read per tile.
+    if MASK_PATH == INDICES_PATH:
         a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end, structure,
                                                     BLOCK_N)
         acc, l_i, m_i = _forward_steps(
