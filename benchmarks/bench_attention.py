@@ -1,7 +1,7 @@
 """Speed, memory and accuracy of softmax attention through second order, on one GPU.
 
 Providers
-- bob_compile: this package's kernels (kernels/triton_attention.py), one full second-order
+- bob_compile: this package's kernels (bob_compile/kernels/triton_attention.py), one full second-order
   step assembled from the contract exactly as autograd runs it: in the form
   kernels.fold_bob picks (by default folded up to head dim 128, chain above), i.e.
   bob_compile_folded or bob_compile_chain;
@@ -66,20 +66,10 @@ import torch
 
 
 def import_kernels():
-    """The package's kernels, also from a plain checkout (setup.cfg maps kernels/ into
-    bob_compile.kernels; without an install, load the folder as that package)."""
-    try:
-        from bob_compile.kernels import reference, triton_attention
-        return triton_attention, reference
-    except ImportError:
-        import importlib
-        import types
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        pkg = types.ModuleType("bob_compile_kernels")
-        pkg.__path__ = [os.path.join(root, "kernels")]
-        sys.modules["bob_compile_kernels"] = pkg
-        return (importlib.import_module("bob_compile_kernels.triton_attention"),
-                importlib.import_module("bob_compile_kernels.reference"))
+    """The package's kernels, also from a plain checkout (the repository root on the path)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bob_compile.kernels import reference, triton_attention
+    return triton_attention, reference
 
 
 tri, reference = import_kernels()

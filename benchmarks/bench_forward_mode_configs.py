@@ -3,7 +3,7 @@ through the user's step.
 
 Forward over reverse (`torch.func.jvp(torch.func.grad(f))` through the op: issue 13's
 <= 1.2x the reverse-over-reverse step) runs three forward-mode kernels whose candidate
-lists (`kernels/triton_forward_mode.py`) were set before any GPU run. This times the step
+lists (`bob_compile/kernels/triton_forward_mode.py`) were set before any GPU run. This times the step
 (bench_attention's `op_forward_over_reverse`) with the current lists and with three-stage
 configs added (the tuner choosing among each list, its decisions forgotten between
 variants), in interleaved rounds, next to the reverse-over-reverse step (`op_autograd`).

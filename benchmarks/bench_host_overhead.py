@@ -173,7 +173,7 @@ def time_per_call(fn, device, calls, repeats, warmup):
 
 
 class StubKernels:
-    """The kernel contract (kernels/__init__.py) with every function returning fresh
+    """The kernel contract (bob_compile/kernels/__init__.py) with every function returning fresh
     uninitialized outputs: isolates the host cost of everything around the kernels."""
 
     @staticmethod

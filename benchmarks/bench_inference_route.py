@@ -3,7 +3,7 @@
 A stack of 4 transformer blocks (width 768, 12 heads, bf16) from tests/models.py, with SDPA
 attention or nanoGPT's hand-written attention (causal mask from a registered buffer, so the
 flashbob graph carries a causal-buffer guard), at B=1 T=128 (host-bound) and B=8 T=1024.
-On the inference route flashbob runs attention as PyTorch's fused SDPA (passes/inference.py):
+On the inference route flashbob runs attention as PyTorch's fused SDPA (bob_compile/passes/inference.py):
 SDPA sites then cost what stock compile costs; hand-written sites become fused SDPA.
 Microseconds per forward: CUDA events around 50 calls, median of 7, after 5 warm-up calls.
 

@@ -1,6 +1,6 @@
 """Which fused first-order kernel: the backend native SDPA picks (inputs requiring grad), and
 the GPU time of PyTorch's cuDNN and FA2 forward + backward as the op's implementation calls
-them (`kernels/triton_attention.py`: _native_forward, _native_backward).
+them (`bob_compile/kernels/triton_attention.py`: _native_forward, _native_backward).
 
 B=1, H=12, bf16; each entry is the mean of 20 calls back to back between two CUDA events
 after 3 warm-up calls (GPU-bound: the host runs ahead).

@@ -4,7 +4,7 @@ The three heaviest launch sites of a second-order step (the Triton forward, BoB'
 kernel, BoB's column kernel; B=1, H=12, d=64, bf16, causal) at three lengths, the first
 two in one of our tuning buckets (powers of two from 1K to 16K) and the third in another:
 
-- ours: `kernels/triton_common.py` times the site's candidate configs once per bucket
+- ours: `bob_compile/kernels/triton_common.py` times the site's candidate configs once per bucket
   (do_bench, 3 ms warm-up, 12 ms of runs each) and keeps the winner in memory and in a
   JSON file, so a new length in a known bucket costs no tuning;
 - triton_autotune: the same kernels and candidates under `triton.autotune(configs,

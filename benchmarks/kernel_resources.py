@@ -26,7 +26,7 @@ FLOAT_ARGS = ("qk_scale_log2", "scale")
 
 def load_kernels():
     pkg = types.ModuleType("bob_compile_kernels_aot")
-    pkg.__path__ = [os.path.join(ROOT, "kernels")]
+    pkg.__path__ = [os.path.join(ROOT, "bob_compile", "kernels")]
     sys.modules[pkg.__name__] = pkg
     return (importlib.import_module(pkg.__name__ + ".triton_bob"),
             importlib.import_module(pkg.__name__ + ".triton_backward"))

@@ -25,7 +25,7 @@ backend option bob_form) selects the chain form, =folded the folded form; by def
 
 Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; explicit
 formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP of
-attn_bob or of a jvp op) runs through the closed-form math of kernels/reference.py:
+attn_bob or of a jvp op) runs through the closed-form math of bob_compile/kernels/reference.py:
 correct and traceable, but unfused and O(L·S) in memory.
 
 Torch's legacy vmap (`torch._vmap_internals._vmap`, behind `is_grads_batched=True` and
@@ -73,7 +73,7 @@ log = logging.getLogger("bob_compile.autograd")
 #    a graph (grad mode off or no input requiring grad, no forward-mode AD level, plain
 #    eager) it runs the forward directly, as Function.apply would, minus the node.
 # 3. A backward that records no graph (no create_graph) of a plain eager call runs the
-#    kernels of the call's CallPath (kernels/triton_attention.py: what the implementation
+#    kernels of the call's CallPath (bob_compile/kernels/triton_attention.py: what the implementation
 #    runs for that signature, decided at forward time) directly, not through the next
 #    Function's apply and the op layers: ordinary training's backward is then PyTorch's
 #    cuDNN backward behind one Python node, and a second-order step's final backward runs

@@ -5,7 +5,7 @@
 
 For each graph Dynamo captures:
 1. rewrite: every supported attention site becomes bob_compile.attention, whose
-   derivatives of every order are exact fused kernels (passes/);
+   derivatives of every order are exact fused kernels (bob_compile/passes/);
 2. route, so that every order of derivative stays correct (docs/routing.md):
    - "training": grad mode is on and an input requires grad, so the outputs may be
      differentiated with create_graph=True and then again (Hessian-vector products, MAML).
@@ -20,7 +20,7 @@ For each graph Dynamo captures:
      derivatives into the graph and `compiler` (inductor) compiles all of it;
    - "inference": no gradient can flow: `compiler` compiles the rewritten graph, its
      attention as PyTorch's fused SDPA where that is the same function
-     (passes/inference.py) unless kernel options ask for ours.
+     (bob_compile/passes/inference.py) unless kernel options ask for ours.
 3. report and dump (dump.py), the compiled graphs of every order included.
 A failure inside the backend warns and runs the untouched graph: never a crash, never a
 wrong result (options["fallback"]=False raises instead).

@@ -1,7 +1,7 @@
 """Recorded Triton launches as the C++ node replays them: the BoB's plans, and the programs
 of masked calls' stages (bob_compile/csrc/native_node.cpp; why: docs/host-overhead.md).
 
-A recording of one Python run of a stage (kernels/triton_common.py `recording`) holds each
+A recording of one Python run of a stage (bob_compile/kernels/triton_common.py `recording`) holds each
 launch with its runtime arguments and the compiled kernel it went through. The node replays
 the same compiled kernels, grids and launch configs with the tensors of a later call, so each
 tensor argument must be named by its role in the call: a *slot*. Every runtime argument

@@ -19,7 +19,7 @@ one (run_triton_stage, launch_programs.py), the mask's summary kept in the node.
 The node is compiled on first use with torch.utils.cpp_extension (a C++ compiler and ninja,
 which PyTorch's own extensions need too) into BOB_COMPILE_CACHE_DIR, keyed by its source,
 the torch version and the Python version, so a machine builds it once. BOB_COMPILE_CPP_NODE
-(kernels/settings.py) says how: `background` (default; the Python node runs until the build
+(bob_compile/kernels/settings.py) says how: `background` (default; the Python node runs until the build
 is ready, ~30 s), `wait` (the first call waits: benchmarks), `off`. A failed build is logged
 once, and the Python node runs.
 """

@@ -16,10 +16,10 @@
 Shapes: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev) with equal leading dims
 and Hkv dividing Hq (rank-2 inputs have one implicit head); lse and other row vectors are
 (..., Hq, L). mask (optional, never differentiated) broadcasts to (..., Hq, L, S): bool
-(True: visible) or floating (added to the scaled scores); see kernels/params.py. The ops
+(True: visible) or floating (added to the scaled scores); see bob_compile/kernels/params.py. The ops
 flatten leading dims to the 4-D layout of `bob_compile.kernels` and pick an
 implementation there. Each output is dense, in the memory order of the input it is
-shaped like (row vectors contiguous: kernels/layout.py); the fake implementations say the
+shaped like (row vectors contiguous: bob_compile/kernels/layout.py); the fake implementations say the
 same, through the same functions, so compiled graphs see the strides they were traced with.
 
 Autograd does not live here: `custom_op.register_autograd` does not compose with
@@ -86,7 +86,7 @@ def _params(q, k, mask, scale, causal, keep_mask_summary):
 
 def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     """t (from an implementation) in the caller's shape, laid out like `like` (a row vector,
-    like=None: contiguous); see kernels/layout.py."""
+    like=None: contiguous); see bob_compile/kernels/layout.py."""
     if t.shape != shape:
         t = t.reshape(shape)
     return t.contiguous() if like is None else layout.in_order_of(t, like)

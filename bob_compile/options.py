@@ -16,7 +16,7 @@ never silently turns a feature off.
                      debugging the backend itself.
 
 Kernel choices for this compile's graphs, in every order of derivative (default: the
-environment variable named, else the automatic choice; kernels/settings.py):
+environment variable named, else the automatic choice; bob_compile/kernels/settings.py):
     kernels          "triton", "blockwise" or "reference"      (BOB_COMPILE_KERNELS)
     native_backend   "cudnn", "flash" or "none": PyTorch's fused first-order kernels
                                                                (BOB_COMPILE_NATIVE_BACKEND)

@@ -657,7 +657,7 @@ class TrainingGraph:
         self._forward_vjp = {}       # (requires-grad mask, shapes) of the primals -> pair
         self._eager_backward = None
         self._eager_forward = None
-        self.kernel_choices = kernel_choices   # the compile's options, or None (kernels/settings.py)
+        self.kernel_choices = kernel_choices   # the compile's options, or None (bob_compile/kernels/settings.py)
         self.dynamic = any(_is_symbolic(p.meta.get("val"))
                            for p in pair.forward_graph.graph.nodes if p.op == "placeholder")
         if self.dynamic:

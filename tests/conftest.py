@@ -97,7 +97,7 @@ def small_tiles():
 
 @pytest.fixture(autouse=True)
 def reread_settings():
-    """The kernels read BOB_COMPILE_* once (kernels/settings.py); tests that change one use
+    """The kernels read BOB_COMPILE_* once (bob_compile/kernels/settings.py); tests that change one use
     monkeypatch.setenv and then settings.reload(). Read them again after each test, once
     monkeypatch has restored the environment (this fixture is set up before the test's
     monkeypatch, so torn down after it), so that no choice leaks into later tests."""

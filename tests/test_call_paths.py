@@ -1,5 +1,5 @@
 """Call paths: what the Triton implementation runs for one call signature, decided once
-(kernels/triton_attention.py), and the backwards that call a call path's kernels directly
+(bob_compile/kernels/triton_attention.py), and the backwards that call a call path's kernels directly
 where nothing records a graph (bob_compile/autograd.py).
 
 Call paths exist for CUDA inputs. Here a CallPath's kernels are stood in for by the blockwise path

@@ -1,9 +1,9 @@
-"""The Triton kernels on a CUDA device against the float64 closed form (kernels/reference.py).
+"""The Triton kernels on a CUDA device against the float64 closed form (bob_compile/kernels/reference.py).
 
 Tolerance rule (flash-attention's): for every output, the relative L2 error of our kernels
 against float64 may be at most 3x the error that plain PyTorch math reaches in the same
 dtype on the same inputs, plus a small floor. The PyTorch baseline for the chain-form
-pieces (o, lse, dq/dk/dv, the seven BoB cotangents) is kernels/reference.py with
+pieces (o, lse, dq/dk/dv, the seven BoB cotangents) is bob_compile/kernels/reference.py with
 upcast=False (the contract's formulas with a plain implementation's roundings in the input
 dtype; the BoB by autograd through them); for the full second-order step it is autograd's
 double backward through SDPBackend.MATH.

@@ -2,7 +2,7 @@
 
 `model.gradient_checkpointing_enable()` makes Dynamo put every GPT-2 layer in the body of
 a tag_activation_checkpoint higher-order op. The backend rewrites those bodies (see
-passes/subgraphs.py) and reports their sites; it never says "0 attention sites" for them.
+bob_compile/passes/subgraphs.py) and reports their sites; it never says "0 attention sites" for them.
 In training mode with checkpointing, transformers (5.x) builds its causal mask from the
 position ids with packed-sequence detection (torch.diff, cumsum, advanced indexing), which
 the causal-mask proof does not read yet: the sites are then reported with that reason and

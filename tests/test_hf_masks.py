@@ -3,8 +3,8 @@
 transformers builds the mask inside the model (padding ∧ causal, sliding windows for
 Mistral, bidirectional padding for BERT): a boolean 4-D mask for SDPA
 (attn_implementation="sdpa"), an additive one with finfo.min fills for its hand-written
-`eager` attention. flashbob passes either on to bob_compile.attention (passes/sdpa.py,
-passes/handwritten.py), so the sites are replaced whatever the padding, and every order is
+`eager` attention. flashbob passes either on to bob_compile.attention (bob_compile/passes/sdpa.py,
+bob_compile/passes/handwritten.py), so the sites are replaced whatever the padding, and every order is
 exact (float64) against the same weights run eagerly through SDPA's math path. (Not
 against HF eager itself: its softmax computes in float32 even in a float64 model, and with
 left padding its fully masked rows are NaN; bob_compile gives those rows zeros, as SDPA

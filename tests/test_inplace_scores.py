@@ -1,4 +1,4 @@
-"""Hand-written attention that scales or masks its scores in place (passes/inplace.py).
+"""Hand-written attention that scales or masks its scores in place (bob_compile/passes/inplace.py).
 
 Each spelling is replaced and exact in every order (float64, against the same function run
 eagerly); writes that another name could observe (a view of the scores, an item

@@ -1,4 +1,4 @@
-"""kernels/layout.py: the memory order of the ops' outputs (PyTorch's SDPA rule)."""
+"""bob_compile/kernels/layout.py: the memory order of the ops' outputs (PyTorch's SDPA rule)."""
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

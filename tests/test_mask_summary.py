@@ -1,4 +1,4 @@
-"""The mask summary (kernels/triton_masks.py): per (batch, head) the key range a mask lets
+"""The mask summary (bob_compile/kernels/triton_masks.py): per (batch, head) the key range a mask lets
 any query see, and whether the mask is exactly that range (key padding), or that range with
 a top-left causal mask folded in (how Hugging Face builds its 4-D masks), so that the Triton
 kernels apply it from indices and never read it. Anything else must be read: a summary

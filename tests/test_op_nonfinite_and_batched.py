@@ -1,5 +1,5 @@
 """Two ways the op once gave wrong answers without any error, in float64 against autograd
-through plain math attention (kernels/reference.py: sdpa_math).
+through plain math attention (bob_compile/kernels/reference.py: sdpa_math).
 
 Batched cotangents: torch's legacy vmap (`is_grads_batched=True`, and `vectorize=True` in
 torch.autograd.functional) dropped the graph of the fused steps, so a derivative taken there

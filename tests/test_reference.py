@@ -1,4 +1,4 @@
-"""kernels/reference.py's precision baseline (upcast=False) against its float64 math.
+"""bob_compile/kernels/reference.py's precision baseline (upcast=False) against its float64 math.
 
 In float64 there is nothing to round, so upcast=False must give the closed forms' values;
 in half precision it must carry a plain implementation's rounding error, which the GPU

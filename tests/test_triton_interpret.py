@@ -1,7 +1,7 @@
 """The Triton kernels under TRITON_INTERPRET=1 (CPU), against the float64 closed form.
 
 Every output of forward, backward, bob and bob_folded is compared, on the same inputs, with
-kernels/reference.py evaluated in float64, by relative L2 error. Shapes are tiny but cross
+bob_compile/kernels/reference.py evaluated in float64, by relative L2 error. Shapes are tiny but cross
 the interpreter's 16/32-wide tiles: odd lengths, L < S and L > S, causal and not, E != Ev,
 head dims that are not powers of two, GQA, strided inputs, None cotangents, S == 0 and
 L == 0, NaN and infinite inputs, masks (boolean and additive, broadcast, with rows that see
@@ -64,7 +64,7 @@ def rel_err(actual, expected):
 def check(name, actual, expected, dtype):
     assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    # dense (ops.py gives each op output its final layout, kernels/layout.py)
+    # dense (ops.py gives each op output its final layout, bob_compile/kernels/layout.py)
     assert actual.untyped_storage().nbytes() == actual.numel() * actual.element_size(), \
         f"{name} is not a dense tensor of its own"
     assert torch.isfinite(actual).all(), f"{name} has NaN/inf"

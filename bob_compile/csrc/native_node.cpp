@@ -4,7 +4,7 @@
 // A Python autograd.Function costs ~25-50 us of host time per call beyond the kernels it
 // launches (its apply, and a backward run under the GIL on the engine's device thread): at
 // short lengths that is what the GPU waits for. This node calls the same fused kernels as
-// the op's Python path (kernels/triton_attention.py: _native_forward, _native_backward)
+// the op's Python path (bob_compile/kernels/triton_attention.py: _native_forward, _native_backward)
 // with the same layouts, and leaves everything else to Python:
 //
 //   forward    PyTorch's fused forward (cuDNN or FA2; CPU flash for the tests), returning
@@ -67,7 +67,7 @@ enum Kernels : int64_t { kCudnn = 0, kFlash = 1, kCpuFlash = 2, kTriton = 3 };
 
 // ---------------------------------------------------------------------------- layouts
 // Outputs are dense, in the dimension order of the input they are shaped like
-// (kernels/layout.py): a stable sort of like's strides, 0-strided dimensions outermost.
+// (bob_compile/kernels/layout.py): a stable sort of like's strides, 0-strided dimensions outermost.
 std::vector<int64_t> inner_to_outer(at::IntArrayRef strides) {
   std::vector<int64_t> order(strides.size());
   std::iota(order.begin(), order.end(), 0);
@@ -815,7 +815,7 @@ struct Route {
 std::mutex routes_lock;
 std::map<std::vector<int64_t>, Route> routes;
 constexpr size_t kRoutesLimit = 4096;
-PyObject* kernel_choices = nullptr;   // kernels/settings.py's contextvar of kernel choices
+PyObject* kernel_choices = nullptr;   // bob_compile/kernels/settings.py's contextvar of kernel choices
 PyObject* forward_ad = nullptr;       // torch.autograd.forward_ad (its _current_level)
 PyObject* current_level = nullptr;    // the interned name "_current_level"
 

@@ -10,7 +10,7 @@ of a fused step under torch's legacy vmap; and BOB_COMPILE_KERNELS=reference for
 debugging. `sdpa_math` at the end is the plain forward that autograd differentiates in the
 tests' answers (independent of the closed forms above it).
 
-Layout (the kernel contract, see `kernels/__init__.py`): q (B, Hq, L, E),
+Layout (the kernel contract, see `bob_compile/kernels/__init__.py`): q (B, Hq, L, E),
 k (B, Hkv, S, E), v (B, Hkv, S, Ev), with Hkv dividing Hq (grouped-query attention when
 Hkv < Hq). Causal masks are aligned top-left, as in PyTorch: query i sees keys j <= i.
 The math is that of docs/second-order.md (chain form:
@@ -321,7 +321,7 @@ def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=F
     """softmax(q kᵀ · scale, top-left causal mask, attn_mask) v with ordinary ops, SDPA's
     signature (any leading dims): what the tests differentiate with autograd for their
     answers. Rows that see no key are 0, as in SDPA (a plain softmax gives NaN there); mask
-    values <= HIDDEN_AT_OR_BELOW hide their key (kernels/params.py)."""
+    values <= HIDDEN_AT_OR_BELOW hide their key (bob_compile/kernels/params.py)."""
     if enable_gqa:
         k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

@@ -1,13 +1,13 @@
 """Memory-efficient attention in plain PyTorch: the CPU path, and the fallback wherever the
 Triton kernels do not apply.
 
-Same contract as `kernels/__init__.py`. Every function walks (query tile, key tile) pairs
+Same contract as `bob_compile/kernels/__init__.py`. Every function walks (query tile, key tile) pairs
 and keeps only O(N·d) state per head: row quantities (o, lse, dq, gq, gdo, ...) live per
 query tile, column quantities (dk, dv, gk, gv, ...) in full-length accumulators. No tensor
 with L·S elements per head is ever created, for any L, S larger than one tile.
 
 The probabilities are rebuilt per tile from the saved log-sum-exp, P = exp(scale q kᵀ - lse),
-as the fused kernels do; the formulas are those of `kernels/reference.py` (chain form).
+as the fused kernels do; the formulas are those of `bob_compile/kernels/reference.py` (chain form).
 """
 import contextlib
 import contextvars

@@ -1,4 +1,4 @@
-"""The Triton implementation of the kernel contract (see `kernels/__init__.py`).
+"""The Triton implementation of the kernel contract (see `bob_compile/kernels/__init__.py`).
 
     forward(q, k, v, params) -> (o, lse)
     forward_output(q, k, v, params) -> o

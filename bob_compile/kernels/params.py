@@ -1,6 +1,6 @@
 """The attention parameters every kernel takes besides its tensors, in one place.
 
-Each implementation's contract functions (kernels/__init__.py) take one AttentionParams
+Each implementation's contract functions (bob_compile/kernels/__init__.py) take one AttentionParams
 after their tensors, and read the fields they need by name, so that a new parameter (a
 sliding window, a mask) is one field here and one read per implementation, and passing
 scale where causal belongs (or the reverse) is an error at once, not a wrong kernel.

@@ -188,7 +188,7 @@ def visibility_mask(offs_m, offs_n, S, CAUSAL: tl.constexpr, TRANSPOSED: tl.cons
 
 
 # --------------------------------------------------------------------------------------
-# Mask tensors (kernels/params.py): read per tile where the scores are formed
+# Mask tensors (bob_compile/kernels/params.py): read per tile where the scores are formed
 # --------------------------------------------------------------------------------------
 # (host side, and what each (batch, head)'s mask summary says: triton_masks.py)
 

@@ -1,7 +1,7 @@
 """Backward-over-backward in Triton: the VJP of `backward` w.r.t. (q, k, v, o, lse, do, dlse).
 
 Chain form (o and lse are inputs of the backward; docs/second-order.md, and
-kernels/reference.py `bob`). With the upstream cotangents gdq, gdk, gdv of dq, dk, dv:
+bob_compile/kernels/reference.py `bob`). With the upstream cotangents gdq, gdk, gdv of dq, dk, dv:
 
     P = exp(scale q k^T - lse)   dP = dO v^T   D = rowsum(dO * O) - dlse   dS = P * (dP - D)
     F = scale (gdq k^T + q gdk^T)          (cotangent of dS)

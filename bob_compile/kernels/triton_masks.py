@@ -1,6 +1,6 @@
 """Mask tensors for the Triton kernels: their kind, and what each (batch, head)'s mask is.
 
-The kernels take a mask (kernels/params.py) as MASK, its kind as the constexpr MASK_KIND,
+The kernels take a mask (bob_compile/kernels/params.py) as MASK, its kind as the constexpr MASK_KIND,
 and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
 
     first, end   the keys any query sees are in [first, end) ([0, 0): none); the kernels
@@ -160,7 +160,7 @@ def _row_stats_kernel(MASK, STATS, smb, smh, sml, sme, num_heads, L, S,
         ptrs = base + offs_l[:, None] * sml + offs_s[None, :] * sme
         if ADDITIVE:
             value = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
-            visible = value > -1e4                      # kernels/params.py HIDDEN_AT_OR_BELOW
+            visible = value > -1e4                      # bob_compile/kernels/params.py HIDDEN_AT_OR_BELOW
             zeros += tl.sum((value == 0).to(tl.int32), 1)
         else:
             visible = tl.load(ptrs, mask=inside, other=0) != 0
