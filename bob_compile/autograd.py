@@ -41,6 +41,7 @@ import threading
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
+from torch._functorch.autograd_function import custom_function_call
 
 from . import kernels, native_node, ops
 from .kernels import reference
@@ -69,7 +70,8 @@ log = logging.getLogger("bob_compile.autograd")
 #    op's name.
 # 2. autograd.Function.apply binds its arguments with inspect.signature on every call
 #    (~25 us) when the Function defines setup_context. Our forwards have no defaults and are
-#    always called positionally, so `_Fused.apply` skips that; and when no output can need
+#    always called positionally, so `_Fused.apply` skips that, under torch.func too (there it
+#    hands the call to functorch's custom_function_call, as Function.apply does); and when no output can need
 #    a graph (grad mode off or no input requiring grad, no forward-mode AD level, plain
 #    eager) it runs the forward directly, as Function.apply would, minus the node.
 # 3. A backward that records no graph (no create_graph) of a plain eager call runs the
@@ -142,8 +144,10 @@ class _Fused(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args, **kwargs):
-        if kwargs or _functorch_active():
-            return super().apply(*args, **kwargs)   # torch.func: custom_function_call
+        if kwargs:
+            return super().apply(*args, **kwargs)
+        if _functorch_active():
+            return custom_function_call(cls, *args)     # as Function.apply does, unbound
         plain = _plain_eager(args[:-2])
         if not plain:
             args = unwrap_dead_wrappers(args)

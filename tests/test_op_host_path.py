@@ -225,6 +225,36 @@ def test_forward_mode_ad_still_gets_its_tangents():
     assert tangent is not None and torch.allclose(tangent, numeric, atol=1e-7)
 
 
+def test_function_forwards_take_every_argument_positionally():
+    """_Fused.apply passes its arguments on unbound (Function.apply would bind them with
+    inspect.signature, defaults filled in): a forward with a default or a keyword-only
+    parameter would get too few arguments."""
+    import inspect
+    functions = [f for f in vars(autograd).values()
+                 if isinstance(f, type) and issubclass(f, autograd._Fused) and f is not autograd._Fused]
+    assert len(functions) == len(OPS)
+    for function in functions:
+        for parameter in inspect.signature(function.forward).parameters.values():
+            assert parameter.kind is parameter.POSITIONAL_OR_KEYWORD, (function, parameter)
+            assert parameter.default is parameter.empty, (function, parameter)
+
+
+def test_torch_func_calls_skip_the_signature_binding(monkeypatch):
+    """Under torch.func the Functions go to functorch's custom_function_call without
+    Function.apply's per-call inspect.signature (four per forward-over-reverse step)."""
+    import inspect
+    bound = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda f, *a, **k: bound.append(f) or real(f, *a, **k))
+    q, k, v, do, t = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(5))
+
+    def loss(q, k, v):
+        return (bob_compile.attention(q, k, v, is_causal=True) * do).sum()
+    _, hvp = torch.func.jvp(torch.func.grad(loss), (q, k, v), (t, t, t))
+    assert not [f for f in bound if getattr(f, "__qualname__", "").endswith(".forward")]
+    assert torch.isfinite(hvp).all()
+
+
 def test_profiler_names_the_ops():
     q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
