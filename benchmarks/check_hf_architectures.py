@@ -26,6 +26,10 @@ SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_lay
              num_attention_heads=2, max_position_embeddings=32)
 GPTJ_LIKE = dict(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, n_positions=32, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0)
+SEQ2SEQ = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+               attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+               decoder_start_token_id=2)
 # name: (model class, config class, config arguments beyond SMALL)
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=1)),
@@ -47,6 +51,20 @@ ARCHITECTURES = {
     "gptj": ("GPTJForCausalLM", "GPTJConfig", GPTJ_LIKE),
     "codegen": ("CodeGenForCausalLM", "CodeGenConfig", dict(GPTJ_LIKE, n_ctx=32)),
     "bloom": ("BloomForCausalLM", "BloomConfig", dict(n_layer=1, n_head=2)),
+    # encoders (bidirectional padding) and encoder-decoders (padding in the encoder, padding
+    # and causal in the decoder, the encoder's padding in cross attention)
+    "bert": ("BertForMaskedLM", "BertConfig", dict(hidden_dropout_prob=0.0,
+                                                   attention_probs_dropout_prob=0.0)),
+    "roberta": ("RobertaForMaskedLM", "RobertaConfig", dict(
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+        max_position_embeddings=40)),
+    "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig", dict(
+        dim=16, hidden_dim=32, n_layers=1, n_heads=2, dropout=0.0, attention_dropout=0.0)),
+    "bart": ("BartForConditionalGeneration", "BartConfig", SEQ2SEQ),
+    "mbart": ("MBartForConditionalGeneration", "MBartConfig", SEQ2SEQ),
+    "t5": ("T5ForConditionalGeneration", "T5Config", dict(
+        d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0)),
 }
 
 
@@ -78,14 +96,19 @@ def check(transformers, name, implementation, dtype):
     ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     padding = torch.ones(2, 8, dtype=torch.long)
     padding[1, 5:] = 0
-    kwargs = dict(input_ids=ids, attention_mask=padding)
+    kwargs, labels = dict(input_ids=ids, attention_mask=padding), ids
+    if model_name.endswith("ConditionalGeneration"):        # a right-padded decoder batch too
+        labels = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(2))
+        decoder_padding = torch.ones(2, 6, dtype=torch.long)
+        decoder_padding[1, 4:] = 0
+        kwargs.update(decoder_input_ids=labels, decoder_attention_mask=decoder_padding)
     with sdpa_kernel(SDPBackend.MATH):
-        expected = gradient_and_hvp(model, kwargs, ids)
+        expected = gradient_and_hvp(model, kwargs, labels)
     torch._dynamo.reset()
     counters.clear()
     recent_reports.clear()
     compiled = torch.compile(model, backend="flashbob", options={"compiler": "aot_eager"})
-    got = gradient_and_hvp(compiled, kwargs, ids)
+    got = gradient_and_hvp(compiled, kwargs, labels)
     errors = [((g - e).norm() / e.norm()).item() for e, g in zip(expected, got)]
     sites = [("replaced" if s.replaced else f"left alone: {s.reason}")
              for r in recent_reports for s in r.sites]

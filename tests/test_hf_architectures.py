@@ -7,6 +7,8 @@
   since then HF's shared eager attention, whose softmax computes in float32 even in a
   float64 model. So the expected values are the same weights run through SDPA's math path
   in float64, whatever the implementation compiled.
+- BART: the encoder's bidirectional padding, the decoder's padding and causal mask, and
+  cross attention (L != S) under the encoder's padding, one compiled graph.
 - GPT-2 as configured by default for training (embedding and residual dropout 0.1; the
   attention's own dropout off, which the op does not have): under inductor the dropout
   masks are replayed in the second order, so every order equals eager from the same seed.
@@ -34,6 +36,11 @@ def _model(name, attn_implementation):
     cls, config = {
         "gemma": (T.GemmaForCausalLM, lambda: T.GemmaConfig(
             **SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=8)),
+        "bart": (T.BartForConditionalGeneration, lambda: T.BartConfig(
+            vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, pad_token_id=0, decoder_start_token_id=2)),
         "falcon": (T.FalconForCausalLM, lambda: T.FalconConfig(
             vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
             hidden_dropout=0.0, attention_dropout=0.0)),
@@ -55,6 +62,8 @@ def _gradient_and_hvp(model, kwargs, labels):
 @pytest.mark.parametrize("name, attn_implementation, tol", [
     ("gemma", "sdpa", 1e-6),      # 1e-6: Gemma's RMSNorm computes in float32
     ("falcon", "eager", 1e-10),
+    ("bart", "sdpa", 1e-10),
+    ("bart", "eager", 1e-10),
 ])
 def test_replaced_and_exact(name, attn_implementation, tol):
     model = _model(name, attn_implementation)
@@ -62,13 +71,18 @@ def test_replaced_and_exact(name, attn_implementation, tol):
     padding = torch.ones(2, 8, dtype=torch.long)
     padding[1, 5:] = 0
     kwargs, labels = dict(input_ids=ids, attention_mask=padding), ids
+    if name == "bart":      # a padded decoder batch: causal ∧ padding, and cross attention
+        labels = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(2))
+        decoder_padding = torch.ones(2, 6, dtype=torch.long)
+        decoder_padding[1, 4:] = 0
+        kwargs.update(decoder_input_ids=labels, decoder_attention_mask=decoder_padding)
     model.set_attn_implementation("sdpa")
     with sdpa_kernel(SDPBackend.MATH):
         expected = _gradient_and_hvp(model, kwargs, labels)
     model.set_attn_implementation(attn_implementation)
     compiled = torch.compile(model, backend="flashbob", options={"compiler": "aot_eager"})
     got = _gradient_and_hvp(compiled, kwargs, labels)
-    sites = 1          # one layer
+    sites = 3 if name == "bart" else 1     # one layer (BART: encoder, decoder, cross)
     kind = "sdpa" if attn_implementation == "sdpa" else "handwritten"
     assert counters[f"{kind}_replaced"] == sites and counters[f"{kind}_skipped"] == 0
     assert counters["fallback"] == 0 and counters["graphs"] == 1
