@@ -27,7 +27,9 @@ Providers
   with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K);
   op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_BOB_FORM=folded / chain;
   op_autograd_sbar_split: op_autograd with BOB_COMPILE_SBAR_SPLIT=1 (gq's score-cotangent
-  GEMM in two half-precision parts; its accuracy: run with the variable set);
+  GEMM in two half-precision parts on every tile; its accuracy is measured when it runs);
+  op_autograd_no_edge_split: with BOB_COMPILE_EDGE_SPLIT=0 (no GEMM split on the masked
+  tiles either; its accuracy is always measured, as no_edge_split_*);
   op_autograd_calling_thread: op_autograd with its backwards on the calling thread;
   op_autograd_python_node / op_autograd_first_order_python_node: with BOB_COMPILE_CPP_NODE=off
   (the op's Python autograd node where PyTorch's fused kernels run the first order; the
@@ -205,7 +207,7 @@ def op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale, causal):
 PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
              "bob_compile_chain": bob_chain_step, "op_autograd": op_autograd,
              "op_autograd_folded": op_autograd, "op_autograd_chain": op_autograd,
-             "op_autograd_sbar_split": op_autograd,
+             "op_autograd_sbar_split": op_autograd, "op_autograd_no_edge_split": op_autograd,
              "op_autograd_calling_thread": op_autograd_calling_thread,
              "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order,
@@ -290,7 +292,7 @@ def stage_breakdown(step, inputs, scale, causal, reps):
 
 
 PROVIDER_SETTINGS = ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ", "BOB_COMPILE_BOB_FORM",
-                     "BOB_COMPILE_CPP_NODE", "BOB_COMPILE_SBAR_SPLIT")
+                     "BOB_COMPILE_CPP_NODE", "BOB_COMPILE_SBAR_SPLIT", "BOB_COMPILE_EDGE_SPLIT")
 
 
 def clear_provider_settings():
@@ -302,19 +304,22 @@ def clear_provider_settings():
 
 def accuracy(B, H, n, d, causal, dtype, sbar_split=False):
     """Relative L2 vs float64 of every output of the step (folded form; chain_* the chain
-    form's; split_* both with BOB_COMPILE_SBAR_SPLIT=1 where sbar_split), and of first
-    order."""
+    form's; no_edge_split_* both with BOB_COMPILE_EDGE_SPLIT=0; split_* both with
+    BOB_COMPILE_SBAR_SPLIT=1 where sbar_split), and of first order."""
     scale = 1.0 / math.sqrt(d)
     q, k, v, do, gq, gk, gv = make_inputs(B, H, n, d, dtype, 1)[0]
     first, second = bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal)
     chain = bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal)[1]
-    split = ()
+    variants = {"no_edge_split_": ("BOB_COMPILE_EDGE_SPLIT", "0")}
     if sbar_split:
-        os.environ["BOB_COMPILE_SBAR_SPLIT"] = "1"
+        variants["split_"] = ("BOB_COMPILE_SBAR_SPLIT", "1")
+    varied = {}
+    for prefix, (variable, value) in variants.items():
+        os.environ[variable] = value
         kernel_settings.reload()
-        split = (bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal)[1],
-                 bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal)[1])
-        os.environ.pop("BOB_COMPILE_SBAR_SPLIT")
+        varied[prefix] = bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal)[1]
+        varied[prefix + "chain_"] = bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal)[1]
+        os.environ.pop(variable)
         kernel_settings.reload()
     params = AttentionParams(scale=scale, causal=causal)
     o, _ = tri.forward(q, k, v, params)
@@ -329,7 +334,7 @@ def accuracy(B, H, n, d, causal, dtype, sbar_split=False):
                 gv=second[2], gdo=second[3])
     for name, t in zip(("gq", "gk", "gv", "gdo"), chain):
         exact["chain_" + name], ours["chain_" + name] = exact[name], t
-    for prefix, outputs in zip(("split_", "split_chain_"), split):
+    for prefix, outputs in varied.items():
         for name, t in zip(("gq", "gk", "gv", "gdo"), outputs):
             exact[prefix + name], ours[prefix + name] = exact[name], t
     return {name: ((ours[name].double() - e).norm() / e.norm()).item()
@@ -346,6 +351,8 @@ def use_provider_settings(prov):
         os.environ["BOB_COMPILE_CPP_NODE"] = "off"
     if prov.endswith("_sbar_split"):
         os.environ["BOB_COMPILE_SBAR_SPLIT"] = "1"
+    if prov.endswith("_no_edge_split"):
+        os.environ["BOB_COMPILE_EDGE_SPLIT"] = "0"
     if "@" in prov:
         os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = \
             prov.split("@")[1].split(":")

@@ -92,7 +92,8 @@ def main(argv=None):
     for name, fn, is_bob, configs in tuned:
         for d, (bm, bn, warps, stages) in configs.items():
             consts = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_E=d, BLOCK_EV=d, BLOCK_M=bm,
-                          BLOCK_N=bn, CAUSAL=True, MASK_KIND=0, DOT_PRECISION="ieee")
+                          BLOCK_N=bn, CAUSAL=True, MASK_KIND=0, MASK_PATH=0,
+                          DOT_PRECISION="ieee")
             if is_bob:
                 consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
                               FOLD=is_bob in ("fold", "fold_dq"))
@@ -105,6 +106,8 @@ def main(argv=None):
                 consts["HAS_DLSE"] = False
             if "SPLIT_SBAR" in fn.arg_names:
                 consts["SPLIT_SBAR"] = False
+            if "SPLIT_EDGES" in fn.arg_names:      # as a causal call runs
+                consts["SPLIT_EDGES"] = True
             if "ROW_ATOMICS" in fn.arg_names:
                 consts["ROW_ATOMICS"] = False
             if "DQ_ATOMICS" in fn.arg_names:

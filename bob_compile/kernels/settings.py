@@ -23,6 +23,10 @@ starts, or before the first call, needs nothing.
     BOB_COMPILE_SBAR_SPLIT      1 | 0: 1 multiplies the BoB row pass's score cotangent by k
                                 as two half-precision parts (high and low), one GEMM more
                                 per tile for gq's accuracy (triton_bob.py)
+    BOB_COMPILE_EDGE_SPLIT      1 (default) | 0: 1 does the same on the row pass's masked
+                                tiles (the causal diagonal, a mask's edges) for the score
+                                cotangent, dS, P and A: gq's and gdo's accuracy for a
+                                fraction of a percent of the time (triton_bob.py)
     BOB_COMPILE_TUNE            1 | 0: 0 takes the first candidate launch config, no timing
     BOB_COMPILE_FAST_LAUNCH     1 | 0: 0 sends every Triton launch through JITFunction.run
                                 (default: a launch that specializes like an earlier one
@@ -73,6 +77,7 @@ class Settings:
     bob_row_atomics: bool
     bob_form: str
     sbar_split: bool
+    edge_split: bool
     tune: bool
     cache_dir: str
     interpret: bool
@@ -92,6 +97,7 @@ class Settings:
                                     "two_pass") == "atomic",
             bob_form=_choice(env, "BOB_COMPILE_BOB_FORM", BOB_FORMS, "auto"),
             sbar_split=_choice(env, "BOB_COMPILE_SBAR_SPLIT", SWITCH, "0") == "1",
+            edge_split=_choice(env, "BOB_COMPILE_EDGE_SPLIT", SWITCH, "1") == "1",
             tune=_choice(env, "BOB_COMPILE_TUNE", SWITCH, "1") == "1" and not interpret,
             cache_dir=env.get("BOB_COMPILE_CACHE_DIR",
                               os.path.join(os.path.expanduser("~"), ".cache", "bob_compile")),

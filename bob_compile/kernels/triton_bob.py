@@ -74,6 +74,17 @@ def _store_row_outputs(gq, gdo_sum, dg, sbar_sum, o, do, offs_m, offs_e, offs_ev
 # Row pass: gq, gdo, go, glse, gdlse (query-block major, deterministic)
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _dot_halves(x, y, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + x y with the fp32 tile x rounded to y's half precision; SPLIT: plus a second
+    GEMM of what that rounding dropped (x's low part), so that x enters with ~16 bits."""
+    high = x.to(y.dtype)
+    acc += tl.dot(high, y, input_precision=DOT_PRECISION)
+    if SPLIT:
+        acc += tl.dot((x - high.to(tl.float32)).to(y.dtype), y, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
                mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
@@ -83,7 +94,10 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
-               SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr):
+               SPLIT_SBAR: tl.constexpr, SPLIT_ALL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               MASK_SOURCE: tl.constexpr):
+    """SPLIT_SBAR: Sbar's GEMM with k in two half-precision parts; SPLIT_ALL: also those of
+    dS (with gdk), P (with gdv) and A (with v), the roundings behind gq's and gdo's error."""
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
@@ -103,12 +117,13 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         if HAS_GDV:
             gdv = load_tile(gdv_base, offs_n, offs_ev, sgvn, sgve, S, HEAD_DIM_V, MASKED, PAD_EV)
             cot_scores = tl.dot(do, tl.trans(gdv), input_precision=DOT_PRECISION)
-            gdo += tl.dot(p.to(gdv.dtype), gdv, input_precision=DOT_PRECISION)
+            gdo = _dot_halves(p, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
         if HAS_GDK or ACCUMULATE_R:
-            ds = (p * delta).to(k.dtype)
+            ds32 = p * delta
+            ds = ds32.to(k.dtype)
         if HAS_GDK:
             gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
-            gq += tl.dot(ds, gdk, input_precision=DOT_PRECISION)
+            gq = _dot_halves(ds32, gdk, gq, SPLIT_ALL, DOT_PRECISION)
         # the folded form's B = P k, and R = dS k where alpha can be non-zero (each unless read)
         if ACCUMULATE_B:
             b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -124,18 +139,14 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                 f = tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION) * scale
             a = p * f
             dg += tl.sum(a, 1)
-            gdo += tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
+            gdo = _dot_halves(a, v, gdo, SPLIT_ALL, DOT_PRECISION)
             if HAS_GDV:
                 cot_scores += f * delta
             else:
                 cot_scores = f * delta
         sbar = p * cot_scores
         sbar_sum += tl.sum(sbar, 1)
-        sbar_high = sbar.to(k.dtype)
-        gq += tl.dot(sbar_high, k, input_precision=DOT_PRECISION)
-        if SPLIT_SBAR:      # what the half-precision rounding dropped, as a second GEMM
-            sbar_low = (sbar - sbar_high.to(tl.float32)).to(k.dtype)
-            gq += tl.dot(sbar_low, k, input_precision=DOT_PRECISION)
+        gq = _dot_halves(sbar, k, gq, SPLIT_SBAR or SPLIT_ALL, DOT_PRECISION)
     return gq, gdo, dg, sbar_sum, r_acc, b_acc
 
 
@@ -153,7 +164,8 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
-                HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, SPLIT_EDGES: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
@@ -209,28 +221,31 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
             scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
-            HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, NO_MASK_SOURCE)
+            HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
+            NO_MASK_SOURCE)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
             qk_scale_log2, scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
-            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION,
-            MASK_FROM_INDICES)
+            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
+            DOT_PRECISION, MASK_FROM_INDICES)
     else:
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
-            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
+            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
+            MASK_READ)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
-            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, DOT_PRECISION, MASK_READ)
+            HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
+            DOT_PRECISION, MASK_READ)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
     if FOLD:
@@ -612,16 +627,25 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_SBAR_SPLIT); its tuning
     # key grows a flag only then, so that the keys of the single GEMM stay as they were
     split = settings.current().sbar_split and q.dtype != torch.float32
+    # the masked tiles' (the causal diagonal's, a mask's edges') half-precision roundings of
+    # Sbar, dS, P and A as two GEMMs each (BOB_COMPILE_EDGE_SPLIT, default on): the first
+    # rows of a causal call see few keys, with large probabilities, and carry much of gq's
+    # and gdo's rounding error (benchmarks/README.md, "Split roundings on the diagonal");
+    # all their keys lie in the diagonal's tiles. Without a mask or causality the masked
+    # tiles are a ragged end only: the kernel stays as it was.
+    edges = (settings.current().edge_split and q.dtype != torch.float32
+             and (causal or mask_kind != 0))
 
     def run_rows():
         for path in paths:
             launch_rows(launch_plan(
                 "bob_rows", q, k, v, causal,
-                (*flag_key(path), int(has_dlse), int(has_dq), int(has_b)) + ((1,) if split else ()),
+                (*flag_key(path), int(has_dlse), int(has_dq), int(has_b))
+                + ((1,) if split else ()) + (() if edges else ("whole_tiles",)),
                 lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq,
                                        read=path == READ_PATH),
                 lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
-                             SPLIT_SBAR=split), launch_rows, L * S,
+                             SPLIT_SBAR=split, SPLIT_EDGES=edges), launch_rows, L * S,
                 has_work=mask_path_work(key_range, path)))
 
     if row_atomics:
