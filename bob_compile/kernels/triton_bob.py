@@ -624,8 +624,9 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              KEY_RANGE=key_range, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
              qk_scale_log2=scale * LOG2E, scale=scale)
 
-    # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_SBAR_SPLIT); its tuning
-    # key grows a flag only then, so that the keys of the single GEMM stay as they were
+    # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_SBAR_SPLIT); the tuning
+    # key grows a flag for each split compiled in, so that the keys of a kernel without
+    # them stay as they were
     split = settings.current().sbar_split and q.dtype != torch.float32
     # the masked tiles' (the causal diagonal's, a mask's edges') half-precision roundings of
     # Sbar, dS, P and A as two GEMMs each (BOB_COMPILE_EDGE_SPLIT, default on): the first
@@ -641,7 +642,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
             launch_rows(launch_plan(
                 "bob_rows", q, k, v, causal,
                 (*flag_key(path), int(has_dlse), int(has_dq), int(has_b))
-                + ((1,) if split else ()) + (() if edges else ("whole_tiles",)),
+                + ((1,) if split else ()) + (("edge_split",) if edges else ()),
                 lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq,
                                        read=path == READ_PATH),
                 lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
