@@ -1,15 +1,18 @@
-"""The folded BoB's row-pass launch configs, measured as users run them: through autograd.
+"""The folded BoB's row-pass (or column-pass) launch configs, measured as users run them:
+through autograd.
 
 For head dim d, the full second-order step through `bob_compile.attention` (forward,
 `grad(create_graph=True)`, second `grad` w.r.t. q, k, v, dO; B = 1, H = 12, bf16) with each
-candidate of `triton_bob.row_candidates` (folded form, R read from dq, as autograd runs it)
-forced alone, then with the tuner choosing among all of them (and which it chose). Rounds
+candidate of `triton_bob.row_candidates` (folded form, R read from dq, as autograd runs it;
+with --columns those of `triton_bob.column_candidates`, the folded column pass) forced alone,
+then with the tuner choosing among all of them (and which it chose). Rounds
 are interleaved, so that a drift of the GPU's clocks hits every config alike; each row is
 the CUDA-event median of --reps steps. Kernel-only timings of the same configs are
 `bench_bob_tiles.py`'s; the two rankings can differ (the step's other kernels share the GPU's
 caches with the row pass, and the tuner times the row launch alone).
 
-    python benchmarks/bench_row_configs.py --out results/ [--n 16384] [--d 64]
+    python benchmarks/bench_row_configs.py --out results/ [--n 16384] [--d 64] [--columns]
+        [--causal both|yes|no]
 """
 import argparse
 import json
@@ -37,7 +40,14 @@ def ab_arguments(description):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    ap.add_argument("--columns", action="store_true",
+                    help="the column pass's configs instead of the row pass's")
     return ap.parse_args()
+
+
+def causal_cases(args):
+    return {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
 
 
 def forget_tuning():
@@ -59,21 +69,27 @@ def write_results(args, name, rows):
 
 def main():
     args = ab_arguments(__doc__.split("\n\n")[0])
-    real = triton_bob.row_candidates
-    candidates = real(torch.bfloat16, args.d, args.d, True, reads_dq=True)
+    attr = "column_candidates" if args.columns else "row_candidates"
+    real = getattr(triton_bob, attr)
+    candidates = (real(torch.bfloat16, args.d, args.d, False) if args.columns
+                  else real(torch.bfloat16, args.d, args.d, True, reads_dq=True))
     variants = {label(c): [c] for c in candidates}
     variants["tuned among all"] = candidates
 
     def force(configs):
-        """Only `configs` for the folded row pass at this head dim; nothing remembered."""
-        def pick(dtype, e, ev, fold, reads_dq=False):
-            return configs if fold and reads_dq and e == args.d else real(dtype, e, ev, fold,
-                                                                           reads_dq)
-        triton_bob.row_candidates = pick
+        """Only `configs` for the folded pass at this head dim; nothing remembered."""
+        def pick_rows(dtype, e, ev, fold, reads_dq=False, read=False):
+            return configs if fold and reads_dq and e == args.d and not read else real(
+                dtype, e, ev, fold, reads_dq, read)
+
+        def pick_columns(dtype, e, ev, atomics, read=False):
+            return configs if not atomics and e == args.d and not read else real(
+                dtype, e, ev, atomics, read)
+        setattr(triton_bob, attr, pick_columns if args.columns else pick_rows)
         forget_tuning()
 
     rows = []
-    for causal in (True, False):
+    for causal in causal_cases(args):
         torch.manual_seed(0)
         q, k, v, do, *cotangents = (torch.randn(1, 12, args.n, args.d, device="cuda",
                                                 dtype=torch.bfloat16) for _ in range(7))
@@ -82,16 +98,17 @@ def main():
                 force(configs)
                 ms = median_ms(lambda: step(q, k, v, do, cotangents, None, causal), args.reps)
                 chosen = [c for key, c in triton_common.TUNING_CACHE.entries.items()
-                          if key.startswith("bob_rows")]
+                          if key.startswith("bob_columns" if args.columns else "bob_rows")]
                 rows.append(dict(causal=causal, round=round_, variant=name, ms=ms,
                                  row_configs_chosen=chosen))
                 print(f"{'causal' if causal else 'full':6s} {name:30s} {ms:8.3f} ms", flush=True)
-    triton_bob.row_candidates = real
+    setattr(triton_bob, attr, real)
     settings.reload()
-    path = write_results(args, "bench_row_configs", rows)
-    print(f"\n{'':6s} {'row-pass config':30s} " + " ".join(f"round {r + 1:d}" for r in
-                                                          range(args.rounds)))
-    for causal in (True, False):
+    path = write_results(args, "bench_column_configs" if args.columns else "bench_row_configs",
+                         rows)
+    print(f"\n{'':6s} {'column-pass config' if args.columns else 'row-pass config':30s} "
+          + " ".join(f"round {r + 1:d}" for r in range(args.rounds)))
+    for causal in causal_cases(args):
         for name in variants:
             ms = [r["ms"] for r in rows if r["causal"] == causal and r["variant"] == name]
             print(f"{'causal' if causal else 'full':6s} {name:30s} "
