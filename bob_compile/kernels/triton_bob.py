@@ -119,16 +119,15 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
             cot_scores = tl.dot(do, tl.trans(gdv), input_precision=DOT_PRECISION)
             gdo = _dot_halves(p, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
         if HAS_GDK or ACCUMULATE_R:
-            ds32 = p * delta
-            ds = ds32.to(k.dtype)
+            ds = p * delta
         if HAS_GDK:
             gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
-            gq = _dot_halves(ds32, gdk, gq, SPLIT_ALL, DOT_PRECISION)
+            gq = _dot_halves(ds, gdk, gq, SPLIT_ALL, DOT_PRECISION)
         # the folded form's B = P k, and R = dS k where alpha can be non-zero (each unless read)
         if ACCUMULATE_B:
             b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
         if ACCUMULATE_R:
-            r_acc += tl.dot(ds, k, input_precision=DOT_PRECISION)
+            r_acc = _dot_halves(ds, k, r_acc, False, DOT_PRECISION)
         if HAS_F:
             if HAS_GDQ and HAS_GDK:
                 f = (tl.dot(gdq, tl.trans(k), input_precision=DOT_PRECISION)
@@ -627,14 +626,15 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_SBAR_SPLIT); the tuning
     # key grows a flag for each split compiled in, so that the keys of a kernel without
     # them stay as they were
-    split = settings.current().sbar_split and q.dtype != torch.float32
+    switches = settings.current()
+    split = switches.sbar_split and q.dtype != torch.float32
     # the masked tiles' (the causal diagonal's, a mask's edges') half-precision roundings of
     # Sbar, dS, P and A as two GEMMs each (BOB_COMPILE_EDGE_SPLIT, default on): the first
     # rows of a causal call see few keys, with large probabilities, and carry much of gq's
     # and gdo's rounding error (benchmarks/README.md, "Split roundings on the diagonal");
     # all their keys lie in the diagonal's tiles. Without a mask or causality the masked
     # tiles are a ragged end only: the kernel stays as it was.
-    edges = (settings.current().edge_split and q.dtype != torch.float32
+    edges = (switches.edge_split and q.dtype != torch.float32
              and (causal or mask_kind != 0))
 
     def run_rows():
