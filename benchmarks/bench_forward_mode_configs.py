@@ -1,77 +1,126 @@
-"""Launch-config candidates of the forward-mode kernels (attn_fwd_jvp, attn_bwd_jvp), A/B
-through the user's step.
+"""Launch configs of the forward-mode kernels (attn_fwd_jvp, attn_bwd_jvp's row and column
+passes), one kernel's configs forced one at a time through the user's step.
 
 Forward over reverse (`torch.func.jvp(torch.func.grad(f))` through the op: issue 13's
-<= 1.2x the reverse-over-reverse step) runs three forward-mode kernels whose candidate
-lists (`bob_compile/kernels/triton_forward_mode.py`) were set before any GPU run. This times the step
-(bench_attention's `op_forward_over_reverse`) with the current lists and with three-stage
-configs added (the tuner choosing among each list, its decisions forgotten between
-variants), in interleaved rounds, next to the reverse-over-reverse step (`op_autograd`).
-B = 1, H = 12, bf16, causal and not.
+<= 1.2x the reverse-over-reverse step) runs three forward-mode kernels. For each, every
+config below is forced alone while the other two kernels keep the tuner's choice among
+their lists (`bob_compile/kernels/triton_forward_mode.py`), decisions forgotten between
+configs. Each row reports the step's CUDA-event median (host time included, so noisier)
+and the forced kernel's own GPU time per step from the profiler; rounds are interleaved.
+First, the step's GPU time by kernel, with the lists as they are, next to reverse over
+reverse (`op_autograd`). B = 1, H = 12, bf16.
 
     python benchmarks/bench_forward_mode_configs.py --out results/ [--n 16384] [--d 64]
+        [--causal both|yes|no]
 """
 import os
+import statistics
 import sys
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from bob_compile.kernels import settings, triton_common
 from bob_compile.kernels import triton_forward_mode as forward_mode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import op_autograd, op_forward_over_reverse  # noqa: E402
-from bench_masks import median_ms  # noqa: E402
-from bench_row_configs import ab_arguments, forget_tuning, write_results  # noqa: E402
+from bench_masks import median_ms, print_kernel_times  # noqa: E402
+from bench_row_configs import (ab_arguments, causal_cases, forget_tuning, label,  # noqa: E402
+                               write_results)
 
 
-def config(block_m, block_n, warps, stages):
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+def configs(*tiles):
+    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+
+
+# candidates function -> (its kernel's name in the profiler, the configs to force)
+SWEEPS = {
+    "forward_jvp_candidates": ("_forward_jvp_kernel", configs(
+        (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2),
+        (128, 64, 8, 3), (64, 32, 4, 4))),
+    "backward_jvp_row_candidates": ("_backward_jvp_rows_kernel", configs(
+        (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
+        (128, 32, 8, 3))),
+    "backward_jvp_column_candidates": ("_backward_jvp_columns_kernel", configs(
+        (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2),
+        (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 8, 2))),
+}
+
+
+def kernel_ms(fn, kernel, reps=5):
+    """GPU time per call of the kernels whose name starts with `kernel`."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.name.startswith(kernel)) / reps / 1e3
 
 
 def main():
     args = ab_arguments(__doc__.split("\n\n")[0])
-    real_rows, real_columns = forward_mode.row_candidates, forward_mode.column_candidates
-    rows = real_rows(torch.bfloat16, args.d, args.d)
-    columns = real_columns(torch.bfloat16, args.d, args.d)
-    variants = {
-        "current": (rows, columns),
-        "plus three-stage": (rows + [config(128, 64, 8, 3), config(64, 64, 4, 3),
-                                     config(128, 32, 8, 3)],
-                             columns + [config(32, 64, 4, 3), config(64, 64, 8, 3),
-                                        config(64, 32, 4, 3)]),
-    }
+    real = {name: getattr(forward_mode, name) for name in SWEEPS}
 
-    def force(row_configs, column_configs):
-        """Only these lists at this head dim; no earlier decision remembered."""
-        forward_mode.row_candidates = lambda dtype, e, ev: (
-            row_configs if e == args.d else real_rows(dtype, e, ev))
-        forward_mode.column_candidates = lambda dtype, e, ev: (
-            column_configs if e == args.d else real_columns(dtype, e, ev))
+    def force(name, config):
+        """Only `config` for this kernel at this head dim; nothing remembered."""
+        for other, function in real.items():
+            setattr(forward_mode, other, function)
+        if name is not None:
+            setattr(forward_mode, name, lambda dtype, e, ev: (
+                [config] if e == args.d else real[name](dtype, e, ev)))
         forget_tuning()
 
     results = []
     scale = args.d ** -0.5
-    for causal in (True, False):
+    for causal in causal_cases(args):
         torch.manual_seed(0)
         q, k, v, do, gq, gk, gv = (torch.randn(1, 12, args.n, args.d, device="cuda",
                                                dtype=torch.bfloat16) for _ in range(7))
-        reverse_ms = median_ms(lambda: op_autograd(q, k, v, do, gq, gk, gv, scale, causal),
-                               args.reps)
+
+        def step():
+            return op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale, causal)
+
+        def reverse():
+            return op_autograd(q, k, v, do, gq, gk, gv, scale, causal)
+
+        force(None, None)
+        step()
+        reverse()
+        print_kernel_times(f"reverse over reverse, causal={causal}", reverse)
+        print_kernel_times(f"forward over reverse, causal={causal}", step)
         for round_ in range(args.rounds):
-            for name, lists in variants.items():
-                force(*lists)
-                ms = median_ms(lambda: op_forward_over_reverse(q, k, v, do, gq, gk, gv, scale,
-                                                               causal), args.reps)
-                chosen = {key: c for key, c in triton_common.TUNING_CACHE.entries.items()
-                          if "jvp" in key}
-                results.append(dict(causal=causal, round=round_, variant=name, ms=ms,
-                                    reverse_over_reverse_ms=reverse_ms, chosen=chosen))
-                print(f"causal={causal!s:5s} round {round_} {name:18s} forward over reverse "
-                      f"{ms:7.2f} ms, reverse over reverse {reverse_ms:6.2f} ms "
-                      f"({ms / reverse_ms:.3f}x)", flush=True)
-    forward_mode.row_candidates, forward_mode.column_candidates = real_rows, real_columns
-    settings.reload()
+            force(None, None)
+            results.append(dict(causal=causal, round=round_, kernel="tuned",
+                                ms=median_ms(step, args.reps),
+                                reverse_over_reverse_ms=median_ms(reverse, args.reps)))
+            print(f"causal={causal!s:5s} round {round_} tuned: forward over reverse "
+                  f"{results[-1]['ms']:.2f} ms, reverse over reverse "
+                  f"{results[-1]['reverse_over_reverse_ms']:.2f} ms", flush=True)
+            for name, (kernel, candidates) in SWEEPS.items():
+                for config in candidates:
+                    force(name, config)
+                    try:
+                        ms, own_ms = median_ms(step, args.reps), kernel_ms(step, kernel)
+                    except Exception as e:   # e.g. out of shared memory
+                        print(f"  {kernel} {label(config)}: {type(e).__name__}")
+                        continue
+                    results.append(dict(causal=causal, round=round_, kernel=kernel,
+                                        config=config, ms=ms, kernel_ms=own_ms))
+                    print(f"  {kernel:30s} {label(config):28s} step {ms:6.2f} ms, "
+                          f"kernel {own_ms:6.3f} ms", flush=True)
+        print(f"\ncausal={causal}: medians over rounds")
+        for name, (kernel, candidates) in SWEEPS.items():
+            for config in candidates:
+                mine = [r for r in results if r["causal"] == causal
+                        and r["kernel"] == kernel and r["config"] == config]
+                if mine:
+                    print(f"  {kernel:30s} {label(config):28s} "
+                          f"step {statistics.median(r['ms'] for r in mine):6.2f} ms, kernel "
+                          f"{statistics.median(r['kernel_ms'] for r in mine):6.3f} ms")
+    force(None, None)
     print(f"wrote {write_results(args, 'bench_forward_mode_configs', results)}")
 
 

@@ -4,7 +4,8 @@ through autograd.
 For head dim d, the full second-order step through `bob_compile.attention` (forward,
 `grad(create_graph=True)`, second `grad` w.r.t. q, k, v, dO; B = 1, H = 12, bf16) with each
 candidate of `triton_bob.row_candidates` (folded form, R read from dq, as autograd runs it;
-with --columns those of `triton_bob.column_candidates`, the folded column pass) forced alone,
+with --columns those of `triton_bob.column_candidates`, the folded column pass; or the
+configs given with --configs) forced alone,
 then with the tuner choosing among all of them (and which it chose). Rounds
 are interleaved, so that a drift of the GPU's clocks hits every config alike; each row is
 the CUDA-event median of --reps steps. Kernel-only timings of the same configs are
@@ -12,7 +13,7 @@ the CUDA-event median of --reps steps. Kernel-only timings of the same configs a
 caches with the row pass, and the tuner times the row launch alone).
 
     python benchmarks/bench_row_configs.py --out results/ [--n 16384] [--d 64] [--columns]
-        [--causal both|yes|no]
+        [--causal both|yes|no] [--configs 64x128/8/3 ...]
 """
 import argparse
 import json
@@ -43,7 +44,18 @@ def ab_arguments(description):
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--columns", action="store_true",
                     help="the column pass's configs instead of the row pass's")
+    ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
+                    metavar="MxN/WARPS/STAGES",
+                    help="these configs instead of the candidate list (e.g. 64x128/8/3)")
     return ap.parse_args()
+
+
+def parse_config(text):
+    """'64x128/8/3' -> BLOCK_M 64, BLOCK_N 128, 8 warps, 3 stages."""
+    tile, warps, stages = text.split("/")
+    block_m, block_n = tile.split("x")
+    return dict(BLOCK_M=int(block_m), BLOCK_N=int(block_n), num_warps=int(warps),
+                num_stages=int(stages))
 
 
 def causal_cases(args):
@@ -71,8 +83,10 @@ def main():
     args = ab_arguments(__doc__.split("\n\n")[0])
     attr = "column_candidates" if args.columns else "row_candidates"
     real = getattr(triton_bob, attr)
-    candidates = (real(torch.bfloat16, args.d, args.d, False) if args.columns
-                  else real(torch.bfloat16, args.d, args.d, True, reads_dq=True))
+    candidates = args.configs or (
+        real(torch.bfloat16, args.d, args.d, False, fold=True,
+             causal=args.causal == "yes") if args.columns
+        else real(torch.bfloat16, args.d, args.d, True, reads_dq=True))
     variants = {label(c): [c] for c in candidates}
     variants["tuned among all"] = candidates
 
@@ -82,9 +96,9 @@ def main():
             return configs if fold and reads_dq and e == args.d and not read else real(
                 dtype, e, ev, fold, reads_dq, read)
 
-        def pick_columns(dtype, e, ev, atomics, read=False):
+        def pick_columns(dtype, e, ev, atomics, read=False, **form):
             return configs if not atomics and e == args.d and not read else real(
-                dtype, e, ev, atomics, read)
+                dtype, e, ev, atomics, read, **form)
         setattr(triton_bob, attr, pick_columns if args.columns else pick_rows)
         forget_tuning()
 

@@ -377,28 +377,34 @@ strides_of(_backward_jvp_columns_kernel, Q="sq", K="sk", V="sv", DO="sd", TQ="st
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-# Not yet timed on a GPU: conservative tiles (these kernels keep about twice the operand
-# tiles of the backward's), tuned among themselves on the first call per length bucket.
-def row_candidates(dtype, head_dim, head_dim_v):
+# Launch configs, the measured best first (the choice without tuning). At d <= 64 in half
+# precision: each kernel's configs forced one at a time through the forward-over-reverse
+# step on the H200 at 16K causal, kernel time from the profiler (benchmarks/README.md,
+# "Forward over reverse": three pipeline stages win for all three kernels, and the column
+# pass gains most from 128-key blocks with 8 warps).
+def _candidates(dtype, head_dim, head_dim_v, column, interpreter_tile, measured):
     if interpreting():
-        return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
+        return [dict(BLOCK_M=interpreter_tile[0], BLOCK_N=interpreter_tile[1], num_warps=4,
+                     num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
-    if nbytes > 128:
-        return wide_candidates(nbytes * 2, column=False)
-    return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)]
+    if nbytes > 128:   # operand tiles about twice the backward's
+        return wide_candidates(nbytes * 2, column=column)
+    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in measured]
 
 
-def column_candidates(dtype, head_dim, head_dim_v):
-    if interpreting():
-        return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
-    nbytes = row_bytes(dtype, head_dim, head_dim_v)
-    if nbytes > 128:
-        return wide_candidates(nbytes * 2, column=True)
-    return [dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
-            dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)]
+def forward_jvp_candidates(dtype, head_dim, head_dim_v):
+    return _candidates(dtype, head_dim, head_dim_v, False, (16, 16),
+                       [(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3)])
+
+
+def backward_jvp_row_candidates(dtype, head_dim, head_dim_v):
+    return _candidates(dtype, head_dim, head_dim_v, False, (16, 16),
+                       [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)])
+
+
+def backward_jvp_column_candidates(dtype, head_dim, head_dim_v):
+    return _candidates(dtype, head_dim, head_dim_v, True, (16, 32),
+                       [(64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)])
 
 
 def _constexprs(q, v, causal, **flags):
@@ -427,8 +433,8 @@ def attention_forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
 
     launch(launch_plan(
         "forward_jvp", q, k, v, causal, tuple(int(f) for f in flags.values()),
-        lambda: row_candidates(q.dtype, E, Ev), lambda: _constexprs(q, v, causal, **flags),
-        launch, pairs=L * S))
+        lambda: forward_jvp_candidates(q.dtype, E, Ev),
+        lambda: _constexprs(q, v, causal, **flags), launch, pairs=L * S))
     return to, tlse
 
 
@@ -476,10 +482,12 @@ def attention_backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo,
              qk_scale_log2=scale * LOG2E, scale=scale)
 
     launch_rows(launch_plan(
-        "backward_jvp_rows", q, k, v, causal, flag_key, lambda: row_candidates(q.dtype, E, Ev),
+        "backward_jvp_rows", q, k, v, causal, flag_key,
+        lambda: backward_jvp_row_candidates(q.dtype, E, Ev),
         lambda: _constexprs(q, v, causal, **flags), launch_rows, pairs=L * S))
     launch_columns(launch_plan(
         "backward_jvp_columns", q, k, v, causal, flag_key,
-        lambda: column_candidates(q.dtype, E, Ev), lambda: _constexprs(q, v, causal, **flags),
+        lambda: backward_jvp_column_candidates(q.dtype, E, Ev),
+        lambda: _constexprs(q, v, causal, **flags),
         launch_columns, pairs=L * S))
     return tdq, tdk, tdv
