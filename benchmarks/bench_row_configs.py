@@ -28,6 +28,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_masks import median_ms, step  # noqa: E402
 
 
+LAUNCH_PARAMETERS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
 def label(config):
     return (f"{config['BLOCK_M']}x{config['BLOCK_N']}, {config['num_warps']} warps, "
             f"{config['num_stages']} stages")
@@ -83,18 +86,19 @@ def main():
     args = ab_arguments(__doc__.split("\n\n")[0])
     attr = "column_candidates" if args.columns else "row_candidates"
     real = getattr(triton_bob, attr)
+    # without --configs: the longest lists (non-causal columns, masked rows); unmasked
+    # causal calls take the first column config, unmasked calls the first row config
     candidates = args.configs or (
-        real(torch.bfloat16, args.d, args.d, False, fold=True,
-             causal=args.causal == "yes") if args.columns
-        else real(torch.bfloat16, args.d, args.d, True, reads_dq=True))
+        real(torch.bfloat16, args.d, args.d, False, fold=True) if args.columns
+        else real(torch.bfloat16, args.d, args.d, True, reads_dq=True, masked=True))
     variants = {label(c): [c] for c in candidates}
     variants["tuned among all"] = candidates
 
     def force(configs):
         """Only `configs` for the folded pass at this head dim; nothing remembered."""
-        def pick_rows(dtype, e, ev, fold, reads_dq=False, read=False):
+        def pick_rows(dtype, e, ev, fold, reads_dq=False, read=False, masked=False):
             return configs if fold and reads_dq and e == args.d and not read else real(
-                dtype, e, ev, fold, reads_dq, read)
+                dtype, e, ev, fold, reads_dq, read, masked)
 
         def pick_columns(dtype, e, ev, atomics, read=False, **form):
             return configs if not atomics and e == args.d and not read else real(
@@ -111,8 +115,10 @@ def main():
             for name, configs in variants.items():
                 force(configs)
                 ms = median_ms(lambda: step(q, k, v, do, cotangents, None, causal), args.reps)
-                chosen = [c for key, c in triton_common.TUNING_CACHE.entries.items()
-                          if key.startswith("bob_columns" if args.columns else "bob_rows")]
+                site = "bob_columns" if args.columns else "bob_rows"
+                chosen = [{param: plan.kwargs[param] for param in LAUNCH_PARAMETERS}
+                          for memo, plan in triton_common.TUNING_CACHE.chosen.items()
+                          if memo[0] == site and memo[5] == causal]
                 rows.append(dict(causal=causal, round=round_, variant=name, ms=ms,
                                  row_configs_chosen=chosen))
                 print(f"{'causal' if causal else 'full':6s} {name:30s} {ms:8.3f} ms", flush=True)

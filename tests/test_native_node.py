@@ -297,8 +297,10 @@ def test_attention_without_the_node(cpu_kernels_as_native, reread_settings, monk
 
 # ----------------------------------------------------------------------------- the build
 @pytest.fixture
-def unbuilt(monkeypatch):
-    """native_node as before its first use (restored after the test)."""
+def unbuilt(monkeypatch, cpp_node):
+    """native_node as before its first use (restored after the test). After the session's
+    build (cpp_node), which conftest may have started in the background: a build still
+    running would write into the state this fixture replaces."""
     monkeypatch.setattr(native_node, "_extension", None)
     monkeypatch.setattr(native_node, "_build_started", False)
     monkeypatch.setattr(native_node, "_ready", native_node.threading.Event())

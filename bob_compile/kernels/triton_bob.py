@@ -501,17 +501,19 @@ strides_of(_finish_rows_kernel, O="so", DO="sd")
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False, read=False):
+def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False, read=False,
+                   masked=False):
     """Launch configs of the row pass, the measured best first (the choice without tuning).
     fold: the folded form's row pass with B accumulated; reads_dq: R read from dq, not
-    accumulated (what autograd runs); read: for a mask read per tile."""
-    candidates = _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq)
+    accumulated (what autograd runs); read: for a mask read per tile; masked: with a mask
+    (read or from indices)."""
+    candidates = _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq, masked or read)
     # 64 x 32: the fastest row pass reading its mask on a padded batch ("Masks")
     return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
                                             num_stages=3)) if read else candidates
 
 
-def _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq):
+def _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq, masked):
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
@@ -526,7 +528,12 @@ def _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq):
     # Measured through autograd on the H200 at 16K (benchmarks/README.md, "Row-pass launch
     # configs"): with dq read, 128 x 64 with 8 warps and three pipeline stages beats the
     # earlier choice (64 x 64, 4 warps, two stages); without dq, three stages beat two for
-    # both tiles that were measured with both.
+    # both tiles that were measured with both. Without a mask the first won every A/B
+    # through autograd (16K causal and not, 64K causal; benchmarks/README.md, "Three-stage
+    # column pass"), but a tuner timing the launch alone took 64 x 64 at times (+2-3 %
+    # per step), so unmasked calls get no choice.
+    if fold and reads_dq and not masked:
+        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)]
     if fold and reads_dq:
         return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
@@ -660,7 +667,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
                 (*flag_key(path), int(has_dlse), int(has_dq), int(has_b))
                 + ((1,) if split else ()) + (("edge_split",) if edges else ()),
                 lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq,
-                                       read=path == READ_PATH),
+                                       read=path == READ_PATH, masked=mask_kind != NO_MASK),
                 lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
                              SPLIT_SBAR=split, SPLIT_EDGES=edges), launch_rows, L * S,
                 has_work=mask_path_work(key_range, path)))
