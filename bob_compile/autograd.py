@@ -41,7 +41,9 @@ import threading
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
+from torch._C._functorch import TransformType, _unwrap_for_grad, _wrap_for_grad
 from torch._functorch.autograd_function import custom_function_call
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
 from . import kernels, native_node, ops
 from .kernels import reference
@@ -147,6 +149,8 @@ class _Fused(torch.autograd.Function):
         if kwargs:
             return super().apply(*args, **kwargs)
         if _functorch_active():
+            if _inside_jvp_rule():
+                return _apply_below_jvp_level(cls, args)
             return custom_function_call(cls, *args)     # as Function.apply does, unbound
         plain = _plain_eager(args[:-2])
         if not plain:
@@ -159,6 +163,31 @@ class _Fused(torch.autograd.Function):
             return super(torch.autograd.Function, cls).apply(*args)
         finally:
             _apply_state.plain = outer
+
+
+# ----------------------------------------------------------------------------- jvp rules
+# Under torch.func.jvp, a Function's jvp rule runs at the jvp transform's level with forward
+# gradients off (autograd evaluates forward-mode formulas so), so no tangent of what the rule
+# computes is tracked at that level. Our rules call the forward-mode ops' Functions; going
+# through functorch's custom_function_call at that level would unwrap the arguments, build a
+# single-level Function and rewrap the outputs for nothing (~0.4 ms of host time per call
+# on the H200's host; forward over reverse makes two: docs/host-overhead.md). So there the
+# level is peeled here, as that single-level Function's forward does (unwrap, lower, apply
+# with gradients on, wrap), and any level below (a grad transform: third order) is still
+# handled by the Function as usual.
+def _inside_jvp_rule():
+    return (not torch._C._is_fwd_grad_enabled()
+            and retrieve_current_functorch_interpreter().key() == TransformType.Jvp)
+
+
+def _apply_below_jvp_level(cls, args):
+    interpreter = retrieve_current_functorch_interpreter()
+    level = interpreter.level()
+    unwrapped = tuple(_unwrap_for_grad(a, level) if isinstance(a, torch.Tensor) else a
+                      for a in args)
+    with torch.enable_grad(), _forward_ad._set_fwd_grad_enabled(True), interpreter.lower():
+        outputs = cls.apply(*unwrapped)
+    return tuple(None if t is None else _wrap_for_grad(t, level) for t in outputs)
 
 
 def attention_output(q, k, v, mask, scale, causal):

@@ -255,6 +255,39 @@ def test_torch_func_calls_skip_the_signature_binding(monkeypatch):
     assert torch.isfinite(hvp).all()
 
 
+def test_jvp_rules_skip_the_jvp_level(monkeypatch):
+    """Forward over reverse: the forward-mode ops called from the jvp rules (which run with
+    forward gradients off at the jvp level) go below that level without functorch's
+    per-level Function; only the user-facing Functions (forward, first backward) pass
+    through custom_function_call. The product stays exact, and so does reverse over
+    forward, where a grad level below the jvp level still records the tangent ops."""
+    through = []
+    real = autograd.custom_function_call
+    monkeypatch.setattr(autograd, "custom_function_call",
+                        lambda cls, *args: through.append(cls.__name__) or real(cls, *args))
+    q, k, v, do, tq, tk, tv = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(7))
+
+    def loss(attention):
+        return lambda q, k, v: (attention(q, k, v, is_causal=True) * do).sum()
+
+    def math(q, k, v, is_causal):
+        scores = (q @ k.transpose(-1, -2) / 2).masked_fill(
+            torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+        return scores.softmax(-1) @ v
+    ours = torch.func.jvp(torch.func.grad(loss(bob_compile.attention), argnums=(0, 1, 2)),
+                          (q, k, v), (tq, tk, tv))
+    assert "AttnFwdJvpFn" not in through and "AttnBwdJvpFn" not in through
+    assert {"AttnFn", "AttnBwdFn"} <= set(through)
+    exact = torch.func.jvp(torch.func.grad(loss(math), argnums=(0, 1, 2)), (q, k, v),
+                           (tq, tk, tv))
+    torch.testing.assert_close(ours, exact)
+
+    def grad_of_jvp(attention):
+        return torch.func.grad(lambda q: torch.func.jvp(
+            lambda q: loss(attention)(q, k, v), (q,), (tq,))[1].sin())(q)
+    torch.testing.assert_close(grad_of_jvp(bob_compile.attention), grad_of_jvp(math))
+
+
 def test_profiler_names_the_ops():
     q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
