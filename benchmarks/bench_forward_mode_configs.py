@@ -18,13 +18,12 @@ import statistics
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bob_compile.kernels import triton_forward_mode as forward_mode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import op_autograd, op_forward_over_reverse  # noqa: E402
-from bench_masks import median_ms, print_kernel_times  # noqa: E402
+from bench_masks import kernel_times_ms, median_ms, print_kernel_times  # noqa: E402
 from bench_row_configs import (ab_arguments, causal_cases, forget_tuning, label,  # noqa: E402
                                write_results)
 
@@ -49,15 +48,7 @@ SWEEPS = {
 
 def kernel_ms(fn, kernel, reps=5):
     """GPU time per call of the kernels whose name starts with `kernel`."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA
-               and e.name.startswith(kernel)) / reps / 1e3
+    return sum(ms for name, ms in kernel_times_ms(fn, reps).items() if name.startswith(kernel))
 
 
 def main():

@@ -64,8 +64,8 @@ def median_ms(fn, reps):
     return statistics.median(times)
 
 
-def print_kernel_times(name, fn, reps=3):
-    """GPU time per step by kernel name: where a row's time goes, without the host's."""
+def kernel_times_ms(fn, reps=3):
+    """GPU time per call by kernel name (its first 70 characters), from the profiler."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -77,10 +77,15 @@ def print_kernel_times(name, fn, reps=3):
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[event.name[:70]] = per_kernel.get(event.name[:70], 0) + event.device_time
-    total = sum(per_kernel.values()) / reps / 1e3
-    print(f"\n{name}: GPU kernels {total:.3f} ms per step")
-    for kernel, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
-        print(f"  {us / reps / 1e3:7.3f} ms  {kernel}")
+    return {kernel: us / reps / 1e3 for kernel, us in per_kernel.items()}
+
+
+def print_kernel_times(name, fn, reps=3):
+    """GPU time per step by kernel name: where a row's time goes, without the host's."""
+    per_kernel = kernel_times_ms(fn, reps)
+    print(f"\n{name}: GPU kernels {sum(per_kernel.values()):.3f} ms per step")
+    for kernel, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {ms:7.3f} ms  {kernel}")
 
 
 def main():
