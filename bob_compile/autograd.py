@@ -24,9 +24,10 @@ backend option bob_form) selects the chain form, =folded the folded form; by def
 (kernels.fold_bob, benchmarks/README.md).
 
 Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; explicit
-formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP of
-attn_bob or of a jvp op) runs through the closed-form math of bob_compile/kernels/reference.py:
-correct and traceable, but unfused and O(L·S) in memory.
+formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP or the
+JVP of attn_bob, attn_bob_folded or a jvp op: grad of an HVP, grad of a jvp, jvp of a jvp,
+jacfwd(jacfwd), a jvp of an HVP) runs through the closed-form math of
+bob_compile/kernels/reference.py: correct and traceable, but unfused and O(L·S) in memory.
 
 Torch's legacy vmap (`torch._vmap_internals._vmap`, behind `is_grads_batched=True` and
 `vectorize=True` in torch.autograd.functional) wraps tensors in BatchedTensors. Builtin ops
@@ -358,10 +359,26 @@ def _third_order(twin, ctx, grads, like):
             None, None, None)
 
 
+def _third_order_jvp(twin, ctx, tangents, like):
+    """Tangents of a fused op's outputs (forward mode over a derivative op: jvp of a jvp,
+    jacfwd(jacfwd), forward over reverse over reverse), by pushing the tangents of its
+    inputs through its closed-form twin; the mask, scale and causal have none. A None input
+    or tangent is zeros, as in _third_order."""
+    *saved, mask = ctx.saved_tensors
+    primals = tuple(torch.zeros_like(saved[like[i]]) if t is None else t
+                    for i, t in enumerate(saved))
+    pushed = tuple(torch.zeros_like(p) if t is None else t
+                   for t, p in zip(tangents[:len(primals)], primals))
+    _, out = torch.func.jvp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), primals, pushed)
+    return out
+
+
 def _save_all(ctx, inputs):
     *tensors, mask, scale, causal = inputs
     ctx.present = [t is not None for t in tensors]
     ctx.save_for_backward(*tensors, mask)
+    if _forward_mode_possible():
+        ctx.save_for_forward(*tensors, mask)
     ctx.scale, ctx.causal = scale, causal
     ctx.set_materialize_grads(False)
 
@@ -396,6 +413,10 @@ class AttnBobFn(_Fused):
     def backward(ctx, *grads):
         return _third_order(_bob_twin, ctx, grads, _BOB_LIKE)
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        return _third_order_jvp(_bob_twin, ctx, tangents, _BOB_LIKE)
+
 
 class AttnBobFoldedFn(_Fused):
     """attn_bob_folded, the second-order kernel of the folded form; its own backward is
@@ -413,6 +434,10 @@ class AttnBobFoldedFn(_Fused):
     def backward(ctx, *grads):
         return _third_order(_bob_folded_twin, ctx, grads, _BOB_FOLDED_LIKE)
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        return _third_order_jvp(_bob_folded_twin, ctx, tangents, _BOB_FOLDED_LIKE)
+
 
 class AttnFwdJvpFn(_Fused):
     """attn_fwd_jvp; differentiating the tangents again is third order (math twin)."""
@@ -428,6 +453,10 @@ class AttnFwdJvpFn(_Fused):
     @staticmethod
     def backward(ctx, *grads):
         return _third_order(_forward_jvp_twin, ctx, grads, _FWD_JVP_LIKE)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        return _third_order_jvp(_forward_jvp_twin, ctx, tangents, _FWD_JVP_LIKE)
 
 
 class AttnBwdJvpFn(_Fused):
@@ -445,6 +474,10 @@ class AttnBwdJvpFn(_Fused):
     @staticmethod
     def backward(ctx, *grads):
         return _third_order(_backward_jvp_twin, ctx, grads, _BWD_JVP_LIKE)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        return _third_order_jvp(_backward_jvp_twin, ctx, tangents, _BWD_JVP_LIKE)
 
 
 # ----------------------------------------------------------------------------- second order

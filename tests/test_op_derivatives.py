@@ -2,7 +2,9 @@
 attention, in float64 (max error <= 1e-10).
 
 Paths: autograd HVP (create_graph then a second grad), a MAML inner step, torch.func grad,
-grad(grad), vjp, jvp, jvp(grad), vmap, vmap(grad), hessian and jacrev(jacrev).
+grad(grad), vjp, jvp, jvp(grad), vmap, vmap(grad), hessian and jacrev(jacrev); third order
+in reverse and forward mode (grad of grad of grad, grad of jvp, jvp of jvp, jacfwd(jacfwd),
+jvp of grad of grad).
 Cases: causal and not, L != S both ways, Ev != E, a non-default scale, leading dims
 (B, H) / (B,) / none, GQA, lengths that are no multiple of the (tiny) tiles, permuted
 inputs, rows that see no key, and masks (attn_mask: key padding, general boolean,
@@ -231,6 +233,32 @@ def test_reverse_over_forward(case):
     q, k, v = inputs
     assert_close(jacrev(torch.func.jacfwd(f, argnums=2), argnums=2)(q, k, v),
                  jacrev(torch.func.jacfwd(f_ref, argnums=2), argnums=2)(q, k, v))
+
+
+@pytest.mark.parametrize("form", ["folded", "chain"])
+@pytest.mark.parametrize("case", ["gqa", "permuted", "key_padding_mask"])
+def test_forward_over_forward_and_over_second_order(monkeypatch, case, form):
+    """Forward mode over a derivative op (jvp of the tangent ops, jacfwd(jacfwd), a jvp of
+    a grad of a grad through either form's BoB): third order, through the exact math
+    twins' forward mode."""
+    monkeypatch.setenv("BOB_COMPILE_BOB_FORM", form)
+    settings.reload()
+    inputs, attn, attn_ref, f, f_ref = setup(case, True)
+    q, k, v = inputs
+    tq, tk, tv = (torch.randn_like(t) for t in inputs)
+
+    def jvp_of_jvp(fn):
+        return jvp(lambda v: jvp(lambda q, k: fn(q, k, v), (q, k), (tq, tk))[1], (v,), (tv,))[1]
+    assert_close(jvp_of_jvp(attn), jvp_of_jvp(attn_ref))
+    assert_close(torch.func.jacfwd(torch.func.jacfwd(f, argnums=1), argnums=1)(q, k, v),
+                 torch.func.jacfwd(torch.func.jacfwd(f_ref, argnums=1), argnums=1)(q, k, v))
+
+    def jvp_of_hvp(fn):
+        def hvp(q, k, v):
+            return grad(lambda *a: (grad(fn, argnums=(0, 1, 2))(*a)[0] * tq).sum(),
+                        argnums=(0, 1, 2))(q, k, v)
+        return jvp(hvp, inputs, (tq, tk, tv))[1]
+    assert_close(jvp_of_hvp(f), jvp_of_hvp(f_ref))
 
 
 def _record_first_backward_dq(monkeypatch):
