@@ -5,13 +5,16 @@ replaced by an empty tensor, so that only host work is timed. Runs on the CPU.
 
     python benchmarks/bench_func_host_floor.py
 """
-import statistics
-import time
+import os
+import sys
 
 import torch
 
 import bob_compile
 from bob_compile import ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_autograd_node import microseconds  # noqa: E402
 
 q, k, v, do, tq, tk, tv = (torch.randn(1, 2, 16, 8) for _ in range(7))
 lse_like = torch.zeros(1, 2, 16)
@@ -72,18 +75,10 @@ def loss_through_bare_functions(q, k, v):
     return (BareForward.apply(q, k, v)[0] * do).sum()
 
 
-def ms_per_step(loss, rounds=7, steps=100):
+def ms_per_step(loss):
     def step():
         return torch.func.jvp(torch.func.grad(loss, argnums=(0, 1, 2)), (q, k, v), (tq, tk, tv))
-    for _ in range(30):
-        step()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        times.append((time.perf_counter() - start) / steps * 1e3)
-    return statistics.median(times)
+    return microseconds(step, calls=100, warmup=30, runs=7)[0] / 1e3
 
 
 def main():

@@ -150,8 +150,9 @@ class _Fused(torch.autograd.Function):
         if kwargs:
             return super().apply(*args, **kwargs)
         if _functorch_active():
-            if _inside_jvp_rule():
-                return _apply_below_jvp_level(cls, args)
+            jvp_rule_level = _jvp_rule_interpreter()
+            if jvp_rule_level is not None:
+                return _apply_below_jvp_level(jvp_rule_level, cls, args)
             return custom_function_call(cls, *args)     # as Function.apply does, unbound
         plain = _plain_eager(args[:-2])
         if not plain:
@@ -176,13 +177,15 @@ class _Fused(torch.autograd.Function):
 # level is peeled here, as that single-level Function's forward does (unwrap, lower, apply
 # with gradients on, wrap), and any level below (a grad transform: third order) is still
 # handled by the Function as usual.
-def _inside_jvp_rule():
-    return (not torch._C._is_fwd_grad_enabled()
-            and retrieve_current_functorch_interpreter().key() == TransformType.Jvp)
-
-
-def _apply_below_jvp_level(cls, args):
+def _jvp_rule_interpreter():
+    """The current jvp transform's interpreter where a jvp rule runs at its level, else None."""
+    if torch._C._is_fwd_grad_enabled():
+        return None
     interpreter = retrieve_current_functorch_interpreter()
+    return interpreter if interpreter.key() == TransformType.Jvp else None
+
+
+def _apply_below_jvp_level(interpreter, cls, args):
     level = interpreter.level()
     unwrapped = tuple(_unwrap_for_grad(a, level) if isinstance(a, torch.Tensor) else a
                       for a in args)
@@ -344,14 +347,21 @@ def attention_with_lse(q, k, v, mask, scale, causal):
     return AttnFn.apply(q, k, v, mask, scale, causal)
 
 
+def _twin_inputs(ctx, like):
+    """(the saved tensor inputs of a fused op, each None made zeros shaped like its input
+    like[i]; the mask, saved last)."""
+    *saved, mask = ctx.saved_tensors
+    return tuple(torch.zeros_like(saved[like[i]]) if t is None else t
+                 for i, t in enumerate(saved)), mask
+
+
 def _third_order(twin, ctx, grads, like):
     """Cotangents of a fused op's inputs, by differentiating its closed-form twin; the mask
     (saved last, a constant) gets None, as do scale and causal.
 
     A None (optional) input becomes zeros shaped like input like[i]; its gradient is
     dropped again."""
-    *saved, mask = ctx.saved_tensors
-    primals = [torch.zeros_like(saved[like[i]]) if t is None else t for i, t in enumerate(saved)]
+    primals, mask = _twin_inputs(ctx, like)
     outputs, pull = torch.func.vjp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), *primals)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
     cotangents = pull(tuple(grads))
@@ -364,9 +374,7 @@ def _third_order_jvp(twin, ctx, tangents, like):
     jacfwd(jacfwd), forward over reverse over reverse), by pushing the tangents of its
     inputs through its closed-form twin; the mask, scale and causal have none. A None input
     or tangent is zeros, as in _third_order."""
-    *saved, mask = ctx.saved_tensors
-    primals = tuple(torch.zeros_like(saved[like[i]]) if t is None else t
-                    for i, t in enumerate(saved))
+    primals, mask = _twin_inputs(ctx, like)
     pushed = tuple(torch.zeros_like(p) if t is None else t
                    for t, p in zip(tangents[:len(primals)], primals))
     _, out = torch.func.jvp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), primals, pushed)
