@@ -10,7 +10,7 @@ and the forced kernel's own GPU time per step from the profiler; rounds are inte
 First, the step's GPU time by kernel, with the lists as they are, next to reverse over
 reverse (`op_autograd`). B = 1, H = 12, bf16.
 
-    python benchmarks/bench_forward_mode_configs.py --out results/ [--n 16384] [--d 64]
+    python benchmarks/bench_forward_mode_configs.py --out results/ [--n 16384] [--d 64|128]
         [--causal both|yes|no]
 """
 import os
@@ -32,17 +32,33 @@ def configs(*tiles):
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]
 
 
-# candidates function -> (its kernel's name in the profiler, the configs to force)
+# head dim -> candidates function -> (its kernel's name in the profiler, the configs to force).
+# At d = 128 the operand tiles are twice as wide: fewer rows per program, and the configs
+# with the fewest spills (benchmarks/kernel_resources.py) next to the rest.
 SWEEPS = {
-    "forward_jvp_candidates": ("_forward_jvp_kernel", configs(
-        (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2),
-        (128, 64, 8, 3), (64, 32, 4, 4))),
-    "backward_jvp_row_candidates": ("_backward_jvp_rows_kernel", configs(
-        (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
-        (128, 32, 8, 3))),
-    "backward_jvp_column_candidates": ("_backward_jvp_columns_kernel", configs(
-        (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2),
-        (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 8, 2))),
+    64: {
+        "forward_jvp_candidates": ("_forward_jvp_kernel", configs(
+            (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2),
+            (128, 64, 8, 3), (64, 32, 4, 4))),
+        "backward_jvp_row_candidates": ("_backward_jvp_rows_kernel", configs(
+            (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
+            (128, 32, 8, 3))),
+        "backward_jvp_column_candidates": ("_backward_jvp_columns_kernel", configs(
+            (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2),
+            (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 8, 2))),
+    },
+    128: {
+        "forward_jvp_candidates": ("_forward_jvp_kernel", configs(
+            (128, 32, 8, 2), (128, 32, 8, 3), (128, 16, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2),
+            (64, 16, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (32, 32, 4, 1))),
+        "backward_jvp_row_candidates": ("_backward_jvp_rows_kernel", configs(
+            (128, 32, 8, 2), (128, 16, 8, 2), (64, 16, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2),
+            (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3), (32, 32, 4, 1))),
+        "backward_jvp_column_candidates": ("_backward_jvp_columns_kernel", configs(
+            (16, 128, 8, 2), (16, 64, 4, 2), (16, 64, 8, 2), (32, 64, 8, 2), (32, 128, 8, 2),
+            (32, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 32, 4, 2), (32, 128, 8, 3),
+            (32, 128, 4, 2), (16, 128, 4, 2), (16, 32, 4, 1))),
+    },
 }
 
 
@@ -53,7 +69,8 @@ def kernel_ms(fn, kernel, reps=5):
 
 def main():
     args = ab_arguments(__doc__.split("\n\n")[0])
-    real = {name: getattr(forward_mode, name) for name in SWEEPS}
+    sweeps = SWEEPS[args.d]
+    real = {name: getattr(forward_mode, name) for name in sweeps}
 
     def force(name, config):
         """Only `config` for this kernel at this head dim; nothing remembered."""
@@ -90,7 +107,7 @@ def main():
             print(f"causal={causal!s:5s} round {round_} tuned: forward over reverse "
                   f"{results[-1]['ms']:.2f} ms, reverse over reverse "
                   f"{results[-1]['reverse_over_reverse_ms']:.2f} ms", flush=True)
-            for name, (kernel, candidates) in SWEEPS.items():
+            for name, (kernel, candidates) in sweeps.items():
                 for config in candidates:
                     force(name, config)
                     try:
@@ -103,7 +120,7 @@ def main():
                     print(f"  {kernel:30s} {label(config):28s} step {ms:6.2f} ms, "
                           f"kernel {own_ms:6.3f} ms", flush=True)
         print(f"\ncausal={causal}: medians over rounds")
-        for name, (kernel, candidates) in SWEEPS.items():
+        for name, (kernel, candidates) in sweeps.items():
             for config in candidates:
                 mine = [r for r in results if r["causal"] == causal
                         and r["kernel"] == kernel and r["config"] == config]

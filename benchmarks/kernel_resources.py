@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 FLOAT_ARGS = ("qk_scale_log2", "scale")
+FLOAT_TENSORS = ("LSE", "D", "TD", "TLSE")   # row statistics, fp32 whatever the inputs
 
 
 def load_kernels():
@@ -29,7 +30,8 @@ def load_kernels():
     pkg.__path__ = [os.path.join(ROOT, "bob_compile", "kernels")]
     sys.modules[pkg.__name__] = pkg
     return (importlib.import_module(pkg.__name__ + ".triton_bob"),
-            importlib.import_module(pkg.__name__ + ".triton_backward"))
+            importlib.import_module(pkg.__name__ + ".triton_backward"),
+            importlib.import_module(pkg.__name__ + ".triton_forward_mode"))
 
 
 def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
@@ -39,7 +41,8 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.isupper() and name not in ("L", "S"):  # tensors: upper-case, but lengths
-            signature[name] = "*fp32" if name.endswith("_ACC") else f"*{dtype}"
+            signature[name] = ("*fp32" if name.endswith("_ACC") or name in FLOAT_TENSORS
+                               else f"*{dtype}")
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
@@ -66,7 +69,7 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
 
 def main(argv=None):
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    bob, bwd = load_kernels()
+    bob, bwd, forward_mode = load_kernels()
     attention = importlib.import_module("bob_compile_kernels_aot.triton_attention")
     print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'stages':>6s} {'regs':>5s} "
           f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s}")
@@ -88,6 +91,13 @@ def main(argv=None):
         ("folded cols", bob._column_kernel, "fold", {64: (64, 64, 4, 2), 128: (32, 64, 4, 2)}),
         ("bwd columns", bwd._column_kernel, False, {64: (32, 128, 4, 3), 128: (32, 64, 4, 2)}),
         ("bwd dq", bwd._dq_kernel, False, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
+        # forward mode, every tangent given: the first candidates (triton_forward_mode.py)
+        ("fwd jvp", forward_mode._forward_jvp_kernel, False,
+         {64: (64, 64, 4, 3), 128: (128, 64, 8, 2)}),
+        ("bwd jvp rows", forward_mode._backward_jvp_rows_kernel, False,
+         {64: (128, 64, 8, 3), 128: (128, 32, 8, 3)}),
+        ("bwd jvp cols", forward_mode._backward_jvp_columns_kernel, False,
+         {64: (64, 128, 8, 3), 128: (32, 128, 8, 2)}),
     ]
     for name, fn, is_bob, configs in tuned:
         for d, (bm, bn, warps, stages) in configs.items():
@@ -102,6 +112,9 @@ def main(argv=None):
                 # as autograd runs it: heads wider than 64 read B from a forward
                 consts["HAS_B"] = (is_bob == "fold_dq"
                                    and d > attention.ACCUMULATE_B_MAX_HEAD_DIM)
+            for tangent in ("HAS_TQ", "HAS_TK", "HAS_TV", "HAS_TS", "HAS_TLSE", "HAS_TDO"):
+                if tangent in fn.arg_names:
+                    consts[tangent] = True
             if "HAS_DLSE" in fn.arg_names:
                 consts["HAS_DLSE"] = False
             if "SPLIT_SBAR" in fn.arg_names:
@@ -112,6 +125,7 @@ def main(argv=None):
                 consts["ROW_ATOMICS"] = False
             if "DQ_ATOMICS" in fn.arg_names:
                 consts["DQ_ATOMICS"] = False
+            consts = {name: value for name, value in consts.items() if name in fn.arg_names}
             r = resources(fn, consts, warps, stages)
             print(f"{name:14s} {d:4d} {bm:4d}x{bn:<4d} {warps:5d} {stages:6d} {r['registers']:5d} "
                   f"{r['spill_stores']:6d}/{r['spill_loads']:<7d} {r['stack']:6d} "

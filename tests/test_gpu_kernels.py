@@ -221,6 +221,8 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     # GQA with PyTorch's cuDNN first order (fewer key/value heads taken directly)
     pytest.param(torch.bfloat16, 2, 8, 2, 1000, 1000, 64, 64, True, id="bf16-gqa-causal-d64"),
     pytest.param(torch.float16, 1, 2, 2, 777, 1000, 64, 32, False, id="fp16-odd-E!=Ev"),
+    # padded head dims on the 65-128 tiles
+    pytest.param(torch.float16, 1, 2, 2, 1000, 777, 96, 80, True, id="fp16-causal-L>S-d96-Ev80"),
     pytest.param(torch.float32, 1, 4, 2, 257, 700, 128, 128, True, id="fp32-gqa-causal-L<S"),
 ])
 def test_forward_mode_against_float64(dtype, B, Hq, Hkv, L, S, E, Ev, causal):

@@ -377,34 +377,45 @@ strides_of(_backward_jvp_columns_kernel, Q="sq", K="sk", V="sv", DO="sd", TQ="st
 # --------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------
-# Launch configs, the measured best first (the choice without tuning). At d <= 64 in half
-# precision: each kernel's configs forced one at a time through the forward-over-reverse
-# step on the H200 at 16K causal, kernel time from the profiler (benchmarks/README.md,
-# "Forward over reverse": three pipeline stages win for all three kernels, and the column
-# pass gains most from 128-key blocks with 8 warps).
-def _candidates(dtype, head_dim, head_dim_v, column, interpreter_tile, measured):
+# Launch configs, the measured best first (the choice without tuning), in half precision:
+# `narrow` for heads up to 64 wide, `wide` for 65-128. Each kernel's configs forced one at
+# a time through the forward-over-reverse step on the H200 at 16K causal, kernel time from
+# the profiler (benchmarks/README.md, "Forward over reverse" and "Forward-mode kernels at
+# d = 128"). At d <= 64 three pipeline stages win for all three kernels, and the column
+# pass gains most from 128-key blocks with 8 warps. At d = 128 the 128-row blocks with
+# 8 warps win the row kernels, 32 x 128 the column pass (3-4x the small single-stage
+# tiles used before); where two were within 1 %, the one that also fits the 163 KiB of
+# shared memory of an A100 comes first, so that an untuned call runs there too.
+def _candidates(dtype, head_dim, head_dim_v, column, interpreter_tile, narrow, wide):
     if interpreting():
         return [dict(BLOCK_M=interpreter_tile[0], BLOCK_N=interpreter_tile[1], num_warps=4,
                      num_stages=1)]
     nbytes = row_bytes(dtype, head_dim, head_dim_v)
-    if nbytes > 128:   # operand tiles about twice the backward's
+    if nbytes <= 128:
+        measured = narrow
+    elif nbytes <= 256 and dtype.itemsize == 2:
+        measured = wide
+    else:   # fp32 inputs, or heads above 128: operand tiles about twice the backward's
         return wide_candidates(nbytes * 2, column=column)
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in measured]
 
 
 def forward_jvp_candidates(dtype, head_dim, head_dim_v):
     return _candidates(dtype, head_dim, head_dim_v, False, (16, 16),
-                       [(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3)])
+                       narrow=[(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3)],
+                       wide=[(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)])
 
 
 def backward_jvp_row_candidates(dtype, head_dim, head_dim_v):
     return _candidates(dtype, head_dim, head_dim_v, False, (16, 16),
-                       [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)])
+                       narrow=[(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)],
+                       wide=[(128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 2)])
 
 
 def backward_jvp_column_candidates(dtype, head_dim, head_dim_v):
     return _candidates(dtype, head_dim, head_dim_v, True, (16, 32),
-                       [(64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)])
+                       narrow=[(64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+                       wide=[(32, 128, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2)])
 
 
 def _constexprs(q, v, causal, **flags):
