@@ -9,7 +9,8 @@ that the positional call of the fast path binds exactly as Triton's keyword call
 same ints, same tensor dtypes and 16-byte alignment, same device (floats do not matter),
 and (3) it calls the compiled kernel's C launcher with the arguments Triton's own launch
 would give it (addresses as integers, the current stream, no hooks), and only when no
-launch hook is set and the kernel needs no scratch memory.
+launch hook is set and the kernel needs no scratch memory; (4) a choice made without
+timing takes the first candidate that builds on the device.
 The kernels themselves are exercised by test_triton_interpret.py (interpreter, where the
 plan always takes Triton's path) and test_gpu_kernels.py.
 """
@@ -43,6 +44,9 @@ def recorded_launches(monkeypatch):
     settings.reload()
     if settings.current().interpret:
         pytest.skip("the kernels are interpreted functions in this process")
+    # each site's own launches only, not the launches that check an untimed choice builds
+    monkeypatch.setattr(triton_common, "_first_that_builds", lambda key, candidates, run:
+                        candidates[0])
     launches = []
 
     def record(plan, kernel, grid, **named):
@@ -330,3 +334,75 @@ def test_a_launcher_that_refuses_the_arguments_falls_back_for_good(direct_gpu, m
     for _ in range(3):
         plan.launch(kernel, (1, 1), x, 32, 0.5)
     assert kinds(kernel.log) == ["jit", "fast", "fast"]
+
+
+# --------------------------------------------------------------------------------------
+# (4) untimed choices on a device where the first config does not build
+# --------------------------------------------------------------------------------------
+@pytest.fixture
+def untimed_choice(monkeypatch):
+    """A device on which the configs with BLOCK_M 128 need more shared memory than it has;
+    records each launch, and fails the test if anything is timed."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(triton_common, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_common, "_builds", {})
+    monkeypatch.setattr(triton_common.TUNING_CACHE, "get", lambda key: None)
+    monkeypatch.setattr(triton_common.TUNING_CACHE, "put",
+                        lambda key, config: pytest.fail("an untimed choice was written"))
+    monkeypatch.setattr(triton_common.triton.testing, "do_bench",
+                        lambda *a, **k: pytest.fail("an untimed choice was timed"))
+    ran = []
+
+    def run(config):
+        ran.append(config["BLOCK_M"])
+        if config["BLOCK_M"] == 128:
+            raise OutOfResources(180224, 166912, "shared memory")
+    return run, ran
+
+
+@pytest.mark.parametrize("why", ["tuning off", "untimed list", "too long to tune"])
+def test_an_untimed_choice_is_the_first_config_that_builds(untimed_choice, monkeypatch, why):
+    run, ran = untimed_choice
+    monkeypatch.setattr(triton_common, "tuning_enabled", lambda: why != "tuning off")
+    kind = triton_common.Untimed if why == "untimed list" else list
+    candidates = kind([dict(BLOCK_M=128), dict(BLOCK_M=64), dict(BLOCK_M=32)])
+    pairs = triton_common.TUNE_MAX_PAIRS + 1 if why == "too long to tune" else 1
+    for _ in range(3):
+        config, final = triton_common._choose_config("key", candidates, run, pairs)
+        assert config == dict(BLOCK_M=64) and final == (why != "too long to tune")
+    assert ran == [128, 64], "each candidate is tried once per key"
+
+
+def test_the_last_candidate_stands_when_none_before_it_builds(untimed_choice):
+    run, ran = untimed_choice
+    candidates = triton_common.Untimed([dict(BLOCK_M=128), dict(BLOCK_M=128, num_warps=4),
+                                        dict(BLOCK_M=16)])
+    config, _ = triton_common._choose_config("key", candidates, run, 1)
+    assert config == dict(BLOCK_M=16) and ran == [128, 128], "its own launch raises, if any"
+
+
+def test_a_single_candidate_or_the_interpreter_launches_nothing_to_choose(untimed_choice,
+                                                                         monkeypatch):
+    run, ran = untimed_choice
+    assert triton_common._choose_config("key", [dict(BLOCK_M=128)], run, 1)[0]["BLOCK_M"] == 128
+    monkeypatch.setattr(triton_common, "interpreting", lambda: True)
+    candidates = triton_common.Untimed([dict(BLOCK_M=128), dict(BLOCK_M=64)])
+    assert triton_common._choose_config("key", candidates, run, 1)[0]["BLOCK_M"] == 128
+    assert ran == []
+
+
+def test_the_bob_passes_without_a_choice_have_fallbacks(monkeypatch):
+    """The folded passes whose first config won through the step are untimed lists (a tuner
+    timing the launch alone picks by noise), not single configs: a device on which the first
+    does not build takes the next. With a mask they are timed."""
+    from bob_compile.kernels import triton_bob
+    monkeypatch.setattr(triton_bob, "interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    rows = triton_bob.row_candidates(bf16, 64, 64, fold=True, reads_dq=True)
+    columns = triton_bob.column_candidates(bf16, 64, 64, False, fold=True, causal=True)
+    for untimed in (rows, columns):
+        assert isinstance(untimed, triton_common.Untimed) and len(untimed) > 1
+    assert not isinstance(triton_bob.row_candidates(bf16, 64, 64, fold=True, reads_dq=True,
+                                                    masked=True), triton_common.Untimed)
+    assert not isinstance(triton_bob.column_candidates(bf16, 64, 64, False, fold=True),
+                          triton_common.Untimed)

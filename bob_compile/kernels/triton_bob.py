@@ -36,11 +36,11 @@ import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
 from .triton_common import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE,
-                            READ_PATH, apply_mask_tile, blocks, column_block_program, dot_precision,
-                            fixed_plan, group_on_mask_path, interpreting, key_blocks_of_row_block,
-                            key_loops_within_mask, launch_plan, load_row_vector, load_tile,
-                            note_tensors, on_mask_path, padded_dim, read_path_first,
-                            row_block_program, row_blocks_of_key_block, row_bytes,
+                            READ_PATH, Untimed, apply_mask_tile, blocks, column_block_program,
+                            dot_precision, fixed_plan, group_on_mask_path, interpreting,
+                            key_blocks_of_row_block, key_loops_within_mask, launch_plan,
+                            load_row_vector, load_tile, note_tensors, on_mask_path, padded_dim,
+                            read_path_first, row_block_program, row_blocks_of_key_block, row_bytes,
                             row_loops_within_mask, store_tile, strides_of,
                             unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
                             visibility_mask, wide_candidates)
@@ -531,14 +531,13 @@ def _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq, masked):
     # both tiles that were measured with both. Without a mask the first won every A/B
     # through autograd (16K causal and not, 64K causal; benchmarks/README.md, "Three-stage
     # column pass"), but a tuner timing the launch alone took 64 x 64 at times (+2-3 %
-    # per step), so unmasked calls get no choice.
-    if fold and reads_dq and not masked:
-        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)]
+    # per step), so unmasked calls get no choice (the others only where it does not build).
     if fold and reads_dq:
-        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-                dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
-                dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)]
+        candidates = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                      dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                      dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+                      dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)]
+        return candidates if masked else Untimed(candidates)
     if fold:
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
@@ -575,9 +574,12 @@ def _column_candidates(dtype, head_dim, head_dim_v, atomics, fold, causal):
     # (benchmarks/README.md, "Three-stage column pass"): three pipeline stages win; causal,
     # 64 x 128 with 8 warps is the best at 16K and 2.3 % ahead of the next at 64K, where
     # the 16K bucket's decision is reused; a tuner timing the launch alone at 16K picks by
-    # noise between them, so causal calls get no choice.
+    # noise between them, so causal calls get no choice (the others only where it does not
+    # build).
     if fold and causal:
-        return [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)]
+        return Untimed([dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+                        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+                        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)])
     if fold:
         return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),

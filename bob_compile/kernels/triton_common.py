@@ -480,12 +480,50 @@ def tuning_enabled():
     return settings.current().tune
 
 
+class Untimed(list):
+    """Candidates that are not timed: the first that builds for the device is the choice.
+    For launch sites whose first config won when measured through the whole step, where a
+    tuner timing the launch alone picks among them by noise; the others are there for
+    devices on which the first does not build."""
+
+
+_builds = {}    # (tuning key, config) -> whether its kernel built and launched on the device
+
+
+def _first_that_builds(key, candidates, run):
+    """The first candidate whose kernel builds for the device. The lists' first configs are
+    sized for the H200; on a device with less shared memory (an A100 has 163 KiB, consumer
+    GPUs about 100) an untimed choice must still launch. Each candidate is launched once
+    per key to find out, as tuning would (the launch sites compute their plans before
+    their real launches, so an extra launch changes no result); if none but the last
+    builds, the last is the choice and its launch raises Triton's error."""
+    if len(candidates) == 1 or interpreting():
+        return candidates[0]
+    for config in candidates[:-1]:
+        memo = (key, tuple(sorted(config.items())))
+        builds = _builds.get(memo)
+        if builds is None:
+            try:
+                run(config)
+                builds = True
+            except BUILD_ERRORS as e:
+                log.info("launch config %s of %s does not build on this device: %s: %s",
+                         config, key, type(e).__name__,
+                         str(e).splitlines()[0][:200] if str(e) else "")
+                builds = False
+            _builds[memo] = builds
+        if builds:
+            return config
+    return candidates[-1]
+
+
 def choose_config(key, candidates, run, pairs=0):
     """The fastest of `candidates` for `key`; `run(config)` launches the kernel once.
 
-    Without tuning (interpreter, BOB_COMPILE_TUNE=0, one candidate, or a problem of more
-    than TUNE_MAX_PAIRS (query, key) pairs per head with no decision cached yet) the first
-    candidate is the choice, so the candidate lists put the measured best default first.
+    Without tuning (interpreter, BOB_COMPILE_TUNE=0, one candidate, an `Untimed` list, or a
+    problem of more than TUNE_MAX_PAIRS (query, key) pairs per head with no decision cached
+    yet) the first candidate that builds for the device is the choice, so the candidate
+    lists put the measured best default first.
     """
     return _choose_config(key, candidates, run, pairs)[0]
 
@@ -497,15 +535,15 @@ def _choose_config(key, candidates, run, pairs, has_work=None):
     launches may have nothing to do), whether this one has any; where not, timing would
     choose by noise (measured: the noise choices cost a mask read per tile 8 % over its
     default configs), so the first candidate stands, and is not written to the file."""
-    if len(candidates) == 1 or not tuning_enabled():
-        return candidates[0], True
+    if len(candidates) == 1 or isinstance(candidates, Untimed) or not tuning_enabled():
+        return _first_that_builds(key, candidates, run), True
     known = TUNING_CACHE.get(key)
     if known is not None and known in candidates:
         return known, True
     if pairs > TUNE_MAX_PAIRS:
-        return candidates[0], False
+        return _first_that_builds(key, candidates, run), False
     if has_work is not None and not has_work():
-        return candidates[0], True
+        return _first_that_builds(key, candidates, run), True
     best, best_ms = candidates[0], math.inf
     for config in candidates:
         try:
