@@ -11,7 +11,7 @@ First, the step's GPU time by kernel, with the lists as they are, next to revers
 reverse (`op_autograd`). B = 1, H = 12, bf16.
 
     python benchmarks/bench_forward_mode_configs.py --out results/ [--n 16384] [--d 64|128]
-        [--causal both|yes|no]
+        [--causal both|yes|no] [--kernels rows columns] [--configs 32x128/8/3 ...]
 """
 import os
 import statistics
@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from bob_compile.kernels import triton_attention
 from bob_compile.kernels import triton_forward_mode as forward_mode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,9 +69,13 @@ def kernel_ms(fn, kernel, reps=5):
 
 
 def main():
-    args = ab_arguments(__doc__.split("\n\n")[0])
-    sweeps = SWEEPS[args.d]
-    real = {name: getattr(forward_mode, name) for name in sweeps}
+    args = ab_arguments(__doc__.split("\n\n")[0], lambda ap: ap.add_argument(
+        "--kernels", nargs="+", default=None, metavar="NAME",
+        help="only the kernels whose names contain one of these (e.g. rows columns)"))
+    sweeps = {name: (kernel, args.configs or candidates)
+              for name, (kernel, candidates) in SWEEPS[args.d].items()
+              if args.kernels is None or any(part in kernel for part in args.kernels)}
+    real = {name: getattr(forward_mode, name) for name in SWEEPS[args.d]}
 
     def force(name, config):
         """Only `config` for this kernel at this head dim; nothing remembered."""
@@ -80,6 +85,7 @@ def main():
             setattr(forward_mode, name, lambda dtype, e, ev: (
                 [config] if e == args.d else real[name](dtype, e, ev)))
         forget_tuning()
+        triton_attention._forward_mode_failed.clear()   # back to the kernels
 
     results = []
     scale = args.d ** -0.5
@@ -112,8 +118,11 @@ def main():
                     force(name, config)
                     try:
                         ms, own_ms = median_ms(step, args.reps), kernel_ms(step, kernel)
-                    except Exception as e:   # e.g. out of shared memory
+                    except Exception as e:
                         print(f"  {kernel} {label(config)}: {type(e).__name__}")
+                        continue
+                    if triton_attention._forward_mode_failed:   # e.g. out of shared memory
+                        print(f"  {kernel} {label(config)}: does not build (see the log)")
                         continue
                     results.append(dict(causal=causal, round=round_, kernel=kernel,
                                         config=config, ms=ms, kernel_ms=own_ms))

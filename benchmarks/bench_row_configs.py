@@ -36,9 +36,12 @@ def label(config):
             f"{config['num_stages']} stages")
 
 
-def ab_arguments(description):
-    """The arguments of a launch-config A/B (this script, bench_forward_mode_configs.py)."""
+def ab_arguments(description, more=None):
+    """The arguments of a launch-config A/B (this script, bench_forward_mode_configs.py);
+    more(parser) adds a script's own."""
     ap = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(ap)
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
@@ -69,6 +72,7 @@ def forget_tuning():
     """No launch decision remembered, in memory or from the cache file: the next calls
     tune again among the candidates in force."""
     triton_common.TUNING_CACHE.entries = {}
+    triton_common._builds.clear()
     settings.reload()                            # forgets the launch plans
 
 
