@@ -97,7 +97,7 @@ def main(argv=None):
         ("bwd jvp rows", forward_mode._backward_jvp_rows_kernel, False,
          {64: (128, 64, 8, 3), 128: (128, 32, 8, 3)}),
         ("bwd jvp cols", forward_mode._backward_jvp_columns_kernel, False,
-         {64: (64, 128, 8, 3), 128: (32, 128, 8, 2)}),
+         {64: (64, 128, 8, 3), 128: (32, 128, 8, 3)}),
     ]
     for name, fn, is_bob, configs in tuned:
         for d, (bm, bn, warps, stages) in configs.items():

@@ -382,10 +382,10 @@ strides_of(_backward_jvp_columns_kernel, Q="sq", K="sk", V="sv", DO="sd", TQ="st
 # a time through the forward-over-reverse step on the H200 at 16K causal, kernel time from
 # the profiler (benchmarks/README.md, "Forward over reverse" and "Forward-mode kernels at
 # d = 128"). At d <= 64 three pipeline stages win for all three kernels, and the column
-# pass gains most from 128-key blocks with 8 warps. At d = 128 the 128-row blocks with
-# 8 warps win the row kernels, 32 x 128 the column pass (3-4x the small single-stage
-# tiles used before); where two were within 1 %, the one that also fits the 163 KiB of
-# shared memory of an A100 comes first, so that an untuned call runs there too.
+# pass gains most from 128-key blocks with 8 warps. At d = 128, 128-row blocks with 8 warps
+# win the row kernels and 32 x 128 with 8 warps the column pass, 3.3-4x faster than the
+# small single-stage tiles used before (with 4 warps it is 5x slower). Where two were
+# within 1 %, the one that also fits an A100's 163 KiB of shared memory comes first.
 def _candidates(dtype, head_dim, head_dim_v, column, interpreter_tile, narrow, wide):
     if interpreting():
         return [dict(BLOCK_M=interpreter_tile[0], BLOCK_N=interpreter_tile[1], num_warps=4,
@@ -415,7 +415,7 @@ def backward_jvp_row_candidates(dtype, head_dim, head_dim_v):
 def backward_jvp_column_candidates(dtype, head_dim, head_dim_v):
     return _candidates(dtype, head_dim, head_dim_v, True, (16, 32),
                        narrow=[(64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-                       wide=[(32, 128, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2)])
+                       wide=[(32, 128, 8, 3), (32, 128, 8, 2), (32, 64, 4, 2)])
 
 
 def _constexprs(q, v, causal, **flags):
