@@ -2,9 +2,10 @@
 compiled ahead of time for the H200 (sm_90a) on any machine, no GPU needed.
 
 Uses Triton's own ptxas (-v) and nvdisasm. Prints one line per kernel and launch config:
-the configs are the ones the tuner picked on the H200, listed in main() below.
+the configs are the ones the tuner picked on the H200, listed in main() below. With
+--candidates: the shared memory of every candidate config of each launch site, in order.
 
-    python benchmarks/kernel_resources.py
+    python benchmarks/kernel_resources.py [--candidates]
 """
 import argparse
 import importlib
@@ -67,10 +68,76 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
                 hgmma=len(re.findall(r"\bHGMMA\b", sass)), hmma=len(re.findall(r"\bHMMA\b", sass)))
 
 
-def main(argv=None):
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    bob, bwd, forward_mode = load_kernels()
+def causal_constexprs(fn, is_bob, d, block_m, block_n):
+    """The constexprs of an unmasked causal call with every cotangent or tangent given, as
+    autograd runs it (is_bob: False, True for the chain form's BoB, "fold", "fold_dq")."""
     attention = importlib.import_module("bob_compile_kernels_aot.triton_attention")
+    consts = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_E=d, BLOCK_EV=d, BLOCK_M=block_m,
+                  BLOCK_N=block_n, CAUSAL=True, MASK_KIND=0, MASK_PATH=0,
+                  DOT_PRECISION="ieee", HAS_DLSE=False, SPLIT_SBAR=False,
+                  SPLIT_EDGES=True,          # as a causal call runs
+                  ROW_ATOMICS=False, DQ_ATOMICS=False,
+                  HAS_TQ=True, HAS_TK=True, HAS_TV=True, HAS_TS=True, HAS_TLSE=True,
+                  HAS_TDO=True)
+    if is_bob:
+        consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
+                      FOLD=is_bob in ("fold", "fold_dq"))
+    # R read from the first backward's dq; heads wider than 64 read B from a forward
+    consts.update(HAS_DQ=is_bob == "fold_dq",
+                  HAS_B=is_bob == "fold_dq" and d > attention.ACCUMULATE_B_MAX_HEAD_DIM)
+    return {name: value for name, value in consts.items() if name in fn.arg_names}
+
+
+def candidates_shared_memory():
+    """Shared memory of every candidate config of each unmasked launch site, in list order
+    (bf16, causal): an untimed choice takes the first that builds on the device
+    (triton_common._first_that_builds), so each site needs one that fits the smallest
+    device meant to run it (an A100: 163 KiB; consumer GPUs: about 99 KiB). Compiled for
+    sm_90; other architectures' figures differ somewhat."""
+    import torch
+    bob, bwd, forward_mode = load_kernels()
+    pkg = "bob_compile_kernels_aot."
+    forward = importlib.import_module(pkg + "triton_forward")
+    for module in (bob, bwd, forward, forward_mode):
+        module.interpreting = lambda: False
+    bf16 = torch.bfloat16
+    print(f"{'launch site':18s} {'d':>4s}  shared memory of each candidate, KiB")
+    for d in (64, 128):
+        b = d > 64      # heads above 64 run the folded row pass with B read (fold=False list)
+        sites = [
+            ("forward", forward._forward_kernel, False, forward.forward_candidates(bf16, d, d)),
+            ("bwd columns", bwd._column_kernel, False, bwd.column_candidates(bf16, d, d, False)),
+            ("bwd dq", bwd._dq_kernel, False, bwd.dq_candidates(bf16, d, d)),
+            ("bob rows (chain)", bob._row_kernel, True, bob.row_candidates(bf16, d, d, False)),
+            ("bob cols (chain)", bob._column_kernel, True,
+             bob.column_candidates(bf16, d, d, False)),
+            ("fold rows dq", bob._row_kernel, "fold_dq",
+             bob.row_candidates(bf16, d, d, not b, reads_dq=True)),
+            ("fold cols causal", bob._column_kernel, "fold",
+             bob.column_candidates(bf16, d, d, False, fold=True, causal=True)),
+            ("fwd jvp", forward_mode._forward_jvp_kernel, False,
+             forward_mode.forward_jvp_candidates(bf16, d, d)),
+            ("bwd jvp rows", forward_mode._backward_jvp_rows_kernel, False,
+             forward_mode.backward_jvp_row_candidates(bf16, d, d)),
+            ("bwd jvp cols", forward_mode._backward_jvp_columns_kernel, False,
+             forward_mode.backward_jvp_column_candidates(bf16, d, d)),
+        ]
+        for name, fn, is_bob, candidates in sites:
+            kib = [resources(fn, causal_constexprs(fn, is_bob, d, c["BLOCK_M"], c["BLOCK_N"]),
+                             c["num_warps"], c["num_stages"])["shared"] / 1024
+                   for c in candidates]
+            print(f"{name:18s} {d:4d}  " + ", ".join(f"{x:.0f}" for x in kib)
+                  + f"   (smallest {min(kib):.0f})", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--candidates", action="store_true",
+                    help="the shared memory of every candidate of each launch site instead")
+    if ap.parse_args(argv).candidates:
+        candidates_shared_memory()
+        return
+    bob, bwd, forward_mode = load_kernels()
     print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'stages':>6s} {'regs':>5s} "
           f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s}")
     # (kernel, function, pick flags, {d: (BLOCK_M, BLOCK_N, warps, stages)}) as tuned on H200
@@ -101,32 +168,7 @@ def main(argv=None):
     ]
     for name, fn, is_bob, configs in tuned:
         for d, (bm, bn, warps, stages) in configs.items():
-            consts = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_E=d, BLOCK_EV=d, BLOCK_M=bm,
-                          BLOCK_N=bn, CAUSAL=True, MASK_KIND=0, MASK_PATH=0,
-                          DOT_PRECISION="ieee")
-            if is_bob:
-                consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
-                              FOLD=is_bob in ("fold", "fold_dq"))
-            if "HAS_DQ" in fn.arg_names:
-                consts["HAS_DQ"] = is_bob == "fold_dq"
-                # as autograd runs it: heads wider than 64 read B from a forward
-                consts["HAS_B"] = (is_bob == "fold_dq"
-                                   and d > attention.ACCUMULATE_B_MAX_HEAD_DIM)
-            for tangent in ("HAS_TQ", "HAS_TK", "HAS_TV", "HAS_TS", "HAS_TLSE", "HAS_TDO"):
-                if tangent in fn.arg_names:
-                    consts[tangent] = True
-            if "HAS_DLSE" in fn.arg_names:
-                consts["HAS_DLSE"] = False
-            if "SPLIT_SBAR" in fn.arg_names:
-                consts["SPLIT_SBAR"] = False
-            if "SPLIT_EDGES" in fn.arg_names:      # as a causal call runs
-                consts["SPLIT_EDGES"] = True
-            if "ROW_ATOMICS" in fn.arg_names:
-                consts["ROW_ATOMICS"] = False
-            if "DQ_ATOMICS" in fn.arg_names:
-                consts["DQ_ATOMICS"] = False
-            consts = {name: value for name, value in consts.items() if name in fn.arg_names}
-            r = resources(fn, consts, warps, stages)
+            r = resources(fn, causal_constexprs(fn, is_bob, d, bm, bn), warps, stages)
             print(f"{name:14s} {d:4d} {bm:4d}x{bn:<4d} {warps:5d} {stages:6d} {r['registers']:5d} "
                   f"{r['spill_stores']:6d}/{r['spill_loads']:<7d} {r['stack']:6d} "
                   f"{r['shared']:7d} {r['hgmma']:6d} {r['hmma']:5d}")
