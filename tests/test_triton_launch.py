@@ -391,6 +391,14 @@ def test_a_single_candidate_or_the_interpreter_launches_nothing_to_choose(untime
     assert ran == []
 
 
+def test_nothing_extra_is_launched_into_a_cuda_graph_capture(untimed_choice, monkeypatch):
+    run, ran = untimed_choice
+    monkeypatch.setattr(triton_common, "_capturing", lambda: True)
+    candidates = triton_common.Untimed([dict(BLOCK_M=128), dict(BLOCK_M=64)])
+    assert triton_common._choose_config("key", candidates, run, 1)[0]["BLOCK_M"] == 128
+    assert ran == []
+
+
 def test_the_bob_passes_without_a_choice_have_fallbacks(monkeypatch):
     """The folded passes whose first config won through the step are untimed lists (a tuner
     timing the launch alone picks by noise), not single configs: a device on which the first

@@ -490,14 +490,20 @@ class Untimed(list):
 _builds = {}    # (tuning key, config) -> whether its kernel built and launched on the device
 
 
+def _capturing():
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _first_that_builds(key, candidates, run):
     """The first candidate whose kernel builds for the device. The lists' first configs are
     sized for the H200; on a device with less shared memory (an A100 has 163 KiB, consumer
     GPUs about 100) an untimed choice must still launch. Each candidate is launched once
     per key to find out, as tuning would (the launch sites compute their plans before
     their real launches, so an extra launch changes no result); if none but the last
-    builds, the last is the choice and its launch raises Triton's error."""
-    if len(candidates) == 1 or interpreting():
+    builds, the last is the choice and its launch raises Triton's error. While a CUDA graph
+    is being captured nothing extra is launched (it would be captured, and replayed every
+    time): the first candidate stands."""
+    if len(candidates) == 1 or interpreting() or _capturing():
         return candidates[0]
     for config in candidates[:-1]:
         memo = (key, tuple(sorted(config.items())))
