@@ -194,8 +194,15 @@ def test_forward_mode_kernels_that_cannot_be_built_fall_back_to_blockwise(monkey
     expected = reference.forward_jvp(q, k, v, o, lse, tq, None, None, params)
     for a, e in zip(outs, expected):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
-    assert "failed to build" in caplog.text
+    assert "failed to build" in caplog.text and "OutOfResources: " in caplog.text
     assert ("forward_jvp", q.dtype, 4, 4) in triton_attention._forward_mode_failed
+
+
+def test_a_build_error_is_logged_by_its_type_and_first_line():
+    from bob_compile.kernels.triton_common import error_summary
+    assert error_summary(ValueError("first\nsecond")) == "ValueError: first"
+    assert error_summary(RuntimeError()) == "RuntimeError: "
+    assert error_summary(RuntimeError("x" * 300)) == "RuntimeError: " + "x" * 200
 
 
 def test_mask_summary_kernels_that_cannot_be_built_fall_back_to_torch(monkeypatch, caplog):

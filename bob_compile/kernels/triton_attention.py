@@ -33,7 +33,7 @@ import torch
 from . import blockwise, layout, settings
 from .params import AttentionParams
 from .triton_backward import attention_backward
-from .triton_common import BUILD_ERRORS
+from .triton_common import BUILD_ERRORS, error_summary
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
 from .triton_forward_mode import attention_backward_jvp, attention_forward_jvp
@@ -433,9 +433,9 @@ def _forward_mode_kernels(kind, q, v, params):
 
 def _forward_mode_refused(kind, q, v, error):
     _forward_mode_failed.add((kind, q.dtype, q.shape[3], v.shape[3]))
-    log.warning("Triton %s kernel failed to build for %s, head dims %d/%d (%s: %s); using "
+    log.warning("Triton %s kernel failed to build for %s, head dims %d/%d (%s); using "
                 "the blockwise PyTorch path for that configuration", kind, q.dtype,
-                q.shape[3], v.shape[3], type(error).__name__, str(error).splitlines()[0][:200])
+                q.shape[3], v.shape[3], error_summary(error))
 
 
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):

@@ -51,6 +51,12 @@ except ImportError:
     BUILD_ERRORS = ()
 
 
+def error_summary(error):
+    """'Type: first line of the message' (at most 200 characters of it), for a log line."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def blocks(n, block):
     """The number of blocks of `block` that cover n (a launch grid's size). triton.cdiv is a
     constexpr_function in Triton 3.6: ~3 us per call on the host, against a division."""
@@ -513,9 +519,8 @@ def _first_that_builds(key, candidates, run):
                 run(config)
                 builds = True
             except BUILD_ERRORS as e:
-                log.info("launch config %s of %s does not build on this device: %s: %s",
-                         config, key, type(e).__name__,
-                         str(e).splitlines()[0][:200] if str(e) else "")
+                log.info("launch config %s of %s does not build on this device: %s",
+                         config, key, error_summary(e))
                 builds = False
             _builds[memo] = builds
         if builds:
@@ -556,8 +561,8 @@ def _choose_config(key, candidates, run, pairs, has_work=None):
             ms = triton.testing.do_bench(lambda: run(config), warmup=3, rep=12,
                                          return_mode="median")
         except Exception as e:  # e.g. out of shared memory for this block shape
-            log.info("launch config %s of %s is not a candidate: %s: %s", config, key,
-                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            log.info("launch config %s of %s is not a candidate: %s", config, key,
+                     error_summary(e))
             continue
         if ms < best_ms:
             best, best_ms = config, ms

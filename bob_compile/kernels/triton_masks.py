@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from .params import HIDDEN_AT_OR_BELOW
-from .triton_common import BUILD_ERRORS, blocks, fixed_plan, interpreting, strides_of
+from .triton_common import (BUILD_ERRORS, blocks, error_summary, fixed_plan, interpreting,
+                            strides_of)
 
 log = logging.getLogger("bob_compile.kernels")
 
@@ -262,8 +263,8 @@ def mask_summary(mask):
         heads(_summary_kernel, (B * Hm, 1), STATS=stats, SUMMARY=summary, L=Lm, S=S)
     except BUILD_ERRORS as e:
         _build_failed.append(e)
-        log.warning("Triton mask-summary kernels failed to build (%s: %s); summarizing masks "
-                    "with PyTorch ops", type(e).__name__, str(e).splitlines()[0][:200])
+        log.warning("Triton mask-summary kernels failed to build (%s); summarizing masks "
+                    "with PyTorch ops", error_summary(e))
         return summarize_with_torch(mask)
     return summary.expand(mask.shape[0], mask.shape[1], 1, 3)
 
