@@ -34,13 +34,14 @@ import warnings
 import torch
 from torch import fx
 
-from . import _compat, dump, static_inputs, training_runtime
+from . import _compat, dump, static_inputs, training
 from . import options as options_module
 from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
 from .passes.causal_mask import failing_guards
 from .passes.inference import use_native_sdpa
-from .passes.report import compiled_text, count, counters  # noqa: F401  (counters: re-exported for users)
+from .passes.sdpa_math import sdpa_calls_as_math
+from .passes.report import compiled_text, compiled_text_name, count, counters  # noqa: F401  (counters: re-exported for users)
 from .passes.report import restore as restore_counts, snapshot as snapshot_counts
 
 log = logging.getLogger(__name__)
@@ -169,21 +170,27 @@ def _compile(report, gm, example_inputs, opts):
     route = report.route
     if route == "training":
         name = f"graph {report.compile_id}"
+        # the second order differentiates the graph with every SDPA call as math; the first
+        # order keeps PyTorch's fused kernels where they draw no random numbers
+        sdpa_calls_as_math(gm, report, only_dropout=True)
+        differentiated_twice = copy.deepcopy(gm)
+        sdpa_calls_as_math(differentiated_twice, report)
         try:
-            pair = training_runtime.compile_pair(copy.deepcopy(gm), example_inputs, opts.compiler,
-                                                 opts.inductor_config, name, nested=False,
-                                                 donate=True)
+            pair = training.compile_pair(copy.deepcopy(gm), example_inputs, opts.compiler,
+                                         opts.inductor_config, name, nested=False, donate=True)
             on_compile = _on_compile(report)
             on_compile("first_order", pair)
-            return training_runtime.TrainingGraph(pair, opts.compiler, opts.inductor_config,
-                                                  name, on_compile=on_compile,
-                                                  kernel_choices=opts.kernel_choices,
-                                                  on_fakes=gm.forward)
-        except training_runtime.NotSupported as e:
+            return training.TrainingGraph(pair, differentiated_twice, opts.compiler,
+                                          opts.inductor_config, name, on_compile=on_compile,
+                                          on_eager=_on_eager(report),
+                                          kernel_choices=opts.kernel_choices,
+                                          on_fakes=gm.forward)
+        except training.NotSupported as e:
             report.route, report.route_reason = "eager", (
                 f"{e}; running the rewritten graph eagerly keeps every order exact")
-            return _with_kernel_choices(gm.forward, opts.kernel_choices)
+            route = "eager"
     if route == "eager":
+        sdpa_calls_as_math(gm, report)
         return _with_kernel_choices(gm.forward, opts.kernel_choices)
     if route == "inference" and opts.kernel_choices is None \
             and kernel_settings.current().kernels is None:
@@ -221,6 +228,15 @@ def _on_compile(report):
     return on_compile
 
 
+def _on_eager(report):
+    """What to do when a compiled order of a training graph cannot be compiled and runs
+    eagerly instead (exact): count it and say why in the report."""
+    def on_eager(what, reason):
+        count(f"eager_{what}")
+        report.compiled.append(f"{compiled_text_name(what)}: runs eagerly ({reason})")
+    return on_eager
+
+
 def _with_guards(compiled, untouched, guards):
     """`compiled`, but running `untouched` while a causal mask read from a graph input
     (CausalTensorGuard) no longer holds. Dynamo calls compiled graphs as fn(*args)."""
@@ -237,7 +253,7 @@ def _with_guards(compiled, untouched, guards):
         return bool(failing)
 
     def run(*args):
-        if training_runtime.under_fake_mode():
+        if training.under_fake_mode():
             return untouched(*args)      # a mask's values cannot be read, nor need be
         return untouched(*args) if masks_changed(args) else compiled(*args)
     return run

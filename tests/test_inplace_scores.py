@@ -12,7 +12,7 @@ import torch
 
 from bob_compile.backend import counters
 from bob_compile.passes.inplace import functionalize_temporaries
-from bob_compile import training_runtime
+from bob_compile import training
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -125,6 +125,6 @@ def test_only_private_temporaries_are_rewritten():
 def test_inductor_attention_fusion_is_off_while_a_training_graph_compiles():
     from torch._inductor.fx_passes import fuse_attention
     check = fuse_attention._sfdp_params_check
-    with training_runtime._without_inductor_attention_fusion():
+    with training.without_inductor_attention_fusion():
         assert fuse_attention._sfdp_params_check(None) is False
     assert fuse_attention._sfdp_params_check is check

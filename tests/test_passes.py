@@ -181,10 +181,24 @@ def test_sdpa_arbitrary_mask_is_passed_on():
     torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
 
 
+def test_sdpa_mask_and_is_causal_both_apply():
+    """A mask with is_causal=True: both apply (PyTorch's fused kernels combine them; SDPA's
+    math path refuses the pair), so the site is replaced with both."""
+    q, k, v = qkv()
+    mask = torch.rand(L, L, dtype=torch.float64) > 0.5
+    mask.fill_diagonal_(True)
+    gm, inputs = capture(sdpa_with(mask=True, is_causal=True), q, k, v, mask)
+    (site,) = rewrite_attention(gm, inputs).sites
+    assert site.replaced and site.is_causal and "mask=attn_mask" in site.line()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask & torch.ones(L, L, dtype=torch.bool).tril())
+    torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(dropout_p=0.1), "dropout is active"),
-    (dict(mask=True, is_causal=True), "attn_mask and is_causal=True are both set"),
-], ids=["dropout", "mask_and_is_causal"])
+], ids=["dropout"])
 def test_sdpa_unsupported_stays(kwargs, reason):
     q, k, v = qkv()
     mask = torch.rand(L, L, dtype=torch.float64) > 0.5

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import bob_compile.training_runtime as training_runtime
+import bob_compile.training.runtime as training_runtime
 from bob_compile.backend import counters, flashbob, recent_reports
 from bob_compile.kernels import settings
 from models import CASES, SDPABlock, exact_twin, loss_of
@@ -83,13 +83,13 @@ class CompiledRuns:
         return run
 
     def ordered(self, original):
-        def compile_in_order(graph_runtime, what, *args):
-            self._order = what
+        def compile_second_order(graph_runtime, *args):
+            self._order = "second_order"
             try:
-                return original(graph_runtime, what, *args)
+                return original(graph_runtime, *args)
             finally:
                 self._order = "first_order"   # Dynamo's next graph
-        return compile_in_order
+        return compile_second_order
 
 
 @pytest.fixture
@@ -101,17 +101,19 @@ def inductor_runs(monkeypatch):
     return runs
 
 
-# A create_graph backward runs the forward half of the double-backward pair (the backward
-# recomputed as a differentiable function) instead of the first-order backward.
-SECOND_ORDER_RUNS = {"first_order.forward", "double_backward.forward", "double_backward.backward",
-                     "residual_vjp.forward", "residual_vjp.backward"}
+# A create_graph backward runs the forward half of the second-order pair (the graph's VJP as
+# a differentiable function) instead of the first-order backward; the second backward runs
+# its backward half, and the first-order backward for the cotangent that reaches the
+# outputs through the loss (an HVP of a nonlinear loss).
+SECOND_ORDER_RUNS = {"first_order.forward", "second_order.forward", "second_order.backward",
+                     "first_order.backward"}
 
 
 @pytest.mark.parametrize("scenario,expected_runs", [
     (first_order, {"first_order.forward", "first_order.backward"}),
     (hessian_vector_product, SECOND_ORDER_RUNS),
     (gradient_penalty, SECOND_ORDER_RUNS),
-    (maml, SECOND_ORDER_RUNS | {"first_order.backward"}),   # the outer gradient
+    (maml, SECOND_ORDER_RUNS),
 ], ids=lambda x: getattr(x, "__name__", ""))
 def test_inductor_code_runs_in_every_order(scenario, expected_runs, inductor_runs):
     model = SDPABlock().double()
@@ -132,7 +134,7 @@ def test_first_order_runs_no_second_order_code(inductor_runs):
     for _ in range(2):
         first_order(compiled, x)
     assert inductor_runs.runs == {"first_order.forward": 2, "first_order.backward": 2}
-    assert counters["compiled_double_backward"] == counters["compiled_residual_vjp"] == 0
+    assert counters["compiled_second_order"] == 0
 
 
 class HandsOnItsActivation(nn.Module):
@@ -151,7 +153,7 @@ class HandsOnItsActivation(nn.Module):
 @pytest.mark.parametrize("options", [AOT_EAGER, INDUCTOR], ids=["aot_eager", "inductor"])
 def test_an_output_also_saved_for_backward_stays_a_plain_backward(options):
     """Returned once, not twice: its gradient arrives as an output's, so a first-order
-    backward runs the compiled backward (no residual VJP), and the second order is exact."""
+    backward runs the compiled backward (no second-order code), and the second order is exact."""
     model = HandsOnItsActivation().double()
     x, = CASES["sdpa"].batch(0)
     params = list(model.parameters())
@@ -167,7 +169,7 @@ def test_an_output_also_saved_for_backward_stays_a_plain_backward(options):
         expected = torch.autograd.grad(loss(model), params), hvp(model)
     compiled = torch.compile(model, backend=flashbob, options=options)
     assert max_error(torch.autograd.grad(loss(compiled), params), expected[0]) <= TOLERANCE
-    assert counters["compiled_residual_vjp"] == 0
+    assert counters["compiled_second_order"] == 0
     assert max_error(hvp(compiled), expected[1]) <= TOLERANCE
     assert recent_reports[-1].route == "training"
 
@@ -364,7 +366,7 @@ def test_dropout_under_inductor_equals_eager_with_the_same_seed():
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
     assert recent_reports[-1].route == "training" and counters["fallback"] == 0
-    assert counters["compiled_double_backward"] == 1 and counters["compiled_residual_vjp"] == 1
+    assert counters["compiled_second_order"] == 1
 
 
 def test_a_draw_the_backward_does_not_save_sends_the_graph_to_the_eager_route():
@@ -426,7 +428,7 @@ def test_casts_under_autocast_are_differentiated_again():
             expected_grads = torch.autograd.grad(loss_of(model(x).float()), params, create_graph=True)
             expected = torch.autograd.grad(expected_grads, params, [torch.ones_like(p) for p in params])
     assert max(((a - e).norm() / e.norm()).item() for a, e in zip(hvp, expected)) <= 5e-2
-    assert recent_reports[-1].route == "training" and counters["compiled_double_backward"] == 1
+    assert recent_reports[-1].route == "training" and counters["compiled_second_order"] == 1
 
 
 # ---------------------------------------------------------------------------- what the route refuses
@@ -443,20 +445,14 @@ def test_input_mutation_runs_eagerly_with_a_reason():
     assert report.route == "eager" and "mutates inputs" in report.route_reason
 
 
-@pytest.mark.parametrize("refused", ["double_backward", "residual_vjp"])
 @pytest.mark.parametrize("scenario", [hessian_vector_product, maml], ids=lambda f: f.__name__)
-def test_a_second_order_graph_that_cannot_compile_runs_eagerly(scenario, refused, monkeypatch,
-                                                              caplog):
-    """A second-order piece compiles on first use, inside a backward; if AOTAutograd's
-    trace of it needs what the runtime does not replicate, that piece runs eagerly (exact,
-    with a warning), instead of raising out of the user's backward."""
-    original = training_runtime.TrainingGraph._compile
-
-    def refuse(graph_runtime, what, *args):
-        if what == refused:
-            raise training_runtime.NotSupported("it mutates inputs (simulated)")
-        return original(graph_runtime, what, *args)
-    monkeypatch.setattr(training_runtime.TrainingGraph, "_compile", refuse)
+def test_a_second_order_that_cannot_compile_runs_eagerly(scenario, monkeypatch, caplog):
+    """The second order compiles on first use, inside a backward; if that fails, the same
+    function runs eagerly (exact, with a warning and a line in the report), instead of
+    raising out of the user's backward."""
+    def refuse(*args, **kwargs):
+        raise training_runtime.NotSupported("it mutates inputs (simulated)")
+    monkeypatch.setattr(training_runtime, "compile_graph_vjp", refuse)
     model = SDPABlock().double()
     x, = CASES["sdpa"].batch(0)
     with math_sdpa():
@@ -467,7 +463,10 @@ def test_a_second_order_graph_that_cannot_compile_runs_eagerly(scenario, refused
             assert max_error(scenario(compiled, x), expected) <= TOLERANCE
     assert {r.route for r in recent_reports} == {"training"}
     warnings = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
-    assert len(warnings) >= 1 and refused.replace("_", " ") in warnings[0].getMessage()
+    assert len(warnings) == 1 and "mutates inputs (simulated)" in warnings[0].getMessage()
+    assert any("runs eagerly (NotSupported: it mutates inputs (simulated))" in r.text()
+               for r in recent_reports)
+    assert counters["eager_second_order"] == 1
 
 
 # ---------------------------------------------------------------------------- shapes
@@ -480,7 +479,7 @@ def test_new_lengths_do_not_recompile_the_second_order():
             assert max_error(hessian_vector_product(compiled, x),
                              hessian_vector_product(model, x)) <= TOLERANCE
     assert len(recent_reports) == 2, "one static graph, then one dynamic graph"
-    assert counters["compiled_double_backward"] == counters["compiled_residual_vjp"] == 2
+    assert counters["compiled_second_order"] == 2
 
 
 # ---------------------------------------------------------------------------- reports and dumps
@@ -494,26 +493,7 @@ def test_report_and_dump_name_the_compiled_graphs_of_every_order(tmp_path):
     assert {"first_order.forward.py", "first_order.backward.py"} <= set(os.listdir(folder))
     assert "compiled: forward and backward" in (folder / "report.txt").read_text()
     hessian_vector_product(compiled, x)
-    for order in ("double_backward", "residual_vjp"):
-        for half in ("forward", "backward"):
-            text = (folder / f"{order}.{half}.py").read_text()
-            assert "bob_compile" in text or order == "residual_vjp", (order, half)
-    assert "attn_bob" in (folder / "double_backward.backward.py").read_text()
-    report_text = recent_reports[-1].text()
-    assert "double backward" in report_text and "residual cotangents" in report_text
-
-
-def test_differentiable_copy_replaces_prims_without_derivatives():
-    """inductor's softmax-backward decomposition emits prims.fma (torch 2.11), which autograd
-    cannot differentiate; the double backward needs it as mul + add."""
-    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
-    graph = torch.fx.Graph()
-    a, b, c = (graph.placeholder(n) for n in "abc")
-    graph.output(graph.call_function(torch.ops.prims.fma.default, (a, b, c)))
-    gm = training_runtime.differentiable_copy(torch.fx.GraphModule({}, graph))
-    assert torch.ops.prims.fma.default not in {n.target for n in gm.graph.nodes}
-    x, y, z = (torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    (gx,) = torch.autograd.grad(gm(x, y, z).sum(), x, create_graph=True)
-    torch.testing.assert_close(gx, y)
-    (gy,) = torch.autograd.grad(gx.sum(), y)
-    torch.testing.assert_close(gy, torch.ones(3, dtype=torch.float64))
+    for half in ("forward", "backward"):
+        assert "bob_compile" in (folder / f"second_order.{half}.py").read_text(), half
+    assert "attn_bob" in (folder / "second_order.backward.py").read_text()
+    assert "the VJP as a differentiable function (second order)" in recent_reports[-1].text()

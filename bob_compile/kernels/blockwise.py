@@ -261,11 +261,11 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
                 if dq is None:
                     r += ds @ k_j
                 gdo[:, :, rows] += (p * F) @ v_j
-        if dq is not None:
-            r = dq[:, :, rows] / scale
         if dlse is not None:
             e_i = e_i - a_i * dlse[:, :, rows]
-        gq[:, :, rows] = scale * (omega - a_i.unsqueeze(-1) * r - e_i.unsqueeze(-1) * b)
+        # scale alpha R is alpha dq where dq is read (never dq / scale: scale may be 0)
+        scaled_r = scale * r if dq is None else dq[:, :, rows]
+        gq[:, :, rows] = scale * (omega - e_i.unsqueeze(-1) * b) - a_i.unsqueeze(-1) * scaled_r
         gdo[:, :, rows] -= a_i.unsqueeze(-1) * o[:, :, rows]
         alpha[:, :, rows] = a_i
         for cols, masked in key_tiles:

@@ -71,7 +71,7 @@ class GraphReport:
     route_reason: str = ""
     error: str = ""              # set when the backend fell back to the untouched graph
     # one line per compiled AOTAutograd pair of the "training" route (compiled_text):
-    # first order at compile time, double backward and residual VJP on first use
+    # first order at compile time, the second order on first use (or why it runs eagerly)
     compiled: list = dataclasses.field(default_factory=list)
     dump_folder: Optional[str] = None
 
@@ -100,12 +100,15 @@ class GraphReport:
 
 
 _ORDERS = {"first_order": "forward and backward",
-           "double_backward": "the backward as a differentiable function (double backward)",
-           "residual_vjp": "the forward's VJP for residual cotangents (second order)"}
+           "second_order": "the VJP as a differentiable function (second order)"}
+
+
+def compiled_text_name(what):
+    return _ORDERS.get(what, what)
 
 
 def compiled_text(what, pair):
     def ops(graph):
         return sum(1 for n in graph.graph.nodes if n.op == "call_function")
-    return (f"{_ORDERS.get(what, what)}: forward half {ops(pair.forward_graph)} ops, "
+    return (f"{compiled_text_name(what)}: forward half {ops(pair.forward_graph)} ops, "
             f"backward half {ops(pair.backward_graph)} ops")

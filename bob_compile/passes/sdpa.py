@@ -11,7 +11,8 @@ with the user's args and kwargs as written, on torch 2.11 and 2.13:
 Supported: attn_mask None; a mask proven causal (causal_mask.py; the site then becomes
 is_causal=True, the cheapest kernels); any other bool or floating mask that does not
 require grad (HF padding, sliding windows, ...: passed on as attention's attn_mask, exact
-whatever it holds); dropout_p 0 (HF passes 0.0 outside training); is_causal and enable_gqa
+whatever it holds; with is_causal=True too, both apply, as in PyTorch's fused kernels);
+dropout_p 0 (HF passes 0.0 outside training); is_causal and enable_gqa
 given as Python bools; scale None, a constant, or a number computed in the graph (dynamic
 shapes). Anything else (a mask that requires grad: a learned bias) stays SDPA and the
 report says why.
@@ -97,8 +98,6 @@ def _unsupported_argument(a):
     scale = a["scale"]
     if not (scale is None or is_number(scale) or is_symbolic_number(scale)):
         return f"scale is {describe(scale)}, not a number"
-    if a["attn_mask"] is not None and a["is_causal"]:
-        return "attn_mask and is_causal=True are both set (SDPA rejects this)"
     return None
 
 
