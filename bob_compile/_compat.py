@@ -76,6 +76,14 @@ def compile_with_aot_eager(gm, example_inputs):
     return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
+def effect_tokens(meta):
+    """(forward, backward) effect tokens AOTAutograd threads through a pair's graphs for
+    ops with side effects (aten._linalg_check_errors, in linalg.solve): the forward takes
+    its tokens first and returns them first; the backward takes its own last and returns
+    them last (AOTAutograd's runtime wrappers pass None for each, torch 2.11-2.14)."""
+    return len(getattr(meta, "tokens", None) or ()), getattr(meta, "num_backward_tokens", 0) or 0
+
+
 def output_gets_tangent(info):
     """Whether AOTAutograd traced a tangent for this output (OutputAliasInfo)."""
     from torch._functorch._aot_autograd.schemas import OutputType

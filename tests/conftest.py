@@ -18,6 +18,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # test from a cold cache, 103 s against 79 s for six of the slowest inductor tests.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
+import collections  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -93,6 +95,23 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     for process in _early:
         process.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The counts of the OpInfo sweep's outcomes (test_opinfo_second_order.py), gathered
+    from each test's recorded property (pytest-xdist hands those to the controller)."""
+    outcomes = [value for status in ("passed", "failed") for report in terminalreporter.stats.get(status, [])
+                if report.when == "call" for key, value in report.user_properties
+                if key == "opinfo_outcome"]
+    if not outcomes:
+        return
+    kinds = collections.Counter(kind for _, kind, _ in outcomes)
+    terminalreporter.section("second order of OpInfo ops")
+    terminalreporter.write_line(", ".join(f"{kind}: {n}" for kind, n in kinds.most_common())
+                                + f" (of {len(outcomes)})")
+    for name, kind, reason in sorted(outcomes, key=lambda o: (o[1], o[0])):
+        if kind != "compiled":
+            terminalreporter.write_line(f"  {kind}: {name}: {reason}")
 
 
 @pytest.fixture(autouse=True)

@@ -101,6 +101,9 @@ OPS = {
     "cumprod": lambda h: torch.cumprod(h, 1),
     "logcumsumexp": lambda h: torch.logcumsumexp(h * h, 1),
     "max_pool1d": lambda h: F.max_pool1d(h.transpose(1, 2), 3, 1, 1).transpose(1, 2) * h,
+    # linalg.solve checks its inputs with an effectful op: the graphs carry effect tokens
+    "linalg_solve": lambda h: torch.linalg.solve(
+        h @ h.transpose(-1, -2) / WIDTH + 2 * torch.eye(SEQ, dtype=h.dtype), h),
     "fft": lambda h: torch.fft.irfft(torch.fft.rfft(h * h, dim=1) * 2, n=h.shape[1], dim=1),
     "fft2": lambda h: torch.fft.ifft2(torch.fft.fft2(h.sin())).real * h,
 }
@@ -152,7 +155,7 @@ def test_op_between_attention_layers(name, scenario):
     check(model, scenario)
     assert {r.route for r in recent_reports} == {"training"}
     assert counters["compiled_second_order"] >= 1 and counters["eager_second_order"] == 0
-    assert sum(len(r.replaced) for r in recent_reports) == 2
+    assert all(len(r.replaced) == 2 and not r.skipped for r in recent_reports)
 
 
 @pytest.mark.parametrize("name", ["logdet", "unfold", "cumsum", "fft"])
@@ -181,7 +184,9 @@ def jacobian_create_graph(model, x):
     z = x.detach().requires_grad_()
     jac = torch.autograd.functional.jacobian(lambda z: model(z).sum((-1, -2)), z,
                                              create_graph=True, vectorize=True)
-    return torch.autograd.grad(jac.square().sum(), list(model.parameters()))
+    params = list(model.parameters())
+    grads = torch.autograd.grad(jac.square().sum(), params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
 @pytest.mark.parametrize("scenario", [hvp_batched_cotangents, hessian_vectorized,
@@ -249,9 +254,10 @@ class PaddedTransformer(nn.Module):
         self.register_buffer("padding", torch.tensor([[False] * SEQ, [False] * (SEQ - 3) + [True] * 3]))
 
     def forward(self, x):
-        memory = self.encoder(x, src_key_padding_mask=self.padding)
-        return self.decoder(x, memory, tgt_key_padding_mask=self.padding,
-                            memory_key_padding_mask=self.padding)
+        padding = self.padding[-x.shape[0]:]         # MAML's query batch is the padded row
+        memory = self.encoder(x, src_key_padding_mask=padding)
+        return self.decoder(x, memory, tgt_key_padding_mask=padding,
+                            memory_key_padding_mask=padding)
 
 
 def test_learned_bias_runs_as_math_and_is_exact():

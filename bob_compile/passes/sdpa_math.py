@@ -2,11 +2,13 @@
 
 PyTorch's fused SDPA kernels (flash, memory-efficient, cuDNN, the CPU flash kernel) have no
 double backward: a Hessian-vector product through a site the passes left as written (active
-dropout, a mask that requires grad, is_causal computed at run time) fails inside PyTorch
-("derivative for aten::_scaled_dot_product_..._backward is not implemented"), and a
+dropout, a mask that requires grad, is_causal computed at run time; nn.MultiheadAttention with a key_padding_mask, which Dynamo
+records as one F.multi_head_attention_forward call that runs SDPA inside) fails inside
+PyTorch ("derivative for aten::_scaled_dot_product_..._backward is not implemented"), and a
 `sdpa_kernel(SDPBackend.MATH)` around the call no longer helps once the graph is compiled.
-Where a graph may be differentiated twice, such calls become `sdpa_math`: SDPA's own math
-decomposition, differentiable at every order (and N x N in memory, as eager math is).
+Where a graph may be differentiated twice, such calls become `sdpa_math` (and
+`multi_head_attention_math`): SDPA's own math decomposition, differentiable at every order
+(and N x N in memory, as eager math is).
 
 Dropout draws its mask where the graph runs (native_dropout, a draw the second order
 replays: bob_compile/training/draws.py); the fused kernels draw inside, where no replay can
@@ -15,7 +17,10 @@ others only where the second order is computed (training route: its first order 
 PyTorch's fused kernels, as stock compile does).
 """
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .multihead import MHA_SIGNATURE
 from .sdpa import SDPA_TARGETS, _bound_arguments
 
 
@@ -34,20 +39,41 @@ def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         enable_gqa=enable_gqa)[0]
 
 
+def multi_head_attention_math(*args, **kwargs):
+    """F.multi_head_attention_forward with SDPA's math path inside."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.multi_head_attention_forward(*args, **kwargs)
+
+
+def _sdpa_dropout(node):
+    return _bound_arguments(node)["dropout_p"]
+
+
+def _multihead_dropout(node):
+    a = MHA_SIGNATURE.bind(*node.args, **node.kwargs)
+    a.apply_defaults()
+    return 0.0 if a.arguments["training"] is False else a.arguments["dropout_p"]
+
+
+_AS_MATH = {target: (sdpa_math, _sdpa_dropout) for target in SDPA_TARGETS}
+_AS_MATH[F.multi_head_attention_forward] = (multi_head_attention_math, _multihead_dropout)
+
+
 def sdpa_calls_as_math(gm, report=None, only_dropout=False):
-    """Point every SDPA call of `gm` and of its body graphs at sdpa_math (`only_dropout`:
-    those with dropout_p other than 0); note it on the call's site in `report`. Returns
-    how many calls changed."""
+    """Point every SDPA and multi-head attention call of `gm` and of its body graphs at its
+    math (`only_dropout`: those whose dropout is active); note it on the call's site in
+    `report`. Returns how many calls changed."""
     changed = 0
     for prefix, module in gm.named_modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
         calls = [n for n in module.graph.nodes
-                 if n.op == "call_function" and n.target in SDPA_TARGETS]
+                 if n.op == "call_function" and n.target in _AS_MATH]
         for node in calls:
-            if only_dropout and _dropout_is_zero(_bound_arguments(node)["dropout_p"]):
+            math, dropout = _AS_MATH[node.target]
+            if only_dropout and _dropout_is_zero(dropout(node)):
                 continue
-            node.target = sdpa_math
+            node.target = math
             changed += 1
             if report is not None:
                 _note(report, f"{prefix}.{node.name}" if prefix else node.name, only_dropout)

@@ -47,6 +47,14 @@ class CompiledPair:
     num_appended: int = 0                   # outputs appended (last) for draws not saved
     donates: bool = False                   # backward overwrites saved values (run it once)
     static_inputs: frozenset = frozenset()  # primal indices at fixed addresses (parameters)
+    effect_tokens: int = 0                  # forward inputs (and outputs) ahead of the primals
+
+    def primal_nodes(self):
+        return self.forward_graph.graph.find_nodes(op="placeholder")[self.effect_tokens:]
+
+    def output_nodes(self):
+        """The forward graph's outputs as `forward` returns them (effect tokens dropped)."""
+        return list(self.forward_graph.graph.output_node().args[0])[self.effect_tokens:]
 
     def backward_inputs(self, saved, cotangents, output_meta):
         """The backward's inputs: the saved values, then a tangent per differentiable output
@@ -91,13 +99,13 @@ def _static_input_marks(gm):
                      if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
 
 
-def _backward_static_inputs(backward_graph, forward_graph, static_inputs):
+def _backward_static_inputs(backward_graph, forward_graph, static_inputs, tokens):
     """The backward's inputs at fixed addresses, as AOTAutograd's inductor backward treats
     them (every saved value), except primals saved as-is that are not static: ForwardFn
     hands the backward the caller's tensor itself (a batch, MAML's fast weights), whose
     address changes between calls; called static, CUDA graph trees would re-record the
     backward for every new address."""
-    primals = forward_graph.graph.find_nodes(op="placeholder")
+    primals = forward_graph.graph.find_nodes(op="placeholder")[tokens:]
     primal_index = {node.name: i for i, node in enumerate(primals)}
 
     def is_static(node):
@@ -131,9 +139,11 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
                 captured["metadata"] = meta = getattr(context, "fw_metadata", None)
                 _check_simple(meta, what)
                 captured["random"] = _return_random_values(graph, meta, what, reports_strides)
-                static = sorted(static_inputs)
+                tokens = _compat.effect_tokens(meta)[0]
+                static = [tokens + i for i in sorted(static_inputs)]
             else:
-                static = _backward_static_inputs(graph, captured["forward"], static_inputs)
+                static = _backward_static_inputs(graph, captured["forward"], static_inputs,
+                                                 _compat.effect_tokens(captured["metadata"])[0])
             if "static_input_idxs" in kwargs:      # inductor's: what CUDA graphs record in place
                 kwargs["static_input_idxs"] = static
             # outside the fake mode AOTAutograd compiles under: a tensor constant of the
@@ -228,7 +238,8 @@ def _return_random_values(graph, meta, what, reports_strides):
         return (), (), 0
     output = graph.graph.output_node()
     outputs = list(output.args[0])
-    saved = {n: i for i, n in reversed(list(enumerate(outputs))) if i >= meta.num_forward}
+    first_saved = _compat.effect_tokens(meta)[0] + meta.num_forward
+    saved = {n: i for i, n in reversed(list(enumerate(outputs))) if i >= first_saved}
     index, appended = [], []
     for value in drawn:
         if value in saved:
@@ -301,22 +312,23 @@ def _tracing_context(example_inputs, nested):
 def _pair(captured, num_inputs, what, static_inputs):
     meta = captured["metadata"]
     forward_graph, backward_graph = captured["forward"], captured["backward"]
-    primals = [n for n in forward_graph.graph.nodes if n.op == "placeholder"]
+    tokens, backward_tokens = _compat.effect_tokens(meta)
+    primals = [n for n in forward_graph.graph.nodes if n.op == "placeholder"][tokens:]
     if len(primals) != num_inputs:
         raise NotSupported(f"AOTAutograd deduplicated or added inputs of {what}")
-    outputs = forward_graph.graph.output_node().args[0]
+    outputs = list(forward_graph.graph.output_node().args[0])[tokens:]
     num_outputs = meta.num_outputs
     # where each saved value is, among the residuals: not among the draws appended last
     # (dropout's mask is both), and not where the value is also a graph output
     index_of = {}
     random_index, random_kinds, num_appended = captured.get("random", ((), (), 0))
+    random_index = tuple(i - tokens for i in random_index)
     for i in range(num_outputs, len(outputs) - num_appended):
         if isinstance(outputs[i], fx.Node):
             index_of.setdefault(outputs[i].name, i)
     saved_order, tangent_names, tangent_layouts = [], [], []
-    for p in backward_graph.graph.nodes:
-        if p.op != "placeholder":
-            continue
+    backward_inputs = backward_graph.graph.find_nodes(op="placeholder")
+    for p in backward_inputs[:len(backward_inputs) - backward_tokens]:
         if p.name.startswith("tangents"):
             tangent_names.append(p.name)
             tangent_layouts.append(_layout(p.meta.get("val")))
@@ -343,15 +355,15 @@ def _pair(captured, num_inputs, what, static_inputs):
     saved_outputs = {i: first_output[n] for i, n in enumerate(outputs)
                      if i >= num_outputs and i not in saved_primals and n in first_output}
     return CompiledPair(
-        forward=_boxed(captured["forward_compiled"]),
-        backward=_boxed(captured["backward_compiled"]),
+        forward=_with_effect_tokens(_boxed(captured["forward_compiled"]), leading=tokens),
+        backward=_with_effect_tokens(_boxed(captured["backward_compiled"]), trailing=backward_tokens),
         forward_graph=forward_graph, backward_graph=backward_graph,
         num_outputs=num_outputs, saved_order=saved_order,
         saved_primals=saved_primals, tangent_outputs=tangent_outputs,
         tangent_layouts=tangent_layouts,
         differentiable_outputs=differentiable_outputs, saved_outputs=saved_outputs,
         random_index=random_index, random_kinds=random_kinds, num_appended=num_appended,
-        donates=_donated_buffers(meta), static_inputs=static_inputs)
+        donates=_donated_buffers(meta), static_inputs=static_inputs, effect_tokens=tokens)
 
 
 def _layout(fake):
@@ -390,11 +402,27 @@ def _check_simple(meta, what):
     if any(isinstance(m, SubclassCreationMeta) for m in meta.subclass_inp_meta):
         problems.append("it has tensor subclass inputs")
     if any(getattr(meta, name, None) for name in (
-            "is_rng_op_functionalized", "num_graphsafe_rng_states", "tokens",
+            "is_rng_op_functionalized", "num_graphsafe_rng_states",
             "num_opaque_objects_saved_for_bw")):
-        problems.append("it carries RNG state, effect tokens or opaque objects")
+        problems.append("it carries RNG state or opaque objects")
     if problems:
         raise NotSupported(f"{what}: " + ", ".join(problems))
+
+
+def _with_effect_tokens(call, leading=0, trailing=0):
+    """`call` (a list -> outputs callable) taking and returning the effect tokens of its
+    graph (_compat.effect_tokens), as AOTAutograd's runtime does: None in, dropped out. The
+    list is extended in place, so that a boxed callee remains the only holder of its items."""
+    if not (leading or trailing):
+        return call
+
+    def run(args):
+        args = args if type(args) is list else list(args)
+        args[:0] = [None] * leading
+        args.extend([None] * trailing)
+        outputs = call(args)
+        return outputs[leading:len(outputs) - trailing]
+    return run
 
 
 def _boxed(compiled):

@@ -92,9 +92,8 @@ class TrainingGraph:
         self.kernel_choices = kernel_choices   # the compile's options, or None (kernels/settings.py)
         self._vjps = {}              # wanted primal indices -> GraphVjp
         self._vjp_pairs = {}         # (wanted, requires-grad mask, signature) -> pair or None
-        self.num_primals = sum(1 for n in pair.forward_graph.graph.nodes if n.op == "placeholder")
-        self.dynamic = any(_is_symbolic(p.meta.get("val"))
-                           for p in pair.forward_graph.graph.nodes if p.op == "placeholder")
+        self.num_primals = len(pair.primal_nodes())
+        self.dynamic = any(_is_symbolic(p.meta.get("val")) for p in pair.primal_nodes())
         if self.dynamic:
             examples = self._symbolic_examples()
             wanted = tuple(i for i, x in enumerate(examples[:self.num_primals]) if _requires_grad(x))
@@ -189,11 +188,10 @@ class TrainingGraph:
     def _symbolic_examples(self):
         """The VJP's inputs as the forward and backward graphs traced them (fake, symbolic),
         every floating primal and tangent requiring grad."""
-        forward, backward = self.pair.forward_graph, self.pair.backward_graph
-        primals = [p.meta.get("val") for p in forward.graph.find_nodes(op="placeholder")]
-        outputs = forward.graph.output_node().args[0]
+        primals = [p.meta.get("val") for p in self.pair.primal_nodes()]
+        outputs = self.pair.output_nodes()
         draws = [outputs[i].meta.get("val") for i in self.pair.random_index]
-        tangents = [p.meta.get("val") for p in backward.graph.find_nodes(op="placeholder")
+        tangents = [p.meta.get("val") for p in self.pair.backward_graph.graph.find_nodes(op="placeholder")
                     if p.name.startswith("tangents")]
 
         def example(v, grad):
