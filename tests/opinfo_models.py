@@ -41,12 +41,14 @@ class Attention(nn.Module):
 
 
 def _differentiable_outputs(value):
-    return [t for t in pytree.tree_leaves(value)
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex()) and t.numel() > 0]
 
 
 def _as_real(t):
-    return torch.stack([t.real, t.imag], -1) if t.is_complex() else t
+    """float64 real values (complex as real and imaginary parts; ops that convert dtypes,
+    `float` or `half`, back to float64 for the next layer)."""
+    return (torch.stack([t.real, t.imag], -1) if t.is_complex() else t).to(torch.float64)
 
 
 class OpBetweenAttention(nn.Module):
@@ -103,6 +105,14 @@ class Outcome:
     kind: str          # "compiled", "second order eager", "eager route", "graph break", "excluded"
     reason: str = ""
     error: float = 0.0
+    tolerance: float = TOLERANCE   # looser where the op computes in a lower precision
+
+
+def _tolerance(outputs):
+    """TOLERANCE, or ten roundings of the least precise dtype among the op's outputs (an op
+    that casts, `float` or `half`, computes its part of the HVP in that precision)."""
+    eps = [torch.finfo(t.real.dtype if t.is_complex() else t.dtype).eps for t in outputs]
+    return max([TOLERANCE] + [10 * e for e in eps if e > torch.finfo(torch.float64).eps])
 
 
 def _sparse(leaves):
@@ -115,7 +125,7 @@ def first_sample(op):
         if _sparse(leaves):
             continue
         if any(isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
-               for t in leaves):
+               and t.numel() > 0 for t in leaves):
             return sample
     return None
 
@@ -159,12 +169,15 @@ def classify(op, compile_options):
             torch.manual_seed(2)
             again = hessian_vector_product(model, x, vectors)
     except Exception as e:       # noqa: BLE001 (what eager cannot do is not ours to do)
-        return Outcome("excluded", f"eager second order fails: {type(e).__name__}")
+        return Outcome("excluded", f"eager second order fails: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+    if not expected.isfinite().all():
+        return Outcome("excluded", "eager HVP is not finite at the sample")
     if not torch.equal(expected, again):
         return Outcome("excluded", "draws random numbers (the replay of draws is checked by "
                                    "tests/test_training_route.py)")
-    if not expected.isfinite().all():
-        return Outcome("excluded", "eager HVP is not finite at the sample")
+    with torch.no_grad():
+        tolerance = _tolerance(_differentiable_outputs(model.call(model.leaves)))
     torch._dynamo.reset()
     recent_reports.clear()
     counters.clear()
@@ -193,5 +206,5 @@ def classify(op, compile_options):
         outcome = Outcome("compiled")
     else:
         outcome = Outcome("graph break", "no training graph took the second order")
-    outcome.error = error
+    outcome.error, outcome.tolerance = error, tolerance
     return outcome

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-from opinfo_models import TOLERANCE, classify
+from opinfo_models import classify
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -44,7 +44,7 @@ def check(op, record_property):
     outcome = classify(op, OPTIONS)
     record_property("opinfo_outcome", (_id(op), outcome.kind, outcome.reason))
     if outcome.kind != "excluded":
-        assert outcome.error <= TOLERANCE, (outcome.kind, outcome.error)
+        assert outcome.error <= outcome.tolerance, outcome
     return outcome
 
 
