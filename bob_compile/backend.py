@@ -40,6 +40,7 @@ from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
 from .passes.causal_mask import failing_guards
 from .passes.inference import use_native_sdpa
+from .passes.autograd_functions import differentiable_backwards
 from .passes.sdpa_math import sdpa_calls_as_math
 from .passes.report import compiled_text, compiled_text_name, count, counters  # noqa: F401  (counters: re-exported for users)
 from .passes.report import restore as restore_counts, snapshot as snapshot_counts
@@ -83,6 +84,8 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
             static_inputs.unmark_parameter_stand_ins(gm, example_inputs)
         after = dump.graph_text(gm)
         report.route, report.route_reason = choose_route(gm, example_inputs, opts)
+        if report.route in ("training", "eager"):       # may be differentiated twice
+            differentiable_backwards(gm, report)
         compiled = _compile(report, gm, example_inputs, opts)
         if report.guards:
             compiled = _with_guards(compiled, untouched.forward, report.guards)

@@ -74,6 +74,7 @@ class GraphReport:
     # first order at compile time, the second order on first use (or why it runs eagerly)
     compiled: list = dataclasses.field(default_factory=list)
     dump_folder: Optional[str] = None
+    notes: list = dataclasses.field(default_factory=list)   # other rewrites, one line each
 
     @property
     def replaced(self):
@@ -92,6 +93,7 @@ class GraphReport:
                f"replaced, {len(self.skipped)} skipped"
         lines = [head] + ["  " + s.line() for s in self.sites]
         lines += [f"  run-time check: {g}" for g in self.guards]
+        lines += [f"  note: {n}" for n in self.notes]
         if self.error:
             lines.append(f"  error: {self.error}")
         lines.append(f"  route: {self.route}" + (f" ({self.route_reason})" if self.route_reason else ""))
