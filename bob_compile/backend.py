@@ -10,9 +10,10 @@ For each graph Dynamo captures:
    - "training": grad mode is on and an input requires grad, so the outputs may be
      differentiated with create_graph=True and then again (Hessian-vector products, MAML).
      Stock AOTAutograd refuses that double backward, or for MAML silently returns
-     first-order gradients. training_runtime.py keeps AOTAutograd's partition and
-     `compiler`'s code for the first order and compiles the backward's own backward too;
-   - "eager": a training graph training_runtime.py cannot run (input mutations, say), or
+     first-order gradients. training/ keeps AOTAutograd's partition and `compiler`'s
+     code for the first order and compiles the graph's VJP, taken by autograd's own
+     formulas, as a differentiable function for the second;
+   - "eager": a training graph training/ cannot run (input mutations, say), or
      one that also differentiates itself: the rewritten graph runs eagerly, exact at
      every order;
    - "aot": the graph differentiates itself (torch.func.grad/jvp/vmap inside the compiled

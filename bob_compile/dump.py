@@ -10,8 +10,8 @@ Per compiled graph, with options={"dump_dir": PATH} or BOB_COMPILE_DUMP_DIR=PATH
     PATH/<compile id>/<order>.forward.py, <order>.backward.py
                                         on the "training" route, the AOTAutograd graphs
                                         (aten level, our ops in them) of each compiled
-                                        order: first_order at compile time, double_backward
-                                        and residual_vjp when a second-order step first
+                                        order: first_order at compile time, second_order
+                                        when a second-order step first
                                         needs them
 
 <compile id> is Dynamo's ("0_0" for frame 0, first compile; "1_2" for frame 1, third).
