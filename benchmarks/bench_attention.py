@@ -25,17 +25,17 @@ Providers
   autograd (the second-order step: forward, grad(create_graph=True), second grad w.r.t.
   q, k, v, dO; or forward + grad), host overhead included: compare op_autograd_first_order
   with torch_fused_first_order (issue 10: <= 1.1x at N=1K, <= 1.05x from 4K);
-  op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_BOB_FORM=folded / chain;
-  op_autograd_sbar_split: op_autograd with BOB_COMPILE_SBAR_SPLIT=1 (gq's score-cotangent
+  op_autograd_folded / op_autograd_chain: op_autograd with BOB_COMPILE_DEV_BOB_FORM=folded / chain;
+  op_autograd_sbar_split: op_autograd with BOB_COMPILE_DEV_SBAR_SPLIT=1 (gq's score-cotangent
   GEMM in two half-precision parts on every tile; its accuracy is measured when it runs);
-  op_autograd_no_edge_split: with BOB_COMPILE_EDGE_SPLIT=0 (no GEMM split on the masked
+  op_autograd_no_edge_split: with BOB_COMPILE_DEV_EDGE_SPLIT=0 (no GEMM split on the masked
   tiles either; its accuracy is always measured, as no_edge_split_*);
   op_autograd_calling_thread: op_autograd with its backwards on the calling thread;
   op_autograd_python_node / op_autograd_first_order_python_node: with BOB_COMPILE_CPP_NODE=off
   (the op's Python autograd node where PyTorch's fused kernels run the first order; the
   script builds the C++ node, or loads it, before it times anything)
   (torch.autograd.set_multithreading_enabled(False): no hand-off to the autograd engine's
-  device thread, which bounds short lengths; benchmarks/README.md, "Host overhead").
+  device thread, which bounds short lengths; docs/measurements.md, "Host overhead").
 
 FLOP convention (per visible (query, key) pair, d = head dim): forward 4d, backward 10d,
 BoB 36d: the anchors' 50d per second-order step (4 + 10 + 36, FlashBoB's count), so that
@@ -65,6 +65,7 @@ import sys
 import time
 
 import torch
+from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def import_kernels():
@@ -291,8 +292,8 @@ def stage_breakdown(step, inputs, scale, causal, reps):
     return {k: statistics.median(v) for k, v in stages.items()}
 
 
-PROVIDER_SETTINGS = ("BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ", "BOB_COMPILE_BOB_FORM",
-                     "BOB_COMPILE_CPP_NODE", "BOB_COMPILE_SBAR_SPLIT", "BOB_COMPILE_EDGE_SPLIT")
+PROVIDER_SETTINGS = ("BOB_COMPILE_DEV_BOB_SCHEDULE", "BOB_COMPILE_DEV_BWD_DQ", "BOB_COMPILE_DEV_BOB_FORM",
+                     "BOB_COMPILE_CPP_NODE", "BOB_COMPILE_DEV_SBAR_SPLIT", "BOB_COMPILE_DEV_EDGE_SPLIT")
 
 
 def clear_provider_settings():
@@ -304,15 +305,15 @@ def clear_provider_settings():
 
 def accuracy(B, H, n, d, causal, dtype, sbar_split=False):
     """Relative L2 vs float64 of every output of the step (folded form; chain_* the chain
-    form's; no_edge_split_* both with BOB_COMPILE_EDGE_SPLIT=0; split_* both with
-    BOB_COMPILE_SBAR_SPLIT=1 where sbar_split), and of first order."""
+    form's; no_edge_split_* both with BOB_COMPILE_DEV_EDGE_SPLIT=0; split_* both with
+    BOB_COMPILE_DEV_SBAR_SPLIT=1 where sbar_split), and of first order."""
     scale = 1.0 / math.sqrt(d)
     q, k, v, do, gq, gk, gv = make_inputs(B, H, n, d, dtype, 1)[0]
     first, second = bob_folded_step(q, k, v, do, gq, gk, gv, scale, causal)
     chain = bob_chain_step(q, k, v, do, gq, gk, gv, scale, causal)[1]
-    variants = {"no_edge_split_": ("BOB_COMPILE_EDGE_SPLIT", "0")}
+    variants = {"no_edge_split_": ("BOB_COMPILE_DEV_EDGE_SPLIT", "0")}
     if sbar_split:
-        variants["split_"] = ("BOB_COMPILE_SBAR_SPLIT", "1")
+        variants["split_"] = ("BOB_COMPILE_DEV_SBAR_SPLIT", "1")
     varied = {}
     for prefix, (variable, value) in variants.items():
         os.environ[variable] = value
@@ -346,15 +347,15 @@ def use_provider_settings(prov):
     clear_provider_settings()
     for form in ("folded", "chain"):
         if prov.split("@")[0].endswith("_" + form):
-            os.environ["BOB_COMPILE_BOB_FORM"] = form
+            os.environ["BOB_COMPILE_DEV_BOB_FORM"] = form
     if prov.endswith("_python_node"):
         os.environ["BOB_COMPILE_CPP_NODE"] = "off"
     if prov.endswith("_sbar_split"):
-        os.environ["BOB_COMPILE_SBAR_SPLIT"] = "1"
+        os.environ["BOB_COMPILE_DEV_SBAR_SPLIT"] = "1"
     if prov.endswith("_no_edge_split"):
-        os.environ["BOB_COMPILE_EDGE_SPLIT"] = "0"
+        os.environ["BOB_COMPILE_DEV_EDGE_SPLIT"] = "0"
     if "@" in prov:
-        os.environ["BOB_COMPILE_BOB_SCHEDULE"], os.environ["BOB_COMPILE_BWD_DQ"] = \
+        os.environ["BOB_COMPILE_DEV_BOB_SCHEDULE"], os.environ["BOB_COMPILE_DEV_BWD_DQ"] = \
             prov.split("@")[1].split(":")
     kernel_settings.reload()
 
@@ -402,7 +403,7 @@ def main():
     causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
     rows = []
     json_path = os.path.join(args.out, f"bench_attention{args.tag}.json")
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+    meta = dict(**run_record(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 dtype=str(dtype), B=B, H=H, kv_heads=args.kv_heads or H,
                 flop_convention="per visible pair: fwd 4d, bwd 10d, BoB 36d (step 50d)",
                 env={k: v for k, v in os.environ.items() if k.startswith("BOB_COMPILE")},
@@ -483,11 +484,10 @@ def main():
                 print("accuracy", d, causal, {k: f"{v:.2e}" for k, v in acc[f'd{d}_causal{int(causal)}'].items()})
         meta["accuracy_rel_l2_vs_float64"] = dict(n=args.accuracy_n, B=1, H=4, results=acc)
     try:
-        from bob_compile.kernels import triton_common
-    except ImportError:
-        triton_common = sys.modules.get("bob_compile_kernels.triton_common")
-    if triton_common is not None:
-        meta["tuned_configs"] = triton_common.TUNING_CACHE._load()
+        from bob_compile.kernels import tuning
+        meta["tuned_configs"] = tuning.TUNING_CACHE._load()
+    except ImportError:         # no Triton
+        pass
     with open(json_path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     try:

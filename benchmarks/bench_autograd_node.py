@@ -1,6 +1,6 @@
 """What an autograd node costs on the host: C++ against Python, around the same fused kernels.
 
-Issue 10's remaining host overhead is the op's Python autograd node (benchmarks/README.md,
+Issue 10's remaining host overhead is the op's Python autograd node (docs/measurements.md,
 "Host overhead"). This measures the option of a C++ node before building it into the op:
 forward + `autograd.grad` of one tiny attention call (B = H = 1, N = 4, d = 8, causal,
 float32, so that the kernels take microseconds) through

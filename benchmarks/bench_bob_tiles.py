@@ -5,7 +5,7 @@ causal, bf16) with each candidate row-pass config (the column pass at its first 
 then each column-pass config with the best row config, and splits one call of the best
 pair into its kernels with torch.profiler. This is how the folded form's head-dim limit
 (bob_compile/kernels/triton_attention.py, FOLDED_MAX_HEAD_DIM) and its candidates were chosen
-(benchmarks/README.md, "The folded form").
+(docs/measurements.md, "The folded form").
 
     python benchmarks/bench_bob_tiles.py --n 16384 --out results/bob_tile_sweep_16k.json
 """

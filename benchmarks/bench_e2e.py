@@ -58,14 +58,12 @@ transformers.
 """
 import argparse
 import contextlib
-import datetime
 import functools
 import gc
 import json
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -76,6 +74,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 from sophia_h import GPT, SophiaH, hutchinson_step, rademacher_like  # noqa: E402  (the examples' nanoGPT, Sophia-H)
+from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 IMPLS = ("math", "eager", "stock", "flashbob", "flashbob_cudagraphs")
 FIRST_ORDER_ONLY = ("eager", "stock")
@@ -464,25 +463,16 @@ def table(rows, args):
 
 
 def metadata(args, device):
-    def git_commit():
-        """The checkout's commit, or None (a copied tree may carry no usable .git)."""
-        try:
-            done = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD"], cwd=REPO,
-                                  capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        sha = done.stdout.strip()
-        return sha if done.returncode == 0 and len(sha) == 40 else None
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     return dict(
-        benchmark="bench_e2e", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        benchmark="bench_e2e", **run_record(),
         torch=torch.__version__, triton=triton_version, python=platform.python_version(),
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        git_commit=git_commit(), args=vars(args))
+        args=vars(args))
 
 
 def parse_args(argv=None):

@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 from sophia_h import SophiaH, rademacher_like  # noqa: E402
+from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -159,7 +160,7 @@ def main(argv=None):
             rows[impl] = dict(error="out of memory")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result = dict(meta=dict(device=str(device) if device.type != "cuda" else
+    result = dict(meta=dict(**run_record(), device=str(device) if device.type != "cuda" else
                             torch.cuda.get_device_name(), torch=torch.__version__,
                             dtype=args.dtype, batch_size=args.batch_size, lengths=lengths,
                             max_len=args.max_len, n_layer=args.n_layer, n_head=args.n_head,

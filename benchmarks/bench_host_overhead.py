@@ -54,6 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bob_compile
 from bob_compile.kernels import settings as kernel_settings
+from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 triton_attention = None     # bob_compile.kernels.triton_attention, for the floor row (CUDA)
 
@@ -442,7 +443,7 @@ def main():
                          "the sdpa_kernel context manager's own few microseconds)")
     ap.add_argument("--variants", nargs="+", default=[],
                     help="extra bob_compile rows with BOB_COMPILE_* settings, e.g. "
-                         "BOB_COMPILE_NATIVE_BACKEND=flash or BOB_COMPILE_NATIVE_SDPA=0")
+                         "BOB_COMPILE_NATIVE_BACKEND=flash or BOB_COMPILE_NATIVE_BACKEND=none")
     ap.add_argument("--calling-thread-backward", action="store_true",
                     help="add rows with torch.autograd.set_multithreading_enabled(False): the "
                          "backward on the calling thread, not PyTorch's device thread")
@@ -491,7 +492,7 @@ def main():
     print_table(rows)
     step_phases = phases(problem, device, args.calls, args.repeats) if args.phases else None
 
-    meta = dict(device=name, torch=torch.__version__, dtype=str(dtype), B=args.batch,
+    meta = dict(**run_record(), device=name, torch=torch.__version__, dtype=str(dtype), B=args.batch,
                 H=args.heads, N=args.n, d=args.d, causal=args.causal, calls=args.calls,
                 repeats=args.repeats, warmup=args.warmup, threads=torch.get_num_threads(),
                 python=sys.version.split()[0], cpp_node=node_ready,

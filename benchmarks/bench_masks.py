@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bob_compile  # noqa: E402
 from bob_compile import native_node  # noqa: E402
+from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def step(q, k, v, do, g, mask, causal):
@@ -188,7 +189,7 @@ def main():
     padded_pairs = B * H * S * (S + 1) // 2
     rows["no mask x visible share"] = rows["padded, no mask"] * pairs / padded_pairs
     reference = rows["no mask x visible share"]
-    result = dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__, B=B,
+    result = dict(meta=dict(**run_record(), device=torch.cuda.get_device_name(), torch=torch.__version__, B=B,
                             H=H, S=S, d=d, lengths=lengths, causal=causal, dtype=str(dtype),
                             visible_pairs=pairs, reps=args.reps),
                   rows=[dict(row=name, ms=ms, ratio_to_visible_share=ms / reference,

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from bob_compile.kernels import settings, triton_bob, triton_common
+from bob_compile.kernels import settings, triton_bob, tuning
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_masks import median_ms, step  # noqa: E402
@@ -71,8 +71,8 @@ def causal_cases(args):
 def forget_tuning():
     """No launch decision remembered, in memory or from the cache file: the next calls
     tune again among the candidates in force."""
-    triton_common.TUNING_CACHE.entries = {}
-    triton_common._builds.clear()
+    tuning.TUNING_CACHE.entries = {}
+    tuning._builds.clear()
     settings.reload()                            # forgets the launch plans
 
 
@@ -121,7 +121,7 @@ def main():
                 ms = median_ms(lambda: step(q, k, v, do, cotangents, None, causal), args.reps)
                 site = "bob_columns" if args.columns else "bob_rows"
                 chosen = [{param: plan.kwargs[param] for param in LAUNCH_PARAMETERS}
-                          for memo, plan in triton_common.TUNING_CACHE.chosen.items()
+                          for memo, plan in tuning.TUNING_CACHE.chosen.items()
                           if memo[0] == site and memo[5] == causal]
                 rows.append(dict(causal=causal, round=round_, variant=name, ms=ms,
                                  row_configs_chosen=chosen))

@@ -4,7 +4,7 @@ The three heaviest launch sites of a second-order step (the Triton forward, BoB'
 kernel, BoB's column kernel; B=1, H=12, d=64, bf16, causal) at three lengths, the first
 two in one of our tuning buckets (powers of two from 1K to 16K) and the third in another:
 
-- ours: `bob_compile/kernels/triton_common.py` times the site's candidate configs once per bucket
+- ours: `bob_compile/kernels/tuning.py` times the site's candidate configs once per bucket
   (do_bench, 3 ms warm-up, 12 ms of runs each) and keeps the winner in memory and in a
   JSON file, so a new length in a known bucket costs no tuning;
 - triton_autotune: the same kernels and candidates under `triton.autotune(configs,
@@ -36,7 +36,7 @@ def run_variant(which):
 
     from bob_compile.kernels import triton_attention as ta
     from bob_compile.kernels.params import AttentionParams
-    from bob_compile.kernels import triton_bob, triton_common, triton_forward
+    from bob_compile.kernels import launching, triton_bob, triton_forward, tuning
     sites = {"_forward_kernel": ("rows", triton_forward.forward_candidates),
              # the chain form's row pass (attention_bob's default), as step() runs it
              "_row_kernel": ("rows",
@@ -59,9 +59,9 @@ def run_variant(which):
             step(*x)
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            bucket = triton_common.length_bucket(n)
+            bucket = tuning.length_bucket(n)
             chosen = {key[0]: {c: plan.kwargs[c] for c in CONFIG_KEYS}
-                      for key, plan in triton_common.TUNING_CACHE.chosen.items()
+                      for key, plan in tuning.TUNING_CACHE.chosen.items()
                       if key[-1] == bucket and key[0] in ("forward", "bob_rows", "bob_columns")}
             ms = triton.testing.do_bench(lambda: step(*x), warmup=5, rep=50)
             rows.append(dict(variant=which, n=n, first_call_s=first, chosen=chosen,
@@ -69,13 +69,13 @@ def run_variant(which):
             continue
         # triton.autotune: record the launches of one step, then tune each site with it
         captured = []
-        launch = triton_common.LaunchPlan.__call__
-        triton_common.LaunchPlan.__call__ = lambda plan, kernel, grid, **named: captured.append(
-            (kernel, grid, triton_common.packer(kernel)(**named), dict(plan.kwargs)))
+        launch = launching.LaunchPlan.__call__
+        launching.LaunchPlan.__call__ = lambda plan, kernel, grid, **named: captured.append(
+            (kernel, grid, launching.packer(kernel)(**named), dict(plan.kwargs)))
         try:
             step(*x)
         finally:
-            triton_common.LaunchPlan.__call__ = launch
+            launching.LaunchPlan.__call__ = launch
         first, launches, chosen = 0.0, [], {}
         for kernel, grid, args, kwargs in captured:
             name = kernel.fn.__name__

@@ -10,7 +10,7 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   # six workers where pytest-xdist is installed (the H200 image has it; no extra installs it)
   PARALLEL=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6")
   BOB_COMPILE_TUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x $PARALLEL -p no:cacheprovider \
-    tests/test_gpu_native_node.py tests/test_gpu_kernels.py ${TEST_ARGS:-} > $OUT/gpu_tests.log 2>&1
+    tests/gpu/test_gpu_native_node.py tests/gpu/test_gpu_kernels.py ${TEST_ARGS:-} > $OUT/gpu_tests.log 2>&1
   echo "gpu tests rc=$?"; tail -25 $OUT/gpu_tests.log
 fi
 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_attention.py --out $OUT $1 > $OUT/bench.log 2>&1

@@ -91,7 +91,7 @@ def causal_constexprs(fn, is_bob, d, block_m, block_n):
 def candidates_shared_memory():
     """Shared memory of every candidate config of each unmasked launch site, in list order
     (bf16, causal): an untimed choice takes the first that builds on the device
-    (triton_common._first_that_builds), so each site needs one that fits the smallest
+    (tuning._first_that_builds), so each site needs one that fits the smallest
     device meant to run it (an A100: 163 KiB; consumer GPUs: about 99 KiB). Compiled for
     sm_90; other architectures' figures differ somewhat."""
     import torch

@@ -5,7 +5,7 @@ gq = s (Omega - E B) - alpha dq with Omega = Sbar k + dS gdk, B = P k (docs/seco
 "The folded form"). The kernels round some intermediates to bf16 before a GEMM; this script
 applies one rounding at a time to otherwise exact float64 math (bf16 inputs, causal,
 B = 1, H = 2, N = 2048, d = 64 by default) and prints gq's and gdo's relative L2 error for
-each; the last rows keep the diagonal's tiles unrounded, as BOB_COMPILE_EDGE_SPLIT does.
+each; the last rows keep the diagonal's tiles unrounded, as BOB_COMPILE_DEV_EDGE_SPLIT does.
 
     python benchmarks/precision_folded_gq.py [--n 2048] [--d 64] [--heads 2]
 """
@@ -45,7 +45,7 @@ def main():
     def rel(x):
         return ((x - exact).norm() / exact.norm()).item()
     # the tiles of 128 queries x 64 keys that the causal diagonal crosses (the row pass's
-    # masked tiles), where BOB_COMPILE_EDGE_SPLIT keeps Sbar, dS and P unrounded
+    # masked tiles), where BOB_COMPILE_DEV_EDGE_SPLIT keeps Sbar, dS and P unrounded
     i = torch.arange(n)
     row_block, key_block = i[:, None] // 128, i[None, :] // 64
     diagonal = (key_block >= row_block * 2) & (key_block <= row_block * 2 + 1)

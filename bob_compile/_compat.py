@@ -1,4 +1,4 @@
-"""Everything that differs between the torch versions we support (2.11 and 2.13).
+"""Everything that differs between the torch versions we support (2.11 to 2.14).
 
 Keep it here, small and explicit, so that a new torch release means reading one file.
 Differences found so far (docs/torch-behaviour.md lists them with the rest):
@@ -10,10 +10,14 @@ Differences found so far (docs/torch-behaviour.md lists them with the rest):
 - AOTAutograd's OutputAliasInfo says which outputs get a tangent in `requires_grad_for_backward`
   on 2.13; 2.11 has only `requires_grad` (the same except for views made under no_grad).
   Optional metadata fields (RNG states, opaque objects) are read with defaults.
+- Dynamo records the tensor attributes `.T` and `.mT` as `getattr` on 2.11-2.13 and as
+  calls of `aten.numpy_T` / `aten.mT` on 2.14.
+- `F.scaled_dot_product_attention` accepts `attn_mask` with `is_causal=True` up to 2.13 (the
+  fused kernels combine them, the math path refuses); 2.14 refuses the pair everywhere.
+- `torch.autograd.Function.apply` binds the call's arguments to `forward`'s signature in
+  Python up to 2.13, and in C (`_C._FunctionBase.apply`) on 2.14.
 """
 import torch
-
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 # call_method names under which Dynamo may record `a <op> b` for tensors, by operator name.
 # 2.11 records comparisons this way ("__eq__"); the others are listed defensively.
@@ -35,6 +39,31 @@ OPERATOR_METHOD_SPELLINGS = {
     "and_": ("bitwise_and", "__and__"),
     "or_": ("bitwise_or", "__or__"),
 }
+
+
+def _aten_calls(name):
+    packet = getattr(torch.ops.aten, name, None)
+    return () if packet is None else (packet, packet.default)
+
+
+# call_function targets under which Dynamo may record a tensor attribute, by attribute.
+ATTRIBUTE_CALLS = {"T": _aten_calls("numpy_T"), "mT": _aten_calls("mT")}
+
+
+def _sdpa_takes_mask_with_is_causal():
+    q = torch.zeros(1, 1, 2, 1)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(
+            q, q, q, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+SDPA_TAKES_MASK_WITH_IS_CAUSAL = _sdpa_takes_mask_with_is_causal()
+# Whether Function.apply's C part binds the signature itself (see the module docstring).
+FUNCTION_APPLY_BINDS_IN_C = (torch.autograd.Function.__dict__.get("apply")
+                             is torch._C._FunctionBase.__dict__["apply"])
 
 
 def current_compile_id():

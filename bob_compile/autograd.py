@@ -18,10 +18,10 @@ through the forward, inside those of q, k, v, so no second backward runs. It tak
 row scalars first (a row pass, then a column pass: 38·d FLOPs per pair against the chain's
 34·d + 14·d for the extra attn_bwd), sums every term of gq, gk, gv in fp32 before one
 rounding, and leaves the backward of a Hessian-vector product's cotangent through o (from
-the rest of the model) to PyTorch's fused kernels. BOB_COMPILE_BOB_FORM=chain (or the
+the rest of the model) to PyTorch's fused kernels. BOB_COMPILE_DEV_BOB_FORM=chain (or the
 backend option bob_form) selects the chain form, =folded the folded form; by default
 (auto) the Triton kernels fold up to head dim 128, where it was measured faster
-(kernels.fold_bob, benchmarks/README.md).
+(kernels.fold_bob, docs/measurements.md).
 
 Forward mode uses two more ops, attn_fwd_jvp and attn_bwd_jvp (one pass each; explicit
 formulas, since nested forward AD fails inside compiled jvp). Third order (the VJP or the
@@ -37,6 +37,7 @@ applied there with grad mode on would silently lose its derivatives. Such steps 
 closed-form twin instead (builtin ops, exact at every order); without grad mode (no
 create_graph) the fused ops run, as their results are never differentiated.
 """
+import inspect
 import logging
 import threading
 
@@ -46,7 +47,7 @@ from torch._C._functorch import TransformType, _unwrap_for_grad, _wrap_for_grad
 from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
-from . import kernels, native_node, ops
+from . import _compat, kernels, native_node, ops
 from .kernels import reference
 from .kernels import triton_attention
 from .kernels import settings as kernel_settings
@@ -74,7 +75,8 @@ log = logging.getLogger("bob_compile.autograd")
 # 2. autograd.Function.apply binds its arguments with inspect.signature on every call
 #    (~25 us) when the Function defines setup_context. Our forwards have no defaults and are
 #    always called positionally, so `_Fused.apply` skips that, under torch.func too (there it
-#    hands the call to functorch's custom_function_call, as Function.apply does); and when no output can need
+#    hands the call to functorch's custom_function_call, as Function.apply does; torch 2.14
+#    binds in C, where a preset signature is all we can do); and when no output can need
 #    a graph (grad mode off or no input requiring grad, no forward-mode AD level, plain
 #    eager) it runs the forward directly, as Function.apply would, minus the node.
 # 3. A backward that records no graph (no create_graph) of a plain eager call runs the
@@ -144,6 +146,13 @@ class _Fused(torch.autograd.Function):
     """An autograd.Function whose apply skips the per-call signature binding, and the
     autograd node where no output can need one (see the section comment above). Every
     other call goes through torch.autograd.Function.apply unchanged."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if _compat.FUNCTION_APPLY_BINDS_IN_C:
+            # the C apply binds on every call; a preset signature spares parsing forward's
+            forward = cls.__dict__["forward"].__func__
+            forward.__signature__ = inspect.signature(forward)
 
     @classmethod
     def apply(cls, *args, **kwargs):
@@ -605,7 +614,7 @@ def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
     will take the folded form, o and lse enter it detached: the folded BoB returns no
     cotangents for them, so the second backward's graph may end at AttnBwdFn, and the
     autograd engine does not visit AttnFn's node again only to hand it two None cotangents
-    (about a tenth of a second-order step's host time at short lengths: benchmarks/README.md,
+    (about a tenth of a second-order step's host time at short lengths: docs/measurements.md,
     "Host overhead"). AttnBwdFn saves the attached o and lse too (its setup_context takes
     them from _apply_state) for the BoB of a third order, whose math twin sends cotangents to
     o and lse as well."""

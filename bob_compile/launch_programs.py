@@ -1,13 +1,13 @@
 """Recorded Triton launches as the C++ node replays them: the BoB's plans, and the programs
 of masked calls' stages (bob_compile/csrc/native_node.cpp; why: docs/host-overhead.md).
 
-A recording of one Python run of a stage (bob_compile/kernels/triton_common.py `recording`) holds each
+A recording of one Python run of a stage (bob_compile/kernels/launching.py `recording`) holds each
 launch with its runtime arguments and the compiled kernel it went through. The node replays
 the same compiled kernels, grids and launch configs with the tensors of a later call, so each
 tensor argument must be named by its role in the call: a *slot*. Every runtime argument
 becomes a slot's address or one of its strides, or a constant of the call's signature
 (lengths, head counts, the scale), with how Triton specialized it when it compiled the kernel
-(triton_common.py, "Launching"), which the node checks on every replay.
+(launching.py, "Launching"), which the node checks on every replay.
 
 A masked call's stage (its forward with the mask's summary, its first backward, the folded
 BoB) also makes tensors: its outputs and scratch. `recorded_stage` watches the stage's ATen
@@ -20,7 +20,7 @@ would not redo) means the stage cannot be replayed.
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .kernels import triton_common
+from .kernels import launching
 
 aten = torch.ops.aten
 
@@ -51,7 +51,7 @@ def launch_arguments(module, record, slot_of):
         if num_ctas != 1:
             return None
         signature = direct.compiled.src.signature
-        names, stride_owners = triton_common.runtime_parameters(kernel)
+        names, stride_owners = launching.runtime_parameters(kernel)
         by_name = dict(zip(names, args))
         plan_args = []
         for name, value in zip(names, args):
@@ -117,7 +117,7 @@ class recorded_stage:
     afterwards describes it for the node."""
 
     def __enter__(self):
-        self._recording = triton_common.recording()
+        self._recording = launching.recording()
         self.record = self._recording.__enter__()
         self.made = _MadeTensors()
         self.made.__enter__()

@@ -293,12 +293,12 @@ def _laid_out(outputs, inputs):
 # A plan is made from a recording of one Python run: each runtime argument of each launch
 # becomes a tensor's address or stride (found by identity among the named tensors), or a
 # constant of the signature (lengths, head counts, scale), with how Triton specialized it
-# (triton_common.py, "Launching"), which the node checks on every replay.
+# (launching.py, "Launching"), which the node checks on every replay.
 def bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale, causal):
     """path.bob_folded(...) (no lse cotangent), recorded; where its launches can be
     replayed, the C++ node gets their plan for this signature."""
-    from .kernels import triton_common
-    with triton_common.recording() as record:
+    from .kernels import launching
+    with launching.recording() as record:
         outs = path.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq)
     module = _extension
     if outs is not None and module is not None and kernel_settings.current().fast_launch:

@@ -11,7 +11,7 @@ re-record the whole graph: by design, and without counting it against the re-rec
 they are new every call: the fast weights `w - lr * grad` of the inner step. Each call then
 re-records every graph that reads them (measured on the H200: 496 re-recordings per MAML
 meta-gradient at T=128 with 32 tasks, 1.9 s instead of 0.2 s per meta-gradient at T=256
-with 8; benchmarks/README.md). A tensor in a parameter slot that is not an
+with 8; docs/measurements.md). A tensor in a parameter slot that is not an
 `nn.Parameter` is such a stand-in: we drop its static mark, so CUDA graph trees copy it
 into the graph's own input buffer on each call (one device copy of the fast weights)
 and replay. Real parameters and buffers keep their mark (fixed addresses, and buffers

@@ -3,14 +3,14 @@ sequences cross tile borders (odd lengths, partial and diagonal tiles)."""
 import os
 
 # One intra-op thread unless the environment asks for more: the tests' tensors are tiny, and
-# the examples, the Triton-interpreter suite and the distributed ranks run beside the suite
-# (early_start.py), so a second OpenMP thread only spins against them for the same cores.
+# pytest-xdist runs a worker per core, so a second OpenMP thread only spins against the
+# other worker (and the subprocesses some tests start) for the same cores.
 ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
 if ONE_THREAD:
     os.environ["OMP_NUM_THREADS"] = "1"     # before torch is imported, for inductor's C++ too
 # Inductor compiles in-process: a pool of compile workers in every process that compiles
-# (this one, each example, each rank) costs CPU that a 2-core machine, its cores all busy
-# here, does not have (examples/quickstart.py: 76.5 CPU-seconds with the pool, 69.9 without).
+# (each worker, each example, each rank) costs CPU that a 2-core machine, its cores all
+# busy here, does not have (examples/quickstart.py: 76.5 CPU-seconds with the pool, 69.9 without).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Inductor's CPU kernels without SIMD: the tests compare compiled code with eager code on tiny
 # tensors, and vectorized C++ (at::vec templates, after probing the CPU's instruction sets in
@@ -26,26 +26,34 @@ import torch  # noqa: E402
 if ONE_THREAD:
     torch.set_num_threads(1)    # in case a plugin imported torch before this file ran
 
-import test_beside_the_suite as beside  # noqa: E402
 from bob_compile.backend import counters, recent_reports  # noqa: E402
 from bob_compile.kernels import blockwise, settings  # noqa: E402
-from early_start import start_selected  # noqa: E402
-
-_early = []     # early_start.Subprocess objects this session started
 
 
+@pytest.hookimpl(tryfirst=True)      # before -m deselects by the marks added here
 def pytest_collection_modifyitems(config, items):
-    """Tests marked interpreter_subprocess run in the TRITON_INTERPRET=1 subprocess that
+    """A test marked `sweep` runs its first parametrization in the default tier and the
+    others in the slow tier.
+
+    Tests marked interpreter_subprocess run in the TRITON_INTERPRET=1 subprocess that
     test_kernels_under_the_interpreter starts: outside it they are deselected (counted as
     "deselected" in the summary, not mistaken for skipped GPU tests)."""
+    seen = set()
+    for item in items:
+        if item.get_closest_marker("sweep"):
+            function = (item.path, item.originalname)
+            if function in seen:
+                item.add_marker(pytest.mark.slow)
+            seen.add(function)
     if os.environ.get("TRITON_INTERPRET") != "1":
         elsewhere = [item for item in items if item.get_closest_marker("interpreter_subprocess")]
         if elsewhere:
             config.hook.pytest_deselected(items=elsewhere)
             items[:] = [item for item in items
                         if not item.get_closest_marker("interpreter_subprocess")]
-    move_beside(config, items)
-    wait_last(items)
+    # tests that start a subprocess first (a stable sort): with one worker per core, a long
+    # one started last would leave the other workers idle at the end
+    items.sort(key=lambda item: item.get_closest_marker("spawns") is None)
     # tests marked gpu are skipped without a CUDA device
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -54,47 +62,12 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def move_beside(config, items):
-    """Hand the selected tests of test_beside_the_suite.MODULES to the second pytest process
-    that test_beside_the_suite.py starts, when that test is selected too (a plain session,
-    not an xdist worker, not the second process itself)."""
-    if beside.INSIDE or hasattr(config, "workerinput"):
-        return
-    if not any(item.name == "test_modules_beside_the_suite" for item in items):
-        return
-    moved = [item for item in items if item.path.name in beside.MODULES]
-    if moved:
-        config.hook.pytest_deselected(items=moved)
-        kept = set(map(id, moved))
-        items[:] = [item for item in items if id(item) not in kept]
-        beside.NODE_IDS[:] = [item.nodeid for item in moved]
-
-
-def wait_last(items):
-    """Tests that wait for a subprocess (early_start.py) run after all others, so that this
-    process has run its own tests by the time it waits."""
-    def waits(item):
-        early = getattr(getattr(item, "module", None), "EARLY_SUBPROCESSES", {})
-        return getattr(item, "originalname", None) in early
-    items[:] = [item for item in items if not waits(item)] + [item for item in items if waits(item)]
-
-
 def pytest_collection_finish(session):
-    """Start the subprocesses of the selected tests now (early_start.py), and the C++ node's
-    build if a selected test needs it; under pytest-xdist (a worker) each starts when its
-    test asks for it."""
-    if not hasattr(session.config, "workerinput"):
-        _early.extend(start_selected(session.items))
-        if any("cpp_node" in getattr(item, "fixturenames", ()) for item in session.items):
-            # compile the C++ node in the background while the tests before its first
-            # user run (the `cpp_node` fixture then waits for it): ~80 s of a 2-core CI
-            from bob_compile import native_node
-            native_node.extension(wait=False)
-
-
-def pytest_sessionfinish(session):
-    for process in _early:
-        process.stop()
+    """Compile the C++ node in the background while the tests before its first user run
+    (the `cpp_node` fixture then waits for it): ~80 s of a 2-core machine."""
+    if any("cpp_node" in getattr(item, "fixturenames", ()) for item in session.items):
+        from bob_compile import native_node
+        native_node.extension(wait=False)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,7 +1,10 @@
 """The examples at their tiny default sizes: each must finish and pass its own numeric check
 (it exits non-zero when flashbob's numbers differ from eager math attention, or when flashbob
 replaced no attention). Each runs in a fresh interpreter, as a user would run it, so that no
-Dynamo cache or tile setting of this test process leaks in."""
+Dynamo cache or tile setting of this test process leaks in.
+
+In the default tier: the README's main job (quickstart.py) and the two-process run; the
+others cover what the default tier's own tests cover, and run in the slow tier."""
 import importlib.util
 import os
 import pathlib
@@ -10,33 +13,21 @@ import subprocess
 import sys
 
 import pytest
-from early_start import Subprocess
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-def example(name, *args, timeout=300, python_prefix=()):
-    """The example run as `python examples/<name> <args>` (early_start.Subprocess)."""
+def run_example(name, *args, timeout=300, python_prefix=()):
+    """The stdout of `python examples/<name> <args>`, once it exited 0."""
     # One intra-op thread: the tiny default sizes gain nothing from more, and on a busy
     # 2-core machine torch's spinning OpenMP threads made the same run 5-10x slower.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-
-    def command():
-        prefix = python_prefix() if callable(python_prefix) else python_prefix
-        return [sys.executable, *prefix, str(EXAMPLES / name), *args]
-    return Subprocess(command, env=env, cwd=EXAMPLES.parent, timeout=timeout)
-
-
-def output_of(run):
-    """The example's stdout, once it exited 0."""
-    result = run.result()
+    result = subprocess.run([sys.executable, *python_prefix, str(EXAMPLES / name), *args],
+                            env=env, cwd=EXAMPLES.parent, capture_output=True, text=True,
+                            timeout=timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{result.args} exited with {result.returncode}:\n{output[-6000:]}"
     return result.stdout
-
-
-def run_example(name, *args, **kwargs):
-    return output_of(example(name, *args, **kwargs))
 
 
 def torchrun_two_processes():
@@ -47,41 +38,28 @@ def torchrun_two_processes():
             f"--master-port={port}")
 
 
+pytestmark = pytest.mark.spawns
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
-# The longer runs start when collection ends and run beside the rest of the suite
-# (early_start.py); each test below waits for its own.
-EARLY_SUBPROCESSES = {
-    "test_maml": example("maml.py"),
-    "test_sophia_h": example("sophia_h.py"),
-    "test_distributed_sophia_h": example("distributed_sophia_h.py",
-                                         python_prefix=torchrun_two_processes),
-    "test_func_hvp": example("func_hvp.py"),
-    "test_quickstart": example("quickstart.py"),
-    **({"test_hf_gpt2": example("hf_gpt2.py")} if HAS_TRANSFORMERS else {}),
-}
-
-
-def early_output(test_name):
-    return output_of(EARLY_SUBPROCESSES[test_name])
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["maml.py", "sophia_h.py", "func_hvp.py", "hf_gpt2.py",
                                   "distributed_sophia_h.py"])
 def test_help(name):
     assert "--device" in run_example(name, "--help")
 
 
+@pytest.mark.slow
 def test_maml():
-    out = early_output("test_maml")
+    out = run_example("maml.py")
     assert "first-order MAML differs from second-order" in out
     assert "stock torch.compile(backend='aot_eager')" in out  # its outcome is reported, whatever it is
     assert "check flashbob meta-gradient vs eager math attention (second order)" in out
     assert "all checks passed" in out
 
 
+@pytest.mark.slow
 def test_sophia_h():
-    out = early_output("test_sophia_h")
+    out = run_example("sophia_h.py")
     assert out.count("(with Hessian estimate)") >= 2
     assert "check Hessian-vector product (trained weights)" in out
     assert "all checks passed" in out
@@ -90,7 +68,7 @@ def test_sophia_h():
 def test_distributed_sophia_h():
     """torchrun with 2 CPU processes (gloo): DDP around the compiled model, the Hessian step
     averaged over the ranks, checked against one process on the concatenated batch."""
-    out = early_output("test_distributed_sophia_h")
+    out = run_example("distributed_sophia_h.py", python_prefix=torchrun_two_processes())
     assert out.count("all checks passed") == 2
     assert "rank 1 Hessian-vector product (trained weights)" in out
     assert "samples/s" in out
@@ -102,17 +80,19 @@ def test_distributed_sophia_h_says_how_to_launch():
     assert result.returncode != 0 and "launch with torchrun" in result.stderr
 
 
+@pytest.mark.slow
 def test_func_hvp():
-    out = early_output("test_func_hvp")
+    out = run_example("func_hvp.py")
     assert "check jvp(grad) HVP vs eager math attention" in out
     assert "check grad(grad) HVP vs eager math attention" in out
     assert "all checks passed" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed "
                     "(optional extra: pip install -e '.[examples]')")
 def test_hf_gpt2():
-    out = early_output("test_hf_gpt2")
+    out = run_example("hf_gpt2.py")
     assert "check sdpa: Hessian-vector product" in out
     assert "check eager: Hessian-vector product" in out
     assert "all checks passed" in out
@@ -132,7 +112,7 @@ def test_hf_gpt2_skips_cleanly_without_transformers():
 
 def test_quickstart():
     """The README's main job."""
-    out = early_output("test_quickstart")
+    out = run_example("quickstart.py")
     assert "+" in out and "bob_compile_attention" in out      # it shows the graph diff
     assert "all checks passed" in out
 

@@ -28,7 +28,7 @@ differentiated, that every function applies where it forms the scores):
 Adding an attention parameter (a sliding window, say; the mask went this way): a field of
 AttentionParams (params.py); its read in each implementation's six functions (reference,
 blockwise, triton_attention); in Triton, a kernel parameter passed by name at each launch site (and, for a tensor, its
-stride group in the kernel's `strides_of` declaration: triton_common.py); in
+stride group in the kernel's `strides_of` declaration: launching.py); in
 bob_compile/ops.py the ops' arguments and `call_*`'s AttentionParams; in
 bob_compile/autograd.py what the Functions save.
 
@@ -76,7 +76,7 @@ def fold_bob(q, k, v):
     """Whether the BoB of a first backward on these inputs runs in the folded form
     (`bob_folded`: the cotangents of o and lse folded into those of q, k, v, so that no
     second backward runs; docs/second-order.md) rather than the chain form (`bob`).
-    BOB_COMPILE_BOB_FORM=folded|chain decides; auto (the default) folds except where the
+    BOB_COMPILE_DEV_BOB_FORM=folded|chain decides; auto (the default) folds except where the
     Triton kernels' folded row pass is measured slower (triton_attention.folded_bob_pays).
     The atomic BoB schedule exists in the chain form only, so it implies the chain form."""
     s = settings.current()
@@ -93,12 +93,8 @@ def select(q, k, v):
     """The implementation module for these inputs (see the module docstring)."""
     forced = settings.current().kernels
     if forced is not None:
-        if forced == "triton":
-            return _triton()
-        if forced not in _IMPLEMENTATIONS:
-            raise ValueError(f"BOB_COMPILE_KERNELS={forced!r}: expected one of "
-                             f"{sorted(_IMPLEMENTATIONS) + ['triton']}")
-        return _IMPLEMENTATIONS[forced]
+        # settings.KERNELS is checked when the settings are read
+        return _triton() if forced == "triton" else _IMPLEMENTATIONS[forced]
     if q.is_cuda:
         tri = _triton()
         if tri is not None and tri.supports(q, k, v):

@@ -2,47 +2,20 @@
 overridable per compiled graph.
 
 Reading `os.environ` costs about a microsecond per variable, and the op's call path used to
-read up to a dozen of them per call. They are now read on first use (the first op call, or
-the first `current()`) into one `Settings` object, and each value is checked then: an
-unknown value is a ValueError that lists the valid ones. A program that changes one of
-these variables after that, in its own process (tests, benchmarks comparing schedules),
-calls `reload()` to make the change take effect; a variable set before the process
-starts, or before the first call, needs nothing.
+read up to a dozen of them per call. They are read on first use (the first op call, or the
+first `current()`) into one `Settings` object, and each value is checked then: an unknown
+value is a ValueError that lists the valid ones. A program that changes one of these
+variables after that, in its own process (tests, benchmarks comparing schedules), calls
+`reload()`; a variable set before the process starts, or before the first call, needs
+nothing.
 
-    BOB_COMPILE_KERNELS         blockwise | reference | triton: force an implementation
-                                (unset or empty: Triton on supported CUDA inputs, else
-                                blockwise)
-    BOB_COMPILE_NATIVE_SDPA     1 | 0: 0 never calls PyTorch's fused first-order kernels
-    BOB_COMPILE_NATIVE_BACKEND  cudnn | flash | none: which of them (unset: cudnn for head
-                                dims <= 128, none above)
-    BOB_COMPILE_BWD_DQ          two_pass (default) | atomic: dq of the Triton backward
-    BOB_COMPILE_BOB_SCHEDULE    two_pass (default) | atomic: BoB row outputs (atomic: chain
-                                form only)
-    BOB_COMPILE_BOB_FORM        auto (default) | folded | chain: how a second-order step
-                                factors (docs/second-order.md; kernels.fold_bob)
-    BOB_COMPILE_SBAR_SPLIT      1 | 0: 1 multiplies the BoB row pass's score cotangent by k
-                                as two half-precision parts (high and low), one GEMM more
-                                per tile for gq's accuracy (triton_bob.py)
-    BOB_COMPILE_EDGE_SPLIT      1 (default) | 0: 1 does the same on the row pass's masked
-                                tiles (the causal diagonal, a mask's edges) for the score
-                                cotangent, dS, P and A: gq's and gdo's accuracy for a
-                                fraction of a percent of the time (triton_bob.py)
-    BOB_COMPILE_TUNE            1 | 0: 0 takes the first candidate launch config, no timing
-    BOB_COMPILE_FAST_LAUNCH     1 | 0: 0 sends every Triton launch through JITFunction.run
-                                (default: a launch that specializes like an earlier one
-                                reuses its compiled kernel, called directly; triton_common.py)
-    BOB_COMPILE_CACHE_DIR       where tuned launch configs and the C++ node's build are
-                                kept (default ~/.cache/bob_compile)
-    BOB_COMPILE_CPP_NODE        background (default) | wait | off: how the C++ autograd node
-                                of the first order is built on first use (in a background
-                                thread, the Python node running until it is ready; before
-                                that first call returns; never: bob_compile/native_node.py)
-    TRITON_INTERPRET            1: the Triton kernels run in Triton's interpreter (Triton
-                                itself reads it when the kernels are defined)
-
-Per compiled graph, the flashbob backend's options `kernels`, `native_backend`, `bwd_dq`,
-`bob_schedule`, `bob_form` and `tune` replace the matching variables while that graph's code runs, in
-every order of derivative (`using()`, `overridden()`; bob_compile/options.py).
+SWITCHES below is the one description of every variable: docs/settings.md is generated from
+it with the backend's options (`python -m bob_compile.settings_doc > docs/settings.md`; a
+test keeps them equal).
+Users' switches are `BOB_COMPILE_*`; the developers' (one schedule or rounding against
+another, for measurements) are `BOB_COMPILE_DEV_*`. Per compiled graph, the flashbob
+backend's options named in the table replace the matching variables while that graph's
+code runs, in every order of derivative (`using()`, `overridden()`; bob_compile/options.py).
 """
 import contextlib
 import contextvars
@@ -57,21 +30,81 @@ SCHEDULES = ("two_pass", "atomic")
 BOB_FORMS = ("auto", "folded", "chain")
 SWITCH = ("1", "0")
 CPP_NODE_BUILDS = ("background", "wait", "off")
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "bob_compile")
 
 
-def _choice(env, name, valid, default=None):
-    """env[name] if it is one of `valid` (unset or empty: default), else a ValueError."""
-    value = env.get(name) or default
-    if value is not None and value not in valid:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(valid)} "
-                         f"(or unset; see bob_compile/kernels/settings.py)")
-    return value
+@dataclass(frozen=True)
+class Switch:
+    variable: str
+    choices: Optional[tuple]      # None: any text (a path)
+    default: Optional[str]        # None: unset (its meaning is in `what`)
+    what: str
+    option: Optional[str] = None  # the flashbob option that overrides it per compiled graph
+
+    @property
+    def developer(self):
+        return self.variable.startswith("BOB_COMPILE_DEV_")
+
+    def read(self, env):
+        """env's value if valid (unset or empty: the default), else a ValueError."""
+        value = env.get(self.variable) or self.default
+        if value is not None and self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.variable}={value!r}: expected one of "
+                             f"{', '.join(self.choices)} (or unset; see docs/settings.md)")
+        return value
+
+
+SWITCHES = (
+    Switch("BOB_COMPILE_KERNELS", KERNELS, None,
+           "force one implementation (unset: Triton on supported CUDA inputs, else "
+           "blockwise; `reference` holds O(L·S) memory, for debugging)", option="kernels"),
+    Switch("BOB_COMPILE_NATIVE_BACKEND", NATIVE_BACKENDS, None,
+           "which of PyTorch's fused kernels compute the first order of half-precision "
+           "calls without a mask (unset: cuDNN up to head dim 128, none above; `none`: "
+           "always Triton)", option="native_backend"),
+    Switch("BOB_COMPILE_TUNE", SWITCH, "1",
+           "time candidate launch configs at the first call per shape class (`0`: the "
+           "first candidate that builds on the device)", option="tune"),
+    Switch("BOB_COMPILE_CACHE_DIR", None, DEFAULT_CACHE_DIR,
+           "where tuned launch configs and the C++ node's build are kept"),
+    Switch("BOB_COMPILE_CPP_NODE", CPP_NODE_BUILDS, "background",
+           "build the C++ autograd nodes on first use in a background thread (the Python "
+           "node runs meanwhile), before that call returns, or never "
+           "(docs/host-overhead.md)"),
+    Switch("BOB_COMPILE_DEV_BOB_FORM", BOB_FORMS, "auto",
+           "the factorization of the second order: `auto` folds up to head dim 128 "
+           "(docs/second-order.md)", option="bob_form"),
+    Switch("BOB_COMPILE_DEV_BOB_SCHEDULE", SCHEDULES, "two_pass",
+           "the BoB's row outputs: a deterministic second pass, or fp32 atomics (chain form "
+           "only)", option="bob_schedule"),
+    Switch("BOB_COMPILE_DEV_BWD_DQ", SCHEDULES, "two_pass",
+           "the same choice for dq in the Triton backward", option="bwd_dq"),
+    Switch("BOB_COMPILE_DEV_SBAR_SPLIT", SWITCH, "0",
+           "`1`: the BoB row pass multiplies the score cotangent by k as two half-precision "
+           "GEMMs (high and low part) on every tile: gq's bf16 error 2.06e-3 instead of "
+           "2.3e-3 causal, ~5 % more time (triton_bob.py)"),
+    Switch("BOB_COMPILE_DEV_EDGE_SPLIT", SWITCH, "1",
+           "`1`: the same two-part GEMMs on the row pass's masked tiles only (the causal "
+           "diagonal, a mask's edges), where most of gq's and gdo's rounding error is, for "
+           "< 1 % of the time (triton_bob.py)"),
+    Switch("BOB_COMPILE_DEV_FAST_LAUNCH", SWITCH, "1",
+           "reuse the compiled kernel of an earlier launch that specialized the same way, "
+           "through its C launcher (`0`: every launch through `JITFunction.run`; "
+           "launching.py)"),
+)
+_SWITCH = {switch.variable: switch for switch in SWITCHES}
+# Variables an earlier version read: setting one is an error that says what replaced it.
+RENAMED = {
+    "BOB_COMPILE_NATIVE_SDPA": "BOB_COMPILE_NATIVE_BACKEND=none (for NATIVE_SDPA=0)",
+    **{old: f"BOB_COMPILE_DEV_{old[len('BOB_COMPILE_'):]}" for old in (
+        "BOB_COMPILE_BOB_FORM", "BOB_COMPILE_BOB_SCHEDULE", "BOB_COMPILE_BWD_DQ",
+        "BOB_COMPILE_SBAR_SPLIT", "BOB_COMPILE_EDGE_SPLIT", "BOB_COMPILE_FAST_LAUNCH")},
+}
 
 
 @dataclass(frozen=True)
 class Settings:
     kernels: Optional[str]            # None: automatic choice
-    native_sdpa: bool
     native_backend: Optional[str]     # None: the default by head dim
     bwd_dq_atomics: bool
     bob_row_atomics: bool
@@ -87,24 +120,27 @@ class Settings:
     @classmethod
     def from_environ(cls, environ=None):
         env = os.environ if environ is None else environ
+        for old in RENAMED:
+            if env.get(old):
+                raise ValueError(f"{old} was renamed: set {RENAMED[old]} instead "
+                                 f"(see docs/settings.md)")
+
+        def read(variable):
+            return _SWITCH[variable].read(env)
         interpret = env.get("TRITON_INTERPRET", "0") == "1"
         return cls(
-            kernels=_choice(env, "BOB_COMPILE_KERNELS", KERNELS),
-            native_sdpa=_choice(env, "BOB_COMPILE_NATIVE_SDPA", SWITCH, "1") == "1",
-            native_backend=_choice(env, "BOB_COMPILE_NATIVE_BACKEND", NATIVE_BACKENDS),
-            bwd_dq_atomics=_choice(env, "BOB_COMPILE_BWD_DQ", SCHEDULES, "two_pass") == "atomic",
-            bob_row_atomics=_choice(env, "BOB_COMPILE_BOB_SCHEDULE", SCHEDULES,
-                                    "two_pass") == "atomic",
-            bob_form=_choice(env, "BOB_COMPILE_BOB_FORM", BOB_FORMS, "auto"),
-            sbar_split=_choice(env, "BOB_COMPILE_SBAR_SPLIT", SWITCH, "0") == "1",
-            edge_split=_choice(env, "BOB_COMPILE_EDGE_SPLIT", SWITCH, "1") == "1",
-            tune=_choice(env, "BOB_COMPILE_TUNE", SWITCH, "1") == "1" and not interpret,
-            cache_dir=env.get("BOB_COMPILE_CACHE_DIR",
-                              os.path.join(os.path.expanduser("~"), ".cache", "bob_compile")),
+            kernels=read("BOB_COMPILE_KERNELS"),
+            native_backend=read("BOB_COMPILE_NATIVE_BACKEND"),
+            bwd_dq_atomics=read("BOB_COMPILE_DEV_BWD_DQ") == "atomic",
+            bob_row_atomics=read("BOB_COMPILE_DEV_BOB_SCHEDULE") == "atomic",
+            bob_form=read("BOB_COMPILE_DEV_BOB_FORM"),
+            sbar_split=read("BOB_COMPILE_DEV_SBAR_SPLIT") == "1",
+            edge_split=read("BOB_COMPILE_DEV_EDGE_SPLIT") == "1",
+            tune=read("BOB_COMPILE_TUNE") == "1" and not interpret,
+            cache_dir=os.path.expanduser(read("BOB_COMPILE_CACHE_DIR")),
             interpret=interpret,
-            fast_launch=_choice(env, "BOB_COMPILE_FAST_LAUNCH", SWITCH, "1") == "1"
-            and not interpret,
-            cpp_node=_choice(env, "BOB_COMPILE_CPP_NODE", CPP_NODE_BUILDS, "background"),
+            fast_launch=read("BOB_COMPILE_DEV_FAST_LAUNCH") == "1" and not interpret,
+            cpp_node=read("BOB_COMPILE_CPP_NODE"),
         )
 
     def with_choices(self, choices):

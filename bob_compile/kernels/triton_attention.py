@@ -17,13 +17,8 @@ case, and the whole second order, runs the kernels in triton_forward / triton_ba
 triton_bob (a mask tensor included: each reads its tiles where it forms the scores);
 forward mode runs triton_forward_mode's (the blockwise path with a mask tensor).
 
-Environment switches (for benchmarks and debugging; read once, see settings.py):
-- BOB_COMPILE_NATIVE_SDPA=0: never call PyTorch's fused kernels;
-- BOB_COMPILE_NATIVE_BACKEND=cudnn|flash|none: which of them;
-- BOB_COMPILE_BOB_SCHEDULE=atomic|two_pass: BoB row outputs by fp32 atomics in one pass,
-  or by a separate deterministic row pass (the default, see benchmarks/README.md);
-- BOB_COMPILE_BWD_DQ=atomic|two_pass: the same choice for dq in the backward;
-- BOB_COMPILE_TUNE=0: use the first candidate launch config, no timing.
+The switches that choose among these (PyTorch's fused kernels or ours, the schedules) are
+settings.SWITCHES (docs/settings.md).
 """
 import logging
 import sys
@@ -33,7 +28,7 @@ import torch
 from . import blockwise, layout, settings
 from .params import AttentionParams
 from .triton_backward import attention_backward
-from .triton_common import BUILD_ERRORS, error_summary
+from .tuning import BUILD_ERRORS, error_summary
 from .triton_bob import attention_bob
 from .triton_forward import attention_forward
 from .triton_forward_mode import attention_backward_jvp, attention_forward_jvp
@@ -42,14 +37,14 @@ log = logging.getLogger("bob_compile.kernels")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest head dim at which the folded BoB was measured to beat the chain form's BoB + second
-# backward on the H200 (benchmarks/README.md, "The folded form": 1.15-1.27x faster steps at
+# backward on the H200 (docs/measurements.md, "The folded form": 1.15-1.27x faster steps at
 # 64 and 128); wider heads (256: not measured) keep the chain form.
 FOLDED_MAX_HEAD_DIM = 128
 # Widest head dim at which the folded row pass accumulates B = P k itself; wider heads get B
 # from one more attention forward (keys as values: PyTorch's fused kernel where it applies),
 # since a (BLOCK_M x 128) fp32 accumulator more spills thousands of bytes per thread.
 ACCUMULATE_B_MAX_HEAD_DIM = 64
-# Widest head dim per dtype whose tiles were run on the H200 (tests/test_gpu_kernels.py):
+# Widest head dim per dtype whose tiles were run on the H200 (tests/gpu/test_gpu_kernels.py):
 # 256 for half types; float32 rows take twice the shared memory, so 128.
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
 
@@ -93,7 +88,7 @@ def _native_backend(q, k, v, params):
     """'cudnn' or 'flash' when PyTorch's fused kernel computes exactly this op, else None
     (never with a mask tensor: our kernels read it as AttentionParams defines it)."""
     s = settings.current()
-    if not s.native_sdpa or not q.is_cuda or params.mask is not None:
+    if not q.is_cuda or params.mask is not None:
         return None
     causal = params.causal
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -101,7 +96,7 @@ def _native_backend(q, k, v, params):
     qs = q.shape
     E, Ev = qs[3], v.shape[3]
     # grouped-query attention included: PyTorch's cuDNN kernels take fewer key/value heads
-    # (exact; 1.6-1.9x faster than the Triton kernels on the H200: benchmarks/README.md)
+    # (exact; 1.6-1.9x faster than the Triton kernels on the H200: docs/measurements.md)
     if E != Ev or E % 8 or E > 256 or qs[1] % k.shape[1]:
         return None
     if causal and qs[2] != k.shape[2]:
@@ -155,7 +150,7 @@ def _deterministic():
     """Whether torch.use_deterministic_algorithms(True) (not warn_only) is in force. PyTorch's
     fused backwards accumulate dq with atomics, and native SDPA then avoids cuDNN
     (sdp_utils' check_cudnn_deterministic); the op runs the Triton backward instead, whose
-    default dq pass is deterministic (BOB_COMPILE_BWD_DQ=two_pass)."""
+    default dq pass is deterministic (BOB_COMPILE_DEV_BWD_DQ=two_pass)."""
     return torch.are_deterministic_algorithms_enabled() and \
         not torch.is_deterministic_algorithms_warn_only_enabled()
 
@@ -303,8 +298,8 @@ _CALL_PATHS_LIMIT = 1024
 def _signature(q, k, v, scale, causal):
     s = settings.current()
     return (q.shape, k.shape, v.shape, q.stride(-1), k.stride(-1), v.stride(-1), q.dtype,
-            k.dtype, v.dtype, q.device, scale, causal, s.kernels, s.native_sdpa,
-            s.native_backend, s.bwd_dq_atomics, s.bob_row_atomics)
+            k.dtype, v.dtype, q.device, scale, causal, s.kernels, s.native_backend,
+            s.bwd_dq_atomics, s.bob_row_atomics)
 
 
 def call_path(q, k, v, scale, causal):

@@ -16,14 +16,14 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE,
-                            READ_PATH, apply_mask_tile, blocks, column_block_program, dot_precision,
-                            fixed_plan, group_on_mask_path, interpreting, key_blocks_of_row_block,
-                            key_loops_within_mask, launch_plan, load_lse2, load_row_vector,
-                            load_tile, on_mask_path, padded_dim, read_path_first, row_block_program,
-                            row_blocks_of_key_block, row_bytes, row_loops_within_mask, store_tile,
-                            strides_of, unmasked_key_blocks_of_range,
-                            unmasked_query_blocks_of_range, visibility_mask, wide_candidates)
+from .launching import fixed_plan, launch_plan, read_path_first, strides_of
+from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
+                    apply_mask_tile, blocks, column_block_program, dot_precision,
+                    group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask, load_lse2,
+                    load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
+                    row_blocks_of_key_block, row_loops_within_mask, store_tile,
+                    unmasked_key_blocks_of_range, unmasked_query_blocks_of_range, visibility_mask)
+from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -300,7 +300,7 @@ def column_candidates(dtype, head_dim, head_dim_v, atomics, read=False):
     """read: for a mask read per tile (its own measured best first)."""
     candidates = _column_candidates(dtype, head_dim, head_dim_v, atomics)
     # 64 x 64 with 4 warps: the fastest dk/dv pass reading its mask on a padded batch
-    # (benchmarks/README.md, "Masks")
+    # (docs/measurements.md, "Masks")
     return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
                                             num_stages=2)) if read else candidates
 

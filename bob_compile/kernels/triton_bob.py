@@ -35,15 +35,14 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE,
-                            READ_PATH, Untimed, apply_mask_tile, blocks, column_block_program,
-                            dot_precision, fixed_plan, group_on_mask_path, interpreting,
-                            key_blocks_of_row_block, key_loops_within_mask, launch_plan,
-                            load_row_vector, load_tile, note_tensors, on_mask_path, padded_dim,
-                            read_path_first, row_block_program, row_blocks_of_key_block, row_bytes,
-                            row_loops_within_mask, store_tile, strides_of,
-                            unmasked_key_blocks_of_range, unmasked_query_blocks_of_range,
-                            visibility_mask, wide_candidates)
+from .launching import fixed_plan, launch_plan, note_tensors, read_path_first, strides_of
+from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
+                    apply_mask_tile, blocks, column_block_program, dot_precision,
+                    group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask,
+                    load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
+                    row_blocks_of_key_block, row_loops_within_mask, store_tile,
+                    unmasked_key_blocks_of_range, unmasked_query_blocks_of_range, visibility_mask)
+from .tuning import Untimed, interpreting, row_bytes, wide_candidates
 from . import settings
 from .triton_masks import (NO_MASK, mask_flags, mask_kind_and_tensor, mask_path_work,
                            mask_paths)
@@ -525,11 +524,11 @@ def _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq, masked):
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
                 dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
     # The folded form keeps one or two more (BLOCK_M x E) fp32 accumulators (B; R without dq).
-    # Measured through autograd on the H200 at 16K (benchmarks/README.md, "Row-pass launch
+    # Measured through autograd on the H200 at 16K (docs/measurements.md, "Row-pass launch
     # configs"): with dq read, 128 x 64 with 8 warps and three pipeline stages beats the
     # earlier choice (64 x 64, 4 warps, two stages); without dq, three stages beat two for
     # both tiles that were measured with both. Without a mask the first won every A/B
-    # through autograd (16K causal and not, 64K causal; benchmarks/README.md, "Three-stage
+    # through autograd (16K causal and not, 64K causal; docs/measurements.md, "Three-stage
     # column pass"), but a tuner timing the launch alone took 64 x 64 at times (+2-3 %
     # per step), so unmasked calls get no choice (the others only where it does not build).
     if fold and reads_dq:
@@ -542,7 +541,7 @@ def _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq, masked):
         return [dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
-    # measured on the H200 (benchmarks/README.md): 64 x 64 with 4 warps wins at every length
+    # measured on the H200 (docs/measurements.md): 64 x 64 with 4 warps wins at every length
     return [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)]
@@ -571,7 +570,7 @@ def _column_candidates(dtype, head_dim, head_dim_v, atomics, fold, causal):
                 dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)]
     # The folded column pass, forced one config at a time through autograd on the H200
-    # (benchmarks/README.md, "Three-stage column pass"): three pipeline stages win; causal,
+    # (docs/measurements.md, "Three-stage column pass"): three pipeline stages win; causal,
     # 64 x 128 with 8 warps is the best at 16K and 2.3 % ahead of the next at 64K, where
     # the 16K bucket's decision is reused; a tuner timing the launch alone at 16K picks by
     # noise between them, so causal calls get no choice (the others only where it does not
@@ -648,15 +647,15 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              KEY_RANGE=key_range, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
              qk_scale_log2=scale * LOG2E, scale=scale)
 
-    # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_SBAR_SPLIT); the tuning
+    # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_DEV_SBAR_SPLIT); the tuning
     # key grows a flag for each split compiled in, so that the keys of a kernel without
     # them stay as they were
     switches = settings.current()
     split = switches.sbar_split and q.dtype != torch.float32
     # the masked tiles' (the causal diagonal's, a mask's edges') half-precision roundings of
-    # Sbar, dS, P and A as two GEMMs each (BOB_COMPILE_EDGE_SPLIT, default on): the first
+    # Sbar, dS, P and A as two GEMMs each (BOB_COMPILE_DEV_EDGE_SPLIT, default on): the first
     # rows of a causal call see few keys, with large probabilities, and carry much of gq's
-    # and gdo's rounding error (benchmarks/README.md, "Split roundings on the diagonal");
+    # and gdo's rounding error (docs/measurements.md, "Split roundings on the diagonal");
     # all their keys lie in the diagonal's tiles. Without a mask or causality the masked
     # tiles are a ragged end only: the kernel stays as it was.
     edges = (switches.edge_split and q.dtype != torch.float32

@@ -12,12 +12,12 @@ import triton
 import triton.language as tl
 
 from .layout import empty_like_order
-from .triton_common import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH,
-                            NO_MASK_SOURCE, READ_PATH, apply_mask_tile, blocks, dot_precision,
-                            interpreting, key_blocks_of_row_block, key_loops_within_mask,
-                            launch_plan, load_tile, on_mask_path, padded_dim, read_path_first,
-                            row_block_program, row_bytes, store_tile, strides_of,
-                            unmasked_key_blocks_of_range, visibility_mask, wide_candidates)
+from .launching import launch_plan, read_path_first, strides_of
+from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH, NO_MASK_SOURCE,
+                    READ_PATH, apply_mask_tile, blocks, dot_precision, key_blocks_of_row_block,
+                    key_loops_within_mask, load_tile, on_mask_path, padded_dim, row_block_program,
+                    store_tile, unmasked_key_blocks_of_range, visibility_mask)
+from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -95,7 +95,7 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
     # A mask's source is fixed per launch (MASK_PATH), not decided per tile: each loop body
     # holds one kind of masking, without a branch or the other kind's mask load (with the
     # branch in its loop, the masked forward took ~2.6x the unmasked one's time per visible
-    # pair on the H200: benchmarks/README.md, "Masks"). A key range's launch runs the key
+    # pair on the H200: docs/measurements.md, "Masks"). A key range's launch runs the key
     # blocks wholly inside the range unmasked and its edge blocks in one loop; else no
     # mask, or the mask read per tile.
     if MASK_PATH == INDICES_PATH:
@@ -139,13 +139,13 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
 strides_of(_forward_kernel, Q="sq", K="sk", V="sv", O="so", MASK="sm", KEY_RANGE="sr")
 
 
-# Candidate launch configs, best measured default first (see benchmarks/README.md).
+# Candidate launch configs, best measured default first (see docs/measurements.md).
 def forward_candidates(dtype, head_dim, head_dim_v, path=NO_MASK_PATH):
-    """path: a masked launch's MASK_PATH (triton_common.py), which has its own best first."""
+    """path: a masked launch's MASK_PATH (tiles.py), which has its own best first."""
     candidates = _forward_candidates(dtype, head_dim, head_dim_v)
     if path == READ_PATH:
         # 64 x 32: the fastest forward reading its mask on a padded batch (B = 8, N = 2048;
-        # benchmarks/README.md, "Masks")
+        # docs/measurements.md, "Masks")
         return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
                                                 num_stages=3))
     if (path == INDICES_PATH and not interpreting() and torch.version.hip is None

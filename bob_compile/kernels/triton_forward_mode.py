@@ -29,10 +29,11 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .triton_common import (LOG2E, blocks, column_block_program, dot_precision, fixed_plan,
-                            interpreting, key_blocks_of_row_block, launch_plan, load_row_vector,
-                            load_tile, padded_dim, row_block_program, row_blocks_of_key_block,
-                            row_bytes, store_tile, strides_of, visibility_mask, wide_candidates)
+from .launching import fixed_plan, launch_plan, strides_of
+from .tiles import (LOG2E, blocks, column_block_program, dot_precision, key_blocks_of_row_block,
+                    load_row_vector, load_tile, padded_dim, row_block_program,
+                    row_blocks_of_key_block, store_tile, visibility_mask)
+from .tuning import interpreting, row_bytes, wide_candidates
 
 
 # --------------------------------------------------------------------------------------
@@ -380,7 +381,7 @@ strides_of(_backward_jvp_columns_kernel, Q="sq", K="sk", V="sv", DO="sd", TQ="st
 # Launch configs, the measured best first (the choice without tuning), in half precision:
 # `narrow` for heads up to 64 wide, `wide` for 65-128. Each kernel's configs forced one at
 # a time through the forward-over-reverse step on the H200 at 16K causal, kernel time from
-# the profiler (benchmarks/README.md, "Forward over reverse" and "Forward-mode kernels at
+# the profiler (docs/measurements.md, "Forward over reverse" and "Forward-mode kernels at
 # d = 128"). At d <= 64 three pipeline stages win for all three kernels, and the column
 # pass gains most from 128-key blocks with 8 warps. At d = 128, 128-row blocks with 8 warps
 # win the row kernels and 32 x 128 with 8 warps the column pass, 3.3-4x faster than the

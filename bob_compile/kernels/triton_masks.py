@@ -11,7 +11,7 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
                  one tensor, as Hugging Face builds its 4-D masks); in both, the mask adds
                  nothing to a visible score. Such masks are applied from indices and never
                  read, and the causal form also skips the key blocks above the diagonal
-                 (triton_common.apply_mask_tile, key_loops_within_mask,
+                 (tiles.apply_mask_tile, key_loops_within_mask,
                  row_loops_within_mask). READ_THE_MASK_CAUSAL: any other mask whose rows
                  see no key above the diagonal (a causal mask with holes, packed sequences'
                  block-diagonal causal masks): read, with the blocks above the diagonal
@@ -32,13 +32,14 @@ import triton
 import triton.language as tl
 
 from .params import HIDDEN_AT_OR_BELOW
-from .triton_common import (BUILD_ERRORS, blocks, error_summary, fixed_plan, interpreting,
-                            strides_of)
+from .launching import fixed_plan, strides_of
+from .tiles import blocks
+from .tuning import BUILD_ERRORS, error_summary, interpreting
 
 log = logging.getLogger("bob_compile.kernels")
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
-# a summary's structure (the kernels test these numbers: triton_common.py)
+# a summary's structure (the kernels test these numbers: tiles.py)
 READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL = 0, 1, 2, 3
 
 
@@ -99,7 +100,7 @@ def summary_of_forward(mask, reuse):
 
 
 def mask_paths(kind):
-    """A kernel's launches for a mask kind (triton_common.py, MASK_PATH): one without a
+    """A kernel's launches for a mask kind (tiles.py, MASK_PATH): one without a
     mask; with one, a launch for the (batch, head)s whose mask applies from indices and one
     for those whose mask is read."""
     return (0,) if kind == NO_MASK else (1, 2)

@@ -8,10 +8,9 @@ GraphReport: one Site per attention site, and the run-time guards that the rewri
 needs (causal masks read from graph inputs, see causal_mask.py).
 
 Modules: sdpa.py and handwritten.py (the rewrites), inplace.py (in-place arithmetic on
-temporaries made out of place first), patterns.py (the model spellings they are written
-against), subgraphs.py (higher-order op bodies), causal_mask.py (proofs that a mask is
-causal), nodes.py (node spellings and queries), erase.py (targeted dead-node removal),
-report.py (reports, counters).
+temporaries made out of place first), subgraphs.py (higher-order op bodies), causal_mask.py
+(proofs that a mask is causal), nodes.py (node spellings and queries), erase.py (targeted
+dead-node removal), report.py (reports, counters).
 """
 from .causal_mask import CausalTensorGuard, MaskProver
 from .handwritten import rewrite_handwritten

@@ -24,8 +24,8 @@ A site is every softmax over a product of two activations (`attention_like_softm
 each one is either replaced or reported with the reason, so that a model with attention
 never reports "0 attention sites".
 
-The model spellings this was written against are in patterns.py. Anything else keeps its
-nodes, and the report says which link of the chain failed and why.
+The model spellings this was written against are in tests/attention_patterns.py. Anything
+else keeps its nodes, and the report says which link of the chain failed and why.
 """
 import operator
 

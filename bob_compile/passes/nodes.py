@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
-from .._compat import OPERATOR_METHOD_SPELLINGS
+from .._compat import ATTRIBUTE_CALLS, OPERATOR_METHOD_SPELLINGS
 
 # call_function targets, by operation name.
 _FUNCTIONS = {
@@ -181,6 +181,9 @@ def swaps_last_two_dims(node):
         return None
     ndim = source.dim()
     if is_op(node, "getattr") and (node.args[1] == "mT" or (node.args[1] == "T" and ndim == 2)):
+        return node.args[0]
+    if node.op == "call_function" and (node.target in ATTRIBUTE_CALLS["mT"] or (
+            node.target in (torch.t, *ATTRIBUTE_CALLS["T"]) and ndim == 2)):
         return node.args[0]
     if node.op == "call_method" and node.target == "t" and ndim == 2:
         return node.args[0]

@@ -1,0 +1,233 @@
+"""The mask summary (bob_compile/kernels/triton_masks.py): per (batch, head) the key range a mask lets
+any query see, and whether the mask is exactly that range (key padding), or that range with
+a top-left causal mask folded in (how Hugging Face builds its 4-D masks), so that the Triton
+kernels apply it from indices and never read it. Anything else must be read: a summary
+that calls a mask structured when it is not would silently change the result.
+
+Here the PyTorch form (summarize_with_torch); test_triton_interpret.py checks that the
+Triton kernels compute the same summary."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from bob_compile.kernels.triton_masks import (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,  # noqa: E402
+                                              READ_THE_MASK, READ_THE_MASK_CAUSAL,
+                                              summarize_with_torch)
+
+B, H, L, S = 3, 2, 7, 7
+ROWS, KEYS = torch.arange(L)[:, None], torch.arange(S)[None, :]
+
+
+def padding(lengths, left=False):
+    """(B, 1, 1, S) key validity: batch b sees lengths[b] keys, at the end if left-padded."""
+    keys = torch.arange(S)
+    valid = [(keys >= S - n) if left else (keys < n) for n in lengths]
+    return torch.stack(valid)[:, None, None, :]
+
+
+def summary(mask):
+    full = mask.expand(B, H, L, S) if mask.dim() == 4 else mask
+    out = summarize_with_torch(full)
+    assert out.shape == (B, H, 1, 3) and out.dtype == torch.int32
+    return out[:, 0, 0].tolist()     # per batch: [first, end, structure]
+
+
+def test_key_padding_is_a_key_range():
+    assert summary(padding([7, 4, 0])) == [[0, 7, KEYS_IN_RANGE], [0, 4, KEYS_IN_RANGE],
+                                           [0, 0, KEYS_IN_RANGE]]
+    assert summary(padding([7, 4, 2], left=True)) == [
+        [0, 7, KEYS_IN_RANGE], [3, 7, KEYS_IN_RANGE], [5, 7, KEYS_IN_RANGE]]
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_padding_with_the_causal_mask_folded_in(left):
+    """HF's 4-D mask: padding and top-left causal in one (B, 1, L, S) tensor."""
+    mask = padding([7, 4, 2], left=left) & (KEYS <= ROWS)
+    rows = summary(mask)
+    assert [r[2] for r in rows] == [KEYS_IN_RANGE_CAUSAL] * 3
+    assert [r[:2] for r in rows] == ([[0, 7], [3, 7], [5, 7]] if left else [[0, 7], [0, 4], [0, 2]])
+
+
+def test_additive_masks_that_add_nothing_to_visible_scores():
+    hidden = torch.finfo(torch.float32).min
+    visible = padding([7, 4, 2]) & (KEYS <= ROWS)
+    additive = torch.zeros(visible.shape).masked_fill(~visible, hidden)
+    assert [r[2] for r in summary(additive)] == [KEYS_IN_RANGE_CAUSAL] * 3
+    biased = additive.clone()
+    biased[1, 0, 5, 1] = 0.5            # a bias on one visible pair: read the mask there
+    assert [r[2] for r in summary(biased)] == [KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL,
+                                              KEYS_IN_RANGE_CAUSAL]
+
+
+@pytest.mark.parametrize("change", ["a hole", "an extra key", "a diagonal shifted by one"])
+def test_almost_structured_masks_are_read(change):
+    """Read; where no row sees a key above the diagonal (a hole in a causal mask), with the
+    blocks above it skipped (READ_THE_MASK_CAUSAL)."""
+    mask = (padding([7, 5, 3]) & (KEYS <= ROWS)).expand(B, 1, L, S).clone()
+    if change == "a hole":
+        mask[1, 0, 4, 2] = False
+    elif change == "an extra key":
+        mask[1, 0, 2, 3] = True         # above the diagonal, inside the range
+    else:
+        mask[1] = padding([5])[0] & (KEYS <= ROWS + 1)
+    rows = summary(mask)
+    assert rows[1][2] == (READ_THE_MASK_CAUSAL if change == "a hole" else READ_THE_MASK)
+    assert rows[0][2] == rows[2][2] == KEYS_IN_RANGE_CAUSAL
+
+
+def test_block_diagonal_causal_masks_skip_the_blocks_above_the_diagonal():
+    """Packed sequences (a causal mask within each document): read, nothing above the
+    diagonal; the same pattern broadcast over rows cannot say so."""
+    document = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    packed = (document[:, None] == document[None, :]) & (KEYS <= ROWS)
+    assert [r[2] for r in summary(packed[None, None].expand(B, 1, L, S))] == \
+        [READ_THE_MASK_CAUSAL] * 3
+    one_row = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    one_row[..., ::2] = True
+    assert [r[2] for r in summary(one_row)] == [READ_THE_MASK] * 3
+
+
+def test_rows_broadcast_cannot_hold_a_causal_mask():
+    """A mask broadcast over query rows (stride 0) is the same for every row: a key range
+    or nothing, never the causal form (even with one visible key)."""
+    one_key = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    one_key[..., 0] = True
+    assert [r[2] for r in summary(one_key)] == [KEYS_IN_RANGE] * 3
+    scattered = padding([7, 7, 7]).clone()
+    scattered[0, ..., 3] = False
+    assert summary(scattered)[0] == [0, 7, READ_THE_MASK]
+
+
+def test_heads_are_summarized_apart():
+    mask = torch.ones(B, H, L, S, dtype=torch.bool)
+    mask[:, 1] = KEYS <= ROWS
+    out = summarize_with_torch(mask)[:, :, 0, 2]
+    assert out[:, 0].tolist() == [KEYS_IN_RANGE] * 3
+    assert out[:, 1].tolist() == [KEYS_IN_RANGE_CAUSAL] * 3
+
+
+def test_every_call_reads_the_mask_again():
+    """Nothing about a mask's contents is remembered: a write through .data, which its
+    version counter does not see, changes the next summary."""
+    stored = padding([7, 4, 2])
+    mask = stored.expand(B, H, L, S)
+    assert summary(mask)[1] == [0, 4, KEYS_IN_RANGE]
+    stored.data[1, ..., 5] = True
+    assert summary(mask)[1] == [0, 6, READ_THE_MASK]
+    stored.data[1, ..., 4] = True
+    assert summary(mask)[1] == [0, 6, KEYS_IN_RANGE]
+
+
+@pytest.fixture
+def summaries_made(monkeypatch):
+    """summary_of_forward with mask_summary counted (and computed by the PyTorch form)."""
+    from bob_compile.kernels import triton_masks
+    made = []
+
+    def counted(mask):
+        made.append(1)
+        return summarize_with_torch(mask)
+    monkeypatch.setattr(triton_masks, "mask_summary", counted)
+    monkeypatch.setattr(triton_masks, "_forward_summaries", {})
+    return triton_masks.summary_of_forward, made
+
+
+def test_backwards_reuse_the_summary_their_forward_made(summaries_made):
+    """A forward summarizes; the backwards of that call, which receive the same mask (each
+    through a new broadcast view of it, as ops.py makes one per call), reuse it."""
+    summary_of_forward, made = summaries_made
+    stored = padding([7, 4, 2])
+    first = summary_of_forward(stored.expand(B, H, L, S), False)
+    for _ in range(3):                                  # backward, BoB, second backward
+        assert summary_of_forward(stored.expand(B, H, L, S), True) is first
+    assert len(made) == 1
+    assert summary_of_forward(stored.expand(B, H, L, S), False) is not first  # a new forward
+    assert len(made) == 2
+
+
+def test_nothing_is_reused_across_forwards_or_changed_masks(summaries_made):
+    """Every forward summarizes afresh (a write through .data between steps is not seen by
+    the version counter), and a backward never reuses the summary of another mask, another
+    view of it, or a mask changed in place since."""
+    summary_of_forward, made = summaries_made
+    stored = padding([7, 4, 2])
+    summary_of_forward(stored.expand(B, H, L, S), False)
+    stored.data[1, ..., 5] = True                       # unseen by the version counter
+    assert summary(stored)[1] == [0, 6, READ_THE_MASK]
+    assert summary_of_forward(stored.expand(B, H, L, S), False)[1, 0, 0].tolist() == \
+        [0, 6, READ_THE_MASK]                           # the next forward sees it
+    assert len(made) == 2
+    stored[1, ..., 4] = True                            # in place: the version changes
+    kept = summary_of_forward(stored.expand(B, H, L, S), True)
+    assert kept[1, 0, 0].tolist() == [0, 6, KEYS_IN_RANGE] and len(made) == 3
+    assert summary_of_forward(stored[:, :, :, :].expand(B, H, L, S), True) is kept  # same view
+    other = padding([7, 4, 2])                          # same contents, another tensor
+    summary_of_forward(other.expand(B, H, L, S), True)
+    rows = stored.expand(B, 1, L, S)                    # another view of the same mask
+    summary_of_forward(rows, True)
+    assert len(made) == 5
+
+
+def test_calls_that_may_not_keep_summarize_every_time(summaries_made):
+    """Calls through the op (AttentionParams.keep_mask_summary False: a compiled graph's,
+    whose CUDA-graph pool must not hold memory it does not account for) neither keep a
+    summary nor reuse one."""
+    from bob_compile.kernels import triton_masks
+    from bob_compile.kernels.params import AttentionParams
+    summary_of_forward, made = summaries_made
+    mask = padding([7, 4, 2]).expand(B, H, L, S)
+    for keep in (False, True):
+        params = AttentionParams(scale=1.0, causal=False, mask=mask, keep_mask_summary=keep)
+        triton_masks.mask_kind_and_tensor(params, mask)                 # a forward
+        triton_masks.mask_kind_and_tensor(params, mask, reuse=True)     # its backward
+        assert len(triton_masks._forward_summaries) == keep
+    assert len(made) == 3
+
+
+def summary_of_structures(*structures):
+    """A (1, Hq, 1, 3) summary whose heads have these structures (first 0, end S)."""
+    out = torch.zeros(1, len(structures), 1, 3, dtype=torch.int32)
+    out[..., 1] = S
+    out[0, :, 0, 2] = torch.tensor(structures)
+    return out
+
+
+@pytest.mark.parametrize("structures,kv_group,indices,read", [
+    ((KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL), 1, True, False),
+    ((READ_THE_MASK, READ_THE_MASK_CAUSAL), 1, False, True),
+    ((KEYS_IN_RANGE, READ_THE_MASK), 1, True, True),
+    # a key-block-major program takes a GQA group: the key-range launch only all-range groups
+    ((KEYS_IN_RANGE, READ_THE_MASK, KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL), 2, False, True),
+    ((KEYS_IN_RANGE, READ_THE_MASK, KEYS_IN_RANGE_CAUSAL, KEYS_IN_RANGE), 2, True, True),
+])
+def test_which_mask_path_has_work(structures, kv_group, indices, read):
+    """A masked kernel's two launches (tiles.py, MASK_PATH) each take some (batch,
+    head)s; the tuner times a launch's configs only where it has some (launch_plan)."""
+    from bob_compile.kernels.triton_masks import mask_path_has_work
+    summary = summary_of_structures(*structures)
+    assert mask_path_has_work(summary, 1, kv_group) == indices
+    assert mask_path_has_work(summary, 2, kv_group) == read
+
+
+def test_a_launch_without_work_is_not_timed(monkeypatch):
+    """A launch with nothing to do keeps the first candidate, untimed and not written to the
+    tuning file (its timing would be noise; it is launched once, to see that it builds);
+    one with work is timed."""
+    from bob_compile.kernels import tuning
+    monkeypatch.setattr(tuning, "tuning_enabled", lambda: True)
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_builds", {})
+    written = []
+    monkeypatch.setattr(tuning.TUNING_CACHE, "get", lambda key: None)
+    monkeypatch.setattr(tuning.TUNING_CACHE, "put", lambda key, c: written.append(c))
+    ran = []
+    candidates = [dict(BLOCK_M=64), dict(BLOCK_M=32)]
+    config, final = tuning.choose_config("key", candidates, ran.append, 1,
+                                                 has_work=lambda: False)
+    assert (config, final, ran, written) == (candidates[0], True, [candidates[0]], [])
+    timings = iter([3.0, 1.0] * 10)
+    monkeypatch.setattr(tuning.triton.testing, "do_bench",
+                        lambda fn, **kw: (fn(), next(timings))[1])
+    config, _ = tuning.choose_config("key", candidates, ran.append, 1,
+                                             has_work=lambda: True)
+    assert config == candidates[1] and written == [candidates[1]] and len(ran) == 3

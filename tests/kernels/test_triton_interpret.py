@@ -1,0 +1,607 @@
+"""The Triton kernels under TRITON_INTERPRET=1 (CPU), against the float64 closed form.
+
+Every output of forward, backward, bob and bob_folded is compared, on the same inputs, with
+bob_compile/kernels/reference.py evaluated in float64, by relative L2 error. Shapes are tiny but cross
+the interpreter's 16/32-wide tiles: odd lengths, L < S and L > S, causal and not, E != Ev,
+head dims that are not powers of two, GQA, strided inputs, None cotangents, S == 0 and
+L == 0, NaN and infinite inputs, masks (boolean and additive, broadcast, with rows that see
+no key), and both BoB/backward schedules (deterministic two-pass and fp32 atomics).
+fp32 and fp16 only: the interpreter mishandles bf16.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+# TRITON_INTERPRET must be set before triton is first imported, and importing torch's and
+# this package's modules (conftest does) already imports triton. So in a normal pytest run
+# this module starts itself again in a fresh process with the variable set, and the tests
+# below run there: those of the tier that started it (`-m "not slow"` or `-m slow`).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def in_interpreter(test):
+    """Runs in the interpreter process only (deselected outside it: conftest.py); the first
+    case of a parametrized test in the default tier, the sweep in the slow tier."""
+    return pytest.mark.sweep(pytest.mark.interpreter_subprocess(test))
+
+
+@pytest.mark.spawns
+@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter process")
+@pytest.mark.parametrize("tier", ["not slow", pytest.param("slow", marks=pytest.mark.slow)])
+def test_kernels_under_the_interpreter(tier):
+    # one intra-op thread: the shapes are tiny, and pytest-xdist runs other tests beside it
+    workers = ["-n", "auto"] if tier == "slow" else []       # the sweep: ~10 CPU-minutes
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *workers, "-m", tier, os.path.abspath(__file__)],
+                          env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+from bob_compile.kernels import reference, settings  # noqa: E402
+from bob_compile.kernels.params import AttentionParams  # noqa: E402
+
+
+if INTERPRETED:
+    from bob_compile.kernels import triton_attention, triton_forward  # noqa: E402
+
+    if not isinstance(triton_forward._forward_kernel,
+                      triton.runtime.interpreter.InterpretedFunction):
+        pytest.fail("TRITON_INTERPRET=1 is set but the kernels are compiled, not interpreted")
+
+# Relative L2 bounds. fp32 runs the same arithmetic as the reference up to rounding
+# (~1e-7 here); fp16 rounds P, dS, ... to 11 bits before each product (eps = 2^-10).
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def rel_err(actual, expected):
+    a, e = actual.double(), expected.double()
+    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+def check(name, actual, expected, dtype):
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    # dense (ops.py gives each op output its final layout, bob_compile/kernels/layout.py)
+    assert actual.untyped_storage().nbytes() == actual.numel() * actual.element_size(), \
+        f"{name} is not a dense tensor of its own"
+    assert torch.isfinite(actual).all(), f"{name} has NaN/inf"
+    if expected.numel() == 0 or expected.double().norm() == 0:
+        assert actual.double().abs().max().item() == 0 if actual.numel() else True, name
+        return
+    # zero up to float32 rounding (the inputs are of unit scale): e.g. the folded gv with a
+    # single visible key, where F - alpha = F (1 - P) and P = 1 up to the lse's rounding
+    rounding_level = 1e-5 * expected.numel() ** 0.5
+    if expected.double().norm() < rounding_level:
+        assert actual.double().norm() < rounding_level, name
+        return
+    err = rel_err(actual, expected)
+    assert err <= TOLERANCE[dtype], f"{name}: relative L2 error {err:.2e} > {TOLERANCE[dtype]}"
+
+
+def make_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, strided=False):
+    if strided:  # (B, L, H, E) storage seen as (B, H, L, E): what a model's reshape gives
+        q = torch.randn(B, L, Hq, E, dtype=dtype).transpose(1, 2)
+        k = torch.randn(B, S, Hkv, E, dtype=dtype).transpose(1, 2)
+        v = torch.randn(B, S, Hkv, Ev, dtype=dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, Hq, L, E, dtype=dtype)
+        k = torch.randn(B, Hkv, S, E, dtype=dtype)
+        v = torch.randn(B, Hkv, S, Ev, dtype=dtype)
+    return q, k, v
+
+
+def f64(*ts):
+    return [None if t is None else t.double() for t in ts]
+
+
+def cast_like(expected, actual):
+    """Reference outputs (float64) in the dtype the kernels must return."""
+    return [e.to(a.dtype) if e.dtype != a.dtype else e for e, a in zip(expected, actual)]
+
+
+def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    # forward
+    params = AttentionParams(scale=scale, causal=causal, mask=mask)
+    o, lse = triton_attention.forward(q, k, v, params)
+    ro, rlse = reference.forward(*f64(q, k, v), params)
+    assert o.dtype == q.dtype and lse.dtype == torch.float32
+    check("o", o, ro.to(o.dtype) if dtype == torch.float32 else ro.to(o.dtype), dtype)
+    if rlse.numel():
+        finite = torch.isfinite(rlse)
+        assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ"
+        if finite.any():
+            assert rel_err(lse[finite], rlse[finite]) <= TOLERANCE[dtype]
+
+    # backward, on the kernel's own (o, lse) so that both sides see the same inputs
+    do = torch.randn_like(o)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    grads = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
+    expected = reference.backward(*f64(q, k, v, o, lse, do, dlse), params)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
+        check(name, a, e.to(a.dtype), dtype)
+
+    # backward-over-backward
+    cot = [torch.randn(t.shape, dtype=t.dtype) if keep else None
+           for t, keep in zip((q, k, v), present)]
+    outs = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
+    expected = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), params)
+    for name, a, e in zip(reference.BOB_OUTPUTS, outs, expected):
+        check(name, a, e.to(a.dtype), dtype)
+
+    # the folded form (one schedule of its own: the row pass, then the column pass)
+    # R recomputed in its row pass, and read from the first backward's dq (as autograd runs it)
+    if not settings.current().bob_row_atomics:
+        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+        for dq, tag in ((None, ""), (grads[0], " (dq given)")):
+            outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, dq, params)
+            for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+                check("folded " + name + tag, a, e.to(a.dtype), dtype)
+
+
+CASES = [
+    # B, Hq, Hkv, L, S, E, Ev, causal
+    pytest.param(1, 2, 2, 37, 29, 16, 32, False, id="noncausal-L>S-E<Ev"),
+    pytest.param(2, 1, 1, 23, 45, 32, 16, False, id="noncausal-L<S-E>Ev"),
+    pytest.param(1, 2, 2, 45, 45, 16, 16, True, id="causal-square-odd"),
+    pytest.param(1, 2, 1, 29, 41, 16, 16, True, id="causal-L<S-gqa2"),
+    pytest.param(1, 3, 1, 41, 19, 20, 12, True, id="causal-L>S-gqa3-E20-Ev12"),
+    pytest.param(1, 1, 1, 1, 1, 16, 16, True, id="causal-one-query-one-key"),
+    pytest.param(1, 2, 2, 3, 70, 80, 8, False, id="noncausal-L3-S70-E80-Ev8"),
+]
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", CASES)
+def test_every_output_fp32(monkeypatch, schedule, B, Hq, Hkv, L, S, E, Ev, causal):
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32)
+
+
+@in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_output_fp16_strided(causal):
+    q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)
+    assert not q.is_contiguous()
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float16)
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("present", [(True, False, False), (False, True, False),
+                                     (False, False, True), (True, True, False),
+                                     (False, True, True)],
+                         ids=["gdq", "gdk", "gdv", "gdq+gdk", "gdk+gdv"])
+def test_none_cotangents(monkeypatch, schedule, present):
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    settings.reload()
+    q, k, v = make_inputs(1, 2, 1, 21, 34, 16, 16, torch.float32)
+    run_all_orders(q, k, v, True, present, False, torch.float32)
+
+
+@in_interpreter
+def test_folded_with_and_without_dlse_on_one_shape():
+    """The folded row pass reads dlse only when given (HAS_DLSE): calls that differ in that
+    alone must not share a launch plan's compiled kernel."""
+    q, k, v = make_inputs(1, 2, 2, 21, 21, 16, 16, torch.float32)
+    params = AttentionParams(scale=0.25, causal=True)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, cot = torch.randn_like(o), [torch.randn_like(t) for t in (q, k, v)]
+    for dlse in (torch.randn_like(lse), None, torch.randn_like(lse)):
+        outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, None, params)
+        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+        for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+            check(name, a, e.to(a.dtype), torch.float32)
+
+
+@in_interpreter
+def test_folded_with_and_without_dq_on_one_shape():
+    """The folded row pass reads R from dq only when given (HAS_DQ): calls that differ in
+    that alone must not share a launch plan's compiled kernel."""
+    q, k, v = make_inputs(1, 2, 2, 21, 21, 16, 16, torch.float32)
+    params = AttentionParams(scale=0.25, causal=True)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, cot = torch.randn_like(o), [torch.randn_like(t) for t in (q, k, v)]
+    dq = triton_attention.backward(q, k, v, o, lse, do, None, params)[0]
+    expected = reference.bob_folded(*f64(q, k, v, o, lse, do, None, *cot, None), params)
+    for given in (dq, None, dq):
+        outs = triton_attention.bob_folded(q, k, v, o, lse, do, None, *cot, given, params)
+        for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+            check(name, a, e.to(a.dtype), torch.float32)
+
+
+@in_interpreter
+@pytest.mark.parametrize("fold", [False, True])
+def test_split_roundings(monkeypatch, fold):
+    """The row pass's GEMMs with an fp32 operand rounded to half precision, in two parts
+    (high and low): the score cotangent's on every tile (BOB_COMPILE_DEV_SBAR_SPLIT=1), and
+    Sbar's, dS's, P's and A's on the masked tiles (BOB_COMPILE_DEV_EDGE_SPLIT, on by default;
+    at this length nearly every tile of a causal call is on the diagonal). Both are exact
+    like the single GEMMs; the first lowers gq's error, the second gq's and gdo's (measured
+    0.70-0.76x and 0.56-0.73x of the single GEMMs' here)."""
+    torch.manual_seed(0)
+    q, k, v = make_inputs(1, 2, 1, 40, 40, 32, 32, torch.float16, strided=True)
+    params = AttentionParams(scale=32 ** -0.5, causal=True)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, cot = torch.randn_like(o), [torch.randn_like(t) for t in (q, k, v)]
+    if fold:
+        outs = lambda: triton_attention.bob_folded(q, k, v, o, lse, do, None, *cot, None, params)
+        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, None, *cot, None), params)
+        names = reference.BOB_FOLDED_OUTPUTS
+    else:
+        outs = lambda: triton_attention.bob(q, k, v, o, lse, do, None, *cot, params)
+        expected = reference.bob(*f64(q, k, v, o, lse, do, None, *cot), params)
+        names = reference.BOB_OUTPUTS
+    errors = {}
+    for sbar_split, edge_split in (("0", "0"), ("1", "0"), ("0", "1")):
+        monkeypatch.setenv("BOB_COMPILE_DEV_SBAR_SPLIT", sbar_split)
+        monkeypatch.setenv("BOB_COMPILE_DEV_EDGE_SPLIT", edge_split)
+        settings.reload()
+        got = dict(zip(names, outs()))
+        for name, e in zip(names, expected):
+            check(name, got[name], e.to(got[name].dtype), torch.float16)
+        errors[sbar_split, edge_split] = {name: rel_err(got[name], e)
+                                          for name, e in zip(names, expected)}
+    single, sbar, edges = errors["0", "0"], errors["1", "0"], errors["0", "1"]
+    assert sbar["gq"] < 0.9 * single["gq"] and sbar["gdo"] == single["gdo"], errors
+    assert edges["gq"] < 0.9 * single["gq"] and edges["gdo"] < 0.9 * single["gdo"], errors
+    # the column pass's outputs do not change
+    assert edges["gk"] == single["gk"] and edges["gv"] == single["gv"], errors
+
+
+def make_mask(kind, B, Hq, L, S):
+    """A (B, Hq, L, S) mask view (broadcast over heads, stride 0) with an empty row and an
+    HF-style finite fill."""
+    g = torch.Generator().manual_seed(3)
+    visible = torch.rand(B, 1, L, S, generator=g) > 0.3
+    visible[:, :, 5] = False
+    if kind == "bool":
+        mask = visible
+    else:
+        mask = torch.randn(B, 1, L, S, generator=g).masked_fill(~visible, torch.finfo(torch.float32).min)
+        mask[:, :, 7, ::2] = -torch.inf
+    return mask.expand(B, Hq, L, S)
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_masks_every_output(monkeypatch, schedule, kind, causal):
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    q, k, v = make_inputs(2, 4, 2, 37, 45, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32,
+                   mask=make_mask(kind, 2, 4, 37, 45))
+
+
+@pytest.mark.slow      # 20 s in the interpreter; the default tier's mask cases are the two beside it
+@in_interpreter
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_masks_skip_unseen_key_blocks(kind, causal):
+    """Key padding as HF builds it: batch 0 left-padded, batch 1 right-padded, batch 2 sees
+    no key at all, batch 3 a range whose ends fall on the interpreter's 16-key blocks; the
+    kernels skip the key blocks outside each batch's visible range and mask only those
+    holding an end of it (and the diagonal)."""
+    B, Hq, L, S = 4, 4, 37, 70
+    visible = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    visible[0, ..., 40:] = True
+    visible[1, ..., :21] = True
+    visible[3, ..., 16:64] = True
+    mask = visible if kind == "bool" else \
+        torch.zeros(B, 1, 1, S).masked_fill(~visible, torch.finfo(torch.float32).min)
+    q, k, v = make_inputs(B, Hq, 2, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32,
+                   mask=mask.expand(B, Hq, L, S))
+
+
+@pytest.mark.slow      # 20 s in the interpreter; the default tier's mask cases are the two beside it
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+def test_heads_of_a_group_whose_masks_differ_in_kind(monkeypatch, schedule):
+    """Per-head masks under GQA: in one key/value group a head whose mask is a key range
+    (applied from indices) beside one whose mask must be read. The row-major kernels take
+    each query head by its own kind; the key-block-major ones, which sum over the group,
+    read the mask for the whole group (tiles.py, MASK_PATH)."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, Hkv, L, S = 2, 4, 2, 37, 70
+    g = torch.Generator().manual_seed(11)
+    mask = torch.zeros(B, Hq, L, S, dtype=torch.bool)
+    mask[:, 0, :, 5:60] = True                          # group 0: a key range ...
+    mask[:, 1] = torch.rand(B, L, S, generator=g) > 0.4   # ... beside a pattern
+    mask[:, 2, :, :50] = True                           # group 1: key ranges only
+    mask[:, 3, :, 17:] = True
+    from bob_compile.kernels.triton_masks import mask_summary
+    assert mask_summary(mask)[0, :, 0, 2].tolist() == [1, 0, 1, 1]
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, True, (True, True, True), True, torch.float32, mask=mask)
+
+
+def hf_mask(kind, B, L, S, left, extra_key=False, hole=False):
+    """Hugging Face's 4-D mask: key padding and a top-left causal mask in one (B, 1, L, S)
+    tensor (bool, or additive with the finfo.min fill); batch b keeps S - 9 b keys, at the
+    end if left-padded. extra_key: one pair above the diagonal made visible in batch 1 (no
+    longer structured: the kernels must read it); hole: one visible pair hidden in batch 1
+    (read, with the blocks above the diagonal skipped)."""
+    keys = torch.arange(S)
+    lengths = [S - 9 * b for b in range(B)]
+    valid = torch.stack([(keys >= S - n) if left else (keys < n) for n in lengths])
+    visible = valid[:, None, None, :] & (keys[None, :] <= torch.arange(L)[:, None])
+    if extra_key:
+        visible[1, 0, 3, 20] = True
+    if hole:
+        visible[1, 0, 30, 29] = False
+    if kind == "bool":
+        return visible
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+
+
+@in_interpreter
+@pytest.mark.parametrize("kind,left,extra_key,schedule", [
+    ("bool", False, False, "two_pass"), ("additive", True, False, "atomic"),
+    ("bool", True, True, "atomic"), ("additive", False, True, "two_pass"),
+    ("bool", False, "hole", "two_pass")],
+    ids=["bool-right-structured", "additive-left-structured-atomic", "bool-left-read-atomic",
+         "additive-right-read", "bool-right-read-below-the-diagonal"])
+def test_hf_masks_every_output(monkeypatch, kind, left, extra_key, schedule):
+    """Padding with the causal mask folded in, as HF passes it (is_causal=False): applied
+    from indices, with the key blocks above the diagonal skipped (mask_summary), or read
+    where one pair breaks the structure (key padding alone, broadcast over rows, is the
+    padding test above); both schedules (the atomic one's row sums see every pair its
+    column pass visits)."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, L, S = 3, 4, 45, 45
+    hole = extra_key == "hole"
+    extra_key = extra_key is True
+    mask = hf_mask(kind, B, L, S, left, extra_key, hole).expand(B, Hq, L, S)
+    from bob_compile.kernels.triton_masks import (KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL,
+                                                  mask_summary)
+    structures = mask_summary(mask)[:, 0, 0, 2].tolist()
+    assert structures[1] == (READ_THE_MASK_CAUSAL if hole else
+                             KEYS_IN_RANGE_CAUSAL if not extra_key else 0)
+    q, k, v = make_inputs(B, Hq, 2, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=mask)
+
+
+def summary_cases():
+    """Masks for the summary kernels: every structure, broadcast heads and rows, L != S,
+    additive fills and biases, empty rows and batches."""
+    g = torch.Generator().manual_seed(5)
+    L, S = 37, 70
+    keys, rows = torch.arange(S)[None, :], torch.arange(L)[:, None]
+    padding = torch.stack([keys[0] < 70, keys[0] < 33, keys[0] >= 50, keys[0] < 0])
+    causal = padding[:, None, None, :] & (keys <= rows)
+    hidden = torch.finfo(torch.float32).min
+    yield "key padding, rows and heads broadcast", padding[:, None, None, :].expand(4, 3, L, S)
+    yield "padding with causal folded in", causal.expand(4, 3, L, S)
+    yield "random", (torch.rand(4, 3, L, S, generator=g) > 0.4)
+    yield "additive causal", torch.zeros(4, 1, L, S).masked_fill(~causal, hidden).expand(4, 3, L, S)
+    biased = torch.zeros(4, 1, L, S).masked_fill(~causal, hidden)
+    biased[1, 0, 30, 2] = 0.25
+    yield "additive with a bias", biased.expand(4, 3, L, S)
+    per_head = torch.ones(2, 3, L, S, dtype=torch.bool)
+    per_head[:, 1] = keys <= rows
+    per_head[1, 2, 4, 60] = False
+    yield "per head", per_head
+    holes = causal & (torch.rand(4, 1, L, S, generator=g) > 0.2)
+    yield "causal with holes", holes.expand(4, 3, L, S)
+    yield "one row", causal[:, :, :1].expand(4, 2, 1, S)
+
+
+@in_interpreter
+@pytest.mark.parametrize("name,mask", list(summary_cases()), ids=[n for n, _ in summary_cases()])
+def test_mask_summary_kernels_match_torch(name, mask):
+    from bob_compile.kernels.triton_masks import mask_summary, summarize_with_torch
+    ours, expected = mask_summary(mask), summarize_with_torch(mask)
+    assert ours.shape == expected.shape and ours.dtype == torch.int32
+    assert torch.equal(ours, expected), \
+        f"{name}: {ours[:, :, 0].tolist()} != {expected[:, :, 0].tolist()}"
+
+
+@in_interpreter
+def test_masks_fp16_strided():
+    q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)
+    mask = make_mask("additive", 1, 2, 33, 47).half()
+    run_all_orders(q, k, v, True, (True, False, True), False, torch.float16, mask=mask)
+
+
+@in_interpreter
+def test_all_cotangents_none_gives_zeros():
+    q, k, v = make_inputs(1, 2, 2, 17, 19, 16, 16, torch.float32)
+    params = AttentionParams(scale=0.25, causal=False)
+    o, lse = triton_attention.forward(q, k, v, params)
+    outs = triton_attention.bob(q, k, v, o, lse, torch.randn_like(o), None, None, None, None,
+                                params)
+    for name, t, like in zip(reference.BOB_OUTPUTS, outs, (q, k, v, o, lse, o, lse)):
+        assert t.shape == like.shape and t.dtype == like.dtype, name
+        assert t.abs().max().item() == 0, name
+
+
+@in_interpreter
+@pytest.mark.parametrize("L,S", [(19, 0), (0, 23)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_lengths(L, S, causal):
+    q, k, v = make_inputs(1, 2, 2, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Forward mode: the JVPs of the forward and of the backward (triton_forward_mode.py)
+# --------------------------------------------------------------------------------------
+TANGENTS_OF_BACKWARD = ("tq", "tk", "tv", "to", "tlse", "tdo", "tdlse")
+
+
+def run_forward_mode(q, k, v, causal, present, dtype, with_dlse=True):
+    """Both forward-mode ops against the float64 reference; present: which of the seven
+    tangents (TANGENTS_OF_BACKWARD) are given, the first three also for the forward's."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do = torch.randn_like(o)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    likes = (q, k, v, o, lse, do, lse)
+    tangents = [torch.randn(like.shape, dtype=like.dtype) if keep else None
+                for like, keep in zip(likes, present)]
+    tq, tk, tv, to, tlse, tdo, tdlse = tangents
+    outs = triton_attention.forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
+    expected = reference.forward_jvp(*f64(q, k, v, o, lse, tq, tk, tv), params)
+    for name, a, e in zip(("to", "tlse"), outs, expected):
+        check(name, a, e.to(a.dtype), dtype)
+    outs = triton_attention.backward_jvp(q, k, v, o, lse, do, dlse, *tangents, params)
+    expected = reference.backward_jvp(*f64(q, k, v, o, lse, do, dlse, *tangents), params)
+    for name, a, e in zip(("tdq", "tdk", "tdv"), outs, expected):
+        check(name, a, e.to(a.dtype), dtype)
+
+
+@in_interpreter
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", CASES)
+def test_forward_mode_fp32(monkeypatch, B, Hq, Hkv, L, S, E, Ev, causal):
+    ran = []
+    for name in ("attention_forward_jvp", "attention_backward_jvp"):
+        real = getattr(triton_attention, name)
+        monkeypatch.setattr(triton_attention, name,
+                            lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
+    run_forward_mode(q, k, v, causal, (True,) * 7, torch.float32)
+    assert ran == ["attention_forward_jvp", "attention_backward_jvp"]   # not the blockwise path
+
+
+@in_interpreter
+@pytest.mark.parametrize("present", [
+    (True, False, False, False, False, False, False),
+    (False, True, False, False, False, False, False),
+    (False, False, True, False, False, False, False),
+    (False, False, False, True, True, False, False),
+    (False, False, False, False, False, True, True),
+    (True, True, False, False, True, True, False),
+], ids=["tq", "tk", "tv", "to+tlse", "tdo+tdlse", "tq+tk+tlse+tdo"])
+def test_forward_mode_none_tangents(present):
+    q, k, v = make_inputs(1, 2, 1, 21, 34, 16, 16, torch.float32)
+    run_forward_mode(q, k, v, True, present, torch.float32, with_dlse=False)
+
+
+@in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_mode_fp16_strided(causal):
+    q, k, v = make_inputs(1, 2, 1, 33, 47, 32, 16, torch.float16, strided=True)
+    run_forward_mode(q, k, v, causal, (True,) * 7, torch.float16)
+
+
+@in_interpreter
+def test_forward_mode_with_a_mask_takes_the_blockwise_path():
+    q, k, v = make_inputs(1, 2, 2, 17, 19, 16, 16, torch.float32)
+    params = AttentionParams(scale=0.25, causal=False, mask=make_mask("bool", 1, 2, 17, 19))
+    o, lse = triton_attention.forward(q, k, v, params)
+    tq = torch.randn_like(q)
+    outs = triton_attention.forward_jvp(q, k, v, o, lse, tq, None, None, params)
+    expected = reference.forward_jvp(*f64(q, k, v, o, lse, tq), None, None, params)
+    for name, a, e in zip(("to", "tlse"), outs, expected):
+        check(name, a, e.to(a.dtype), torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Non-finite inputs
+# --------------------------------------------------------------------------------------
+NAN_ROW, NAN_KEY = 20, 9     # a query row of head 1; a key of the one key/value head
+
+
+def check_nonfinite(name, actual, expected, same_places):
+    """Close to the float64 reference wherever both are finite; NaN and infinities at the
+    same places when same_places (masked pairs may spread 0 * NaN differently otherwise)."""
+    a, e = actual.double(), expected.double()
+    if same_places:
+        for kind in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(kind(a), kind(e)), f"{name}: {kind.__name__} differs"
+    both = torch.isfinite(a) & torch.isfinite(e)
+    if both.any() and e[both].norm() > 0:
+        err = rel_err(a[both], e[both])
+        assert err <= TOLERANCE[torch.float32], f"{name}: relative L2 error {err:.2e}"
+
+
+def forward_and_backward(q, k, v, causal):
+    """(o, lse, grads) of the kernels and of the float64 reference, on the same inputs."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    params = AttentionParams(scale=scale, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    ro, rlse = reference.forward(*f64(q, k, v), params)
+    do = torch.randn_like(o)
+    grads = triton_attention.backward(q, k, v, o, lse, do, None, params)
+    expected = reference.backward(*f64(q, k, v, o, lse, do, None), params)
+    return (o, lse, grads), (ro, rlse, expected)
+
+
+@in_interpreter
+@pytest.mark.parametrize("where,causal", [("q", False), ("q", True), ("k", False), ("k", True),
+                                          ("v", False)])
+def test_nan_reaches_every_row_that_sees_it(where, causal):
+    """A NaN gives NaN in o, lse and dq on every row that sees it (it gave zeros and
+    lse = -inf); other rows keep their values."""
+    q, k, v = make_inputs(1, 2, 1, 37, 29, 16, 16, torch.float32)
+    {"q": q[0, 1, NAN_ROW], "k": k[0, 0, NAN_KEY], "v": v[0, 0, NAN_KEY]}[where][3] = float("nan")
+    sees = torch.zeros(1, 2, 37, dtype=torch.bool)
+    if where == "q":
+        sees[0, 1, NAN_ROW] = True
+    else:
+        sees[:] = torch.arange(37) >= NAN_KEY if causal else True
+    (o, lse, grads), (ro, rlse, expected) = forward_and_backward(q, k, v, causal)
+
+    assert torch.equal(torch.isnan(o).any(-1), sees)
+    assert torch.equal(torch.isnan(lse), sees if where != "v" else torch.zeros_like(sees))
+    check_nonfinite("o", o, ro, same_places=True)
+    check_nonfinite("lse", lse, rlse, same_places=True)
+    assert torch.isnan(grads[0]).any(-1)[sees].all(), "dq is finite on a row that sees the NaN"
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
+        check_nonfinite(name, a, e, same_places=not causal)
+
+
+@in_interpreter
+def test_row_whose_scores_are_all_minus_inf_is_zero():
+    """SDPA's math path gives such a row zeros (it gave NaN), and no NaN probabilities in
+    the backward."""
+    q, k, v = make_inputs(1, 2, 1, 37, 29, 16, 16, torch.float32)
+    q[0, 1, NAN_ROW] = 0.0
+    q[0, 1, NAN_ROW, 0] = -float("inf")
+    k[..., 0] = k[..., 0].abs() + 0.1
+    (o, lse, grads), (ro, rlse, expected) = forward_and_backward(q, k, v, False)
+    assert torch.equal(o[0, 1, NAN_ROW], torch.zeros(16)) and lse[0, 1, NAN_ROW] == -math.inf
+    check_nonfinite("o", o, ro, same_places=True)
+    check_nonfinite("lse", lse, rlse, same_places=True)
+    for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
+        check_nonfinite(name, a, e, same_places=True)
+
+
+@in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_folded_row_pass_reading_b_from_a_forward(monkeypatch, causal):
+    """Wide heads get B = P k from an attention forward with the keys as values (HAS_B)
+    instead of a row-pass accumulator: exact (here forced at every head dim), with and
+    without dq, GQA and L != S included."""
+    monkeypatch.setattr(triton_attention, "ACCUMULATE_B_MAX_HEAD_DIM", 0)
+    q, k, v = make_inputs(1, 4, 2, 19, 19 if causal else 27, 16, 8, torch.float32)
+    params = AttentionParams(scale=0.3, causal=causal)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    cot = [torch.randn_like(t) for t in (q, k, v)]
+    dq = triton_attention.backward(q, k, v, o, lse, do, dlse, params)[0]
+    expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+    for given in (None, dq):
+        outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, given, params)
+        for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+            check(name, a, e.to(a.dtype), torch.float32)
