@@ -56,7 +56,7 @@ import bob_compile
 from bob_compile.kernels import settings as kernel_settings
 from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
-triton_attention = None     # bob_compile.kernels.triton_attention, for the floor row (CUDA)
+native_sdpa = None     # bob_compile.kernels.native_sdpa, for the floor row (CUDA)
 
 
 # --------------------------------------------------------------------------------------
@@ -110,13 +110,13 @@ class CudnnFunction(torch.autograd.Function):
     """The least a Python autograd.Function costs: PyTorch's cuDNN forward and backward,
     called exactly as the op's implementation calls them, and nothing else (one output,
     no checks, no double backward). The floor under the op's forward + backward row.
-    (triton_attention is imported by run_rows before the row is timed: an import
+    (native_sdpa is imported by run_rows before the row is timed: an import
     statement here would add its own cost to every call.)"""
 
     @staticmethod
     def forward(ctx, q, k, v, causal):
         scale = q.shape[-1] ** -0.5
-        o, lse = triton_attention._native_forward("cudnn", q, k, v, scale, causal)
+        o, lse = native_sdpa.forward("cudnn", q, k, v, scale, causal)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale, ctx.causal = scale, causal
         return o
@@ -124,7 +124,7 @@ class CudnnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*triton_attention._native_backward("cudnn", q, k, v, o, lse, do, ctx.scale,
+        return (*native_sdpa.backward("cudnn", q, k, v, o, lse, do, ctx.scale,
                                                    ctx.causal), None)
 
 
@@ -254,8 +254,8 @@ def run_rows(problem, args, device):
     for row, provider, method in ROWS:
         add(row, provider, getattr(problem, method))
     if device.type == "cuda" and problem.q.dtype in (torch.float16, torch.bfloat16):
-        global triton_attention
-        from bob_compile.kernels import triton_attention
+        global native_sdpa
+        from bob_compile.kernels import native_sdpa
         add("forward + backward", "autograd.Function around cuDNN (floor)",
             lambda: floor_forward_backward(problem),
             note="a Python autograd.Function with PyTorch's cuDNN calls and nothing else")

@@ -1,6 +1,6 @@
 """Which fused first-order kernel: the backend native SDPA picks (inputs requiring grad), and
 the GPU time of PyTorch's cuDNN and FA2 forward + backward as the op's implementation calls
-them (`bob_compile/kernels/triton_attention.py`: _native_forward, _native_backward).
+them (`bob_compile/kernels/native_sdpa.py`: forward, backward).
 
 B=1, H=12, bf16; each entry is the mean of 20 calls back to back between two CUDA events
 after 3 warm-up calls (GPU-bound: the host runs ahead).
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from bob_compile.kernels import triton_attention
+from bob_compile.kernels import native_sdpa
 
 BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}   # torch._fused_sdp_choice
 
@@ -51,8 +51,8 @@ def main():
                 scale = d ** -0.5
                 for backend in ("cudnn", "flash"):
                     def step(backend=backend):
-                        o, lse = triton_attention._native_forward(backend, q, k, v, scale, causal)
-                        return triton_attention._native_backward(backend, q, k, v, o, lse, do,
+                        o, lse = native_sdpa.forward(backend, q, k, v, scale, causal)
+                        return native_sdpa.backward(backend, q, k, v, o, lse, do,
                                                                  scale, causal)
                     row[f"{backend}_ms"] = gpu_ms(step)
                 rows.append(row)

@@ -49,7 +49,7 @@ from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
 from . import _compat, kernels, native_node, ops
 from .kernels import reference
-from .kernels import triton_attention
+from .kernels import native_sdpa
 from .kernels import settings as kernel_settings
 
 op = torch.ops.bob_compile
@@ -231,7 +231,7 @@ def native_node_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refu
     refused. o and lse are the node's outputs (they carry its history, for a third order);
     mask: the call's (B, Hq, L, S) mask view, or None."""
     if refused is not None:
-        triton_attention.native_refused(native_node.KERNEL_NAMES[kernels], q, v, causal,
+        native_sdpa.refused(native_node.KERNEL_NAMES[kernels], q, v, causal,
                                         refused)
     if do is None and dlse is None:
         return None, None, None

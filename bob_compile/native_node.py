@@ -34,7 +34,7 @@ import time
 import torch
 
 from . import kernels, launch_programs, ops
-from .kernels import layout, triton_attention, triton_masks
+from .kernels import layout, native_sdpa, triton_attention, triton_masks
 from .kernels import settings as kernel_settings
 from .kernels.params import AttentionParams
 
@@ -122,7 +122,7 @@ def _forget_plans(settings):
     _install_entry(settings)
 
 
-@triton_attention.on_native_refused
+@native_sdpa.on_refused
 def _forget_routes():
     if _extension is not None:
         _extension.forget_routes()
@@ -192,7 +192,7 @@ def attention_output(q, k, v, scale, causal, needs_graph):
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError) as e:
-        triton_attention.native_refused(path.native, q, v, causal, e)
+        native_sdpa.refused(path.native, q, v, causal, e)
         return None
 
 

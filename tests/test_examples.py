@@ -68,7 +68,8 @@ def test_sophia_h():
 def test_distributed_sophia_h():
     """torchrun with 2 CPU processes (gloo): DDP around the compiled model, the Hessian step
     averaged over the ranks, checked against one process on the concatenated batch."""
-    out = run_example("distributed_sophia_h.py", python_prefix=torchrun_two_processes())
+    out = run_example("distributed_sophia_h.py", "--steps", "3", "--n-layer", "1",
+                      python_prefix=torchrun_two_processes())
     assert out.count("all checks passed") == 2
     assert "rank 1 Hessian-vector product (trained weights)" in out
     assert "samples/s" in out

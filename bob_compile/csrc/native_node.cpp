@@ -4,7 +4,7 @@
 // A Python autograd.Function costs ~25-50 us of host time per call beyond the kernels it
 // launches (its apply, and a backward run under the GIL on the engine's device thread): at
 // short lengths that is what the GPU waits for. This node calls the same fused kernels as
-// the op's Python path (bob_compile/kernels/triton_attention.py: _native_forward, _native_backward)
+// the op's Python path (bob_compile/kernels/native_sdpa.py: forward, backward)
 // with the same layouts, and leaves everything else to Python:
 //
 //   forward    PyTorch's fused forward (cuDNN or FA2; CPU flash for the tests), returning

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from . import blockwise, layout, settings
+from . import blockwise, layout, native_sdpa, settings
 from .params import AttentionParams
 from .triton_backward import attention_backward
 from .tuning import BUILD_ERRORS, error_summary
@@ -74,155 +74,12 @@ def supports(q, k, v):
 
 
 # --------------------------------------------------------------------------------------
-# PyTorch's fused first-order kernels, where they apply
-# --------------------------------------------------------------------------------------
-# (backend, dtype, head dims, causal) configurations PyTorch's fused kernel refused once
-_native_failed = set()
-
-
-def _native_key(backend, q, v, causal):
-    return backend, q.dtype, q.shape[3], v.shape[3], causal
-
-
-def _native_backend(q, k, v, params):
-    """'cudnn' or 'flash' when PyTorch's fused kernel computes exactly this op, else None
-    (never with a mask tensor: our kernels read it as AttentionParams defines it)."""
-    s = settings.current()
-    if not q.is_cuda or params.mask is not None:
-        return None
-    causal = params.causal
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    qs = q.shape
-    E, Ev = qs[3], v.shape[3]
-    # grouped-query attention included: PyTorch's cuDNN kernels take fewer key/value heads
-    # (exact; 1.6-1.9x faster than the Triton kernels on the H200: docs/measurements.md)
-    if E != Ev or E % 8 or E > 256 or qs[1] % k.shape[1]:
-        return None
-    if causal and qs[2] != k.shape[2]:
-        return None  # fused kernels align a rectangular causal mask bottom-right
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return None
-    # cuDNN is what ran (and matched native SDPA's speed) on the H200 for head dims <= 128;
-    # above that the Triton kernels run unless BOB_COMPILE_NATIVE_BACKEND=flash asks for FA2.
-    backend = s.native_backend
-    if backend is None:
-        backend = "cudnn" if E <= 128 else "none"
-    if backend == "none":
-        return None
-    if _native_failed and _native_key(backend, q, v, causal) in _native_failed:
-        return None
-    return backend
-
-
-# The forwards through torch's generated Python bindings (a direct C++ call; torch.ops.aten
-# goes through the boxed dispatcher from Python); the backwards have no such binding, so
-# their overloads are looked up once.
-_cudnn_forward = getattr(torch, "_scaled_dot_product_cudnn_attention",
-                         torch.ops.aten._scaled_dot_product_cudnn_attention)
-_flash_forward = getattr(torch, "_scaled_dot_product_flash_attention",
-                         torch.ops.aten._scaled_dot_product_flash_attention)
-_cudnn_backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
-
-
-def _native_forward(backend, q, k, v, scale, causal):
-    B, H, L, _ = q.shape
-    if backend == "cudnn":
-        out = _cudnn_forward(q, k, v, None, True, 0.0, causal, False, scale=scale)
-    else:
-        out = _flash_forward(q, k, v, 0.0, causal, False, scale=scale)
-    o, lse = out[0], out[1]     # o in q's dimension order, as the op's contract wants
-    if lse.dtype == torch.float32 and lse.is_contiguous():
-        return o, lse.view(B, H, L)         # cuDNN: (B, H, L, 1); flash: (B, H, L)
-    return o, lse.reshape(B, H, L).float().contiguous()
-
-
-def _native_forward_output(backend, q, k, v, scale, causal):
-    """o alone: cuDNN then neither computes nor writes the lse (what native SDPA runs
-    without grad); FA2's forward always returns one."""
-    if backend == "cudnn":
-        return _cudnn_forward(q, k, v, None, False, 0.0, causal, False, scale=scale)[0]
-    return _flash_forward(q, k, v, 0.0, causal, False, scale=scale)[0]
-
-
-def _deterministic():
-    """Whether torch.use_deterministic_algorithms(True) (not warn_only) is in force. PyTorch's
-    fused backwards accumulate dq with atomics, and native SDPA then avoids cuDNN
-    (sdp_utils' check_cudnn_deterministic); the op runs the Triton backward instead, whose
-    default dq pass is deterministic (BOB_COMPILE_DEV_BWD_DQ=two_pass)."""
-    return torch.are_deterministic_algorithms_enabled() and \
-        not torch.is_deterministic_algorithms_warn_only_enabled()
-
-
-_empty_seeds = {}
-
-
-def _empty_seed(device):
-    """An empty int64 tensor on device, made once (a fresh one per call cost an allocation
-    call on every backward): with dropout 0 the RNG seed and offset are never read."""
-    seed = _empty_seeds.get(device)
-    if seed is None:
-        seed = _empty_seeds[device] = torch.empty(0, device=device, dtype=torch.long)
-    return seed
-
-
-def _native_backward(backend, q, k, v, o, lse, do, scale, causal):
-    L, S = q.shape[2], k.shape[2]
-    # no dropout: the RNG state is never read; cumulative lengths = None means "not varlen"
-    seed = _empty_seed(q.device)
-    do = layout.in_order_of(do, o)     # the fused backwards read dO in o's layout
-    if backend == "cudnn":
-        grads = _cudnn_backward(do, q, k, v, o, lse.unsqueeze(-1), seed, seed, None, None,
-                                None, L, S, 0.0, causal, scale=scale)
-    else:
-        grads = _flash_backward(do, q, k, v, o, lse, None, None, L, S, 0.0, causal, seed, seed,
-                                scale=scale)
-    return grads[:3]        # in the primals' dimension orders (ops.py copies where not)
-
-
-def _try_native(backend, fn, q, k, v, *rest):
-    """fn(backend, q, k, v, *rest), or None where PyTorch's fused kernel refuses this
-    configuration: that configuration (dtype, head dims, causal) then runs the Triton kernels
-    from now on. Out-of-memory is not a refusal: it propagates, and changes nothing."""
-    try:
-        return fn(backend, q, k, v, *rest)
-    except torch.OutOfMemoryError:
-        raise
-    except (RuntimeError, TypeError) as e:  # unsupported in this build or for these inputs
-        native_refused(backend, q, v, rest[-1], e)
-        return None
-
-
-_refusal_listeners = []
-
-
-def on_native_refused(listener):
-    """Call listener() whenever a configuration is marked refused (what was decided from the
-    call paths, elsewhere, must be decided again)."""
-    _refusal_listeners.append(listener)
-    return listener
-
-
-def native_refused(backend, q, v, causal, error):
-    """PyTorch's fused kernel (backend) refused these inputs with `error`: their
-    configuration (dtype, head dims, causal) runs the Triton kernels from now on."""
-    _native_failed.add(_native_key(backend, q, v, causal))
-    _call_paths.clear()
-    for listener in _refusal_listeners:
-        listener()
-    log.warning("PyTorch fused attention (%s) failed for %s, head dims %d/%d, causal=%s (%s); "
-                "using the Triton kernels for that configuration", backend, q.dtype,
-                q.shape[3], v.shape[3], causal, error)
-
-
-# --------------------------------------------------------------------------------------
 # Call paths: what the contract runs for one call signature, decided once
 # --------------------------------------------------------------------------------------
 # At short lengths a call's host time is what the GPU waits for, and the general path
 # (ops.py, then the contract below) decides on every call what it decided the call before:
 # which implementation (select), whether PyTorch's fused kernels compute this op
-# (_native_backend, a dozen checks), which schedule, and the flattening of ops.py. All of it
+# (native_sdpa.backend_for, a dozen checks), which schedule, and the flattening of ops.py. All of it
 # follows from `_signature`, so a CallPath per signature keeps the answers. A refusal by
 # PyTorch's kernels, or a reload of the settings, forgets every call path.
 class CallPath:
@@ -242,7 +99,7 @@ class CallPath:
         if self.native is None:
             o, lse = attention_forward(q, k, v, self.params)
         else:
-            out = _try_native(self.native, _native_forward, q, k, v, self.params.scale,
+            out = native_sdpa.attempt(self.native, native_sdpa.forward, q, k, v, self.params.scale,
                               self.params.causal)
             if out is None:
                 return None
@@ -253,15 +110,15 @@ class CallPath:
         if self.native is None:
             o = attention_forward(q, k, v, self.params)[0]
         else:
-            o = _try_native(self.native, _native_forward_output, q, k, v, self.params.scale,
-                            self.params.causal)
+            o = native_sdpa.attempt(self.native, native_sdpa.forward_output, q, k, v,
+                                    self.params.scale, self.params.causal)
             if o is None:
                 return None
         return layout.in_order_of(o, q)
 
     def backward(self, q, k, v, o, lse, do, dlse):
-        if dlse is None and self.native is not None and not _deterministic():
-            grads = _try_native(self.native, _native_backward, q, k, v, o, lse, do,
+        if dlse is None and self.native is not None and not native_sdpa.deterministic():
+            grads = native_sdpa.attempt(self.native, native_sdpa.backward, q, k, v, o, lse, do,
                                 self.params.scale, self.params.causal)
             if grads is None:
                 return None
@@ -323,7 +180,12 @@ def _decide_call_path(q, k, v, scale, causal):
     if select(q, k, v) is not sys.modules[__name__] or not (q.shape[2] and k.shape[2]):
         return None
     params = AttentionParams(scale=scale, causal=causal)
-    return CallPath(_native_backend(q, k, v, params), params, settings.current())
+    return CallPath(native_sdpa.backend_for(q, k, v, params), params, settings.current())
+
+
+@native_sdpa.on_refused
+def _forget_call_paths_of_refused():
+    _call_paths.clear()
 
 
 @settings.on_reload
@@ -341,9 +203,9 @@ def forward(q, k, v, params):
     if S == 0 or L == 0:
         o = torch.zeros((B, Hq, L, Ev), device=q.device, dtype=q.dtype)
         return o, torch.full((B, Hq, L), float("-inf"), device=q.device, dtype=torch.float32)
-    backend = _native_backend(q, k, v, params)
+    backend = native_sdpa.backend_for(q, k, v, params)
     if backend is not None:
-        out = _try_native(backend, _native_forward, q, k, v, scale, causal)
+        out = native_sdpa.attempt(backend, native_sdpa.forward, q, k, v, scale, causal)
         if out is not None:
             return out
     return attention_forward(q, k, v, params)
@@ -351,9 +213,10 @@ def forward(q, k, v, params):
 
 def forward_output(q, k, v, params):
     if k.shape[2] and q.shape[2]:
-        backend = _native_backend(q, k, v, params)
+        backend = native_sdpa.backend_for(q, k, v, params)
         if backend is not None:
-            o = _try_native(backend, _native_forward_output, q, k, v, params.scale, params.causal)
+            o = native_sdpa.attempt(backend, native_sdpa.forward_output, q, k, v, params.scale,
+                                    params.causal)
             if o is not None:
                 return o
     return forward(q, k, v, params)[0]
@@ -366,10 +229,11 @@ def backward(q, k, v, o, lse, do, dlse, params):
         return torch.zeros_like(q, memory_format=torch.contiguous_format), \
             torch.zeros_like(k, memory_format=torch.contiguous_format), \
             torch.zeros_like(v, memory_format=torch.contiguous_format)
-    if dlse is None and not _deterministic():
-        backend = _native_backend(q, k, v, params)
+    if dlse is None and not native_sdpa.deterministic():
+        backend = native_sdpa.backend_for(q, k, v, params)
         if backend is not None:
-            out = _try_native(backend, _native_backward, q, k, v, o, lse, do, scale, causal)
+            out = native_sdpa.attempt(backend, native_sdpa.backward, q, k, v, o, lse, do, scale,
+                                      causal)
             if out is not None:
                 return out
     return attention_backward(q, k, v, o, lse, do, dlse, params,
@@ -406,9 +270,9 @@ def _keys_out(q, k, params, native=_UNDECIDED):
     if q.shape[3] <= ACCUMULATE_B_MAX_HEAD_DIM:
         return None
     if native is _UNDECIDED:
-        native = _native_backend(q, k, k, params)
+        native = native_sdpa.backend_for(q, k, k, params)
     if native is not None:
-        keys_out = _try_native(native, _native_forward_output, q, k, k, params.scale,
+        keys_out = native_sdpa.attempt(native, native_sdpa.forward_output, q, k, k, params.scale,
                                params.causal)
         if keys_out is not None:
             return keys_out

@@ -394,9 +394,13 @@ def test_dump_of_skipped_site_says_why(tmp_path, monkeypatch):
         return p @ v, p
     q, k, v, _ = nanogpt_inputs()
     torch.compile(returns_probabilities, backend=flashbob, options={"compiler": "eager"})(q, k, v)
-    assert_expected_inline(normalize((tmp_path / "0_0" / "report.txt").read_text()), """\
+    report = normalize((tmp_path / "0_0" / "report.txt").read_text())
+    # The line is the one Dynamo's stack trace names for the softmax node: its own line, or,
+    # in some runs of the whole suite, the return that uses p (Dynamo's attribution, not ours)
+    report = re.sub(r"\(<file>: (p = F\.softmax\(.*\)|return p @ v, p)\)", "(<file>: <line>)", report)
+    assert_expected_inline(report, """\
 flashbob graph 0/0: 0 attention site(s) replaced, 1 skipped
-  skipped  handwritten at p (<file>: p = F.softmax(q @ k.transpose(-2, -1), dim=-1)): the attention probabilities p are used 2 times (matmul_1, output), not only by the attention
+  skipped  handwritten at p (<file>: <line>): the attention probabilities p are used 2 times (matmul_1, output), not only by the attention
   route: eager (options['compiler'] is 'eager')
 """)
     assert (tmp_path / "0_0" / "graph.diff").read_text() == ""

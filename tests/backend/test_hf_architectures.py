@@ -91,6 +91,7 @@ def test_replaced_and_exact(name, attn_implementation, tol):
         assert ((g - e).norm() / e.norm()).item() < tol
 
 
+@pytest.mark.slow      # 35 s cold; dropout's replay in every order: test_training_route.py
 def test_gpt2_with_dropout_every_order_compiled_and_equal_to_eager():
     config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1,
                                      n_head=2, attn_pdrop=0.0)   # resid, embd dropout: 0.1

@@ -17,6 +17,7 @@ from bob_compile.kernels.params import AttentionParams
 from test_op_host_path import OpLog
 
 triton_attention = pytest.importorskip("bob_compile.kernels.triton_attention")
+from bob_compile.kernels import native_sdpa  # noqa: E402
 
 
 def cpu_flash_forward(backend, q, k, v, scale, causal):
@@ -45,9 +46,9 @@ def call_paths(monkeypatch):
     monkeypatch.setattr(triton_attention, "attention_bob",
                         lambda *a, row_atomics=False, fold=False, dq=None, keys_out=None:
                         blockwise.bob_folded(*a[:-1], dq, a[-1]) if fold else blockwise.bob(*a))
-    monkeypatch.setattr(triton_attention, "_native_forward", cpu_flash_forward)
-    monkeypatch.setattr(triton_attention, "_native_forward_output", cpu_flash_forward_output)
-    monkeypatch.setattr(triton_attention, "_native_backward", cpu_flash_backward)
+    monkeypatch.setattr(native_sdpa, "forward", cpu_flash_forward)
+    monkeypatch.setattr(native_sdpa, "forward_output", cpu_flash_forward_output)
+    monkeypatch.setattr(native_sdpa, "backward", cpu_flash_backward)
 
     class CountedPath(triton_attention.CallPath):
         __slots__ = ()
@@ -176,8 +177,8 @@ def test_native_first_order_and_a_refusal(call_paths, monkeypatch):
 
     def refuses(*args):
         raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
-    monkeypatch.setattr(triton_attention, "_native_backward", refuses)
-    monkeypatch.setattr(triton_attention, "_native_failed", set())
+    monkeypatch.setattr(native_sdpa, "backward", refuses)
+    monkeypatch.setattr(native_sdpa, "failed", set())
     monkeypatch.setattr(triton_attention, "_call_paths", {"stale": None})
     ours = first_order_step(*inputs(dtype=torch.float32))
     for a, b in zip(ours, expected):
@@ -209,7 +210,7 @@ def test_deterministic_algorithms_keep_pytorchs_backward_out(call_paths, monkeyp
     native, calls = call_paths
     native[0] = "cpu"
     ran = []
-    monkeypatch.setattr(triton_attention, "_native_backward",
+    monkeypatch.setattr(native_sdpa, "backward",
                         lambda *a: ran.append(1) or cpu_flash_backward(*a))
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
@@ -224,7 +225,7 @@ def test_deterministic_algorithms_keep_pytorchs_backward_out(call_paths, monkeyp
             for a, b in zip(ours, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         # the contract's own backward (the op's general path), PyTorch's kernel applying
-        monkeypatch.setattr(triton_attention, "_native_backend", lambda *a: "cpu")
+        monkeypatch.setattr(native_sdpa, "backend_for", lambda *a: "cpu")
         q, k, v, do = (t.detach() for t in inputs(dtype=torch.float32))
         params = AttentionParams(scale=0.5, causal=True)
         o, lse = blockwise.forward(q, k, v, params)
@@ -264,8 +265,8 @@ def test_no_call_path_for_a_mask_or_other_ranks(call_paths):
 def test_call_paths_are_decided_once_per_signature(monkeypatch):
     monkeypatch.setattr(kernels, "select", lambda q, k, v: triton_attention)
     decided = []
-    real_backend = triton_attention._native_backend
-    monkeypatch.setattr(triton_attention, "_native_backend",
+    real_backend = native_sdpa.backend_for
+    monkeypatch.setattr(native_sdpa, "backend_for",
                         lambda *a: decided.append(1) or real_backend(*a))
     monkeypatch.setattr(triton_attention, "_call_paths", {})
     q = torch.randn(1, 2, 5, 8)

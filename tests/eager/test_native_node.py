@@ -361,8 +361,8 @@ def test_a_refused_forward_is_logged_and_the_python_path_runs(cpp_node, monkeypa
     """PyTorch's kernel refusing the inputs (here cuDNN's forward, given CPU tensors) is
     logged, that configuration is marked for the Triton kernels, and the call runs the
     op's Python path: the same result."""
-    from bob_compile.kernels import triton_attention
-    monkeypatch.setattr(triton_attention, "_native_failed", set())
+    from bob_compile.kernels import native_sdpa
+    monkeypatch.setattr(native_sdpa, "failed", set())
     monkeypatch.setattr(native_node, "_call_path",
                         lambda *args: types.SimpleNamespace(native="cudnn"))
     q, k, v = inputs(1, 2, 7, 7, 8)
@@ -370,7 +370,7 @@ def test_a_refused_forward_is_logged_and_the_python_path_runs(cpp_node, monkeypa
         o = bob_compile.attention(q, k, v, is_causal=True)
     assert not _is_cpp_node(o)
     assert "PyTorch fused attention (cudnn) failed" in caplog.text
-    assert triton_attention._native_failed == {("cudnn", torch.float64, 8, 8, True)}
+    assert native_sdpa.failed == {("cudnn", torch.float64, 8, 8, True)}
     want = math_attention(q, k, v, 8 ** -0.5, True)[0]
     close((o,), (want,))
     close(torch.autograd.grad(o.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v)))

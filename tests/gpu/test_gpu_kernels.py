@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from bob_compile.kernels import reference, settings, triton_attention  # noqa: E402
+from bob_compile.kernels import native_sdpa, reference, settings, triton_attention  # noqa: E402
 from bob_compile.kernels.params import AttentionParams  # noqa: E402
 
 
@@ -316,12 +316,12 @@ def test_grouped_query_first_order_runs_pytorchs_cudnn_kernels():
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
     params = AttentionParams(scale=0.125, causal=True)
-    assert triton_attention._native_backend(q, kv, kv, params) == "cudnn"
+    assert native_sdpa.backend_for(q, kv, kv, params) == "cudnn"
     path = triton_attention.call_path(q, kv, kv, 0.125, True)
     assert path is not None and path.native == "cudnn"
     dq, dk, dv = path.backward(q, kv, kv, *path.forward(q, kv, kv), torch.randn_like(q), None)
     assert dk.shape == kv.shape and dv.shape == kv.shape and dq.shape == q.shape
-    assert not triton_attention._native_failed
+    assert not native_sdpa.failed
 
 
 @pytest.mark.parametrize("cpp_node", ["wait", "off"])
@@ -337,8 +337,8 @@ def test_deterministic_algorithms_run_our_backward(monkeypatch, reread_settings,
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", cpp_node)
     settings.reload()
     ran = []
-    real = triton_attention._cudnn_backward
-    monkeypatch.setattr(triton_attention, "_cudnn_backward",
+    real = native_sdpa._cudnn_backward
+    monkeypatch.setattr(native_sdpa, "_cudnn_backward",
                         lambda *a, **kw: ran.append(1) or real(*a, **kw))
     q, k, v, do = (torch.randn(2, 3, 1000, 64, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))

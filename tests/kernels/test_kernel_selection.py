@@ -76,8 +76,8 @@ def test_empty_values_mean_the_default(monkeypatch):
 def test_a_refused_native_configuration_falls_back_for_that_configuration_only(monkeypatch):
     """A configuration cuDNN/flash refuses runs Triton from then on; other configurations
     keep the native kernel; out-of-memory propagates and switches nothing off."""
-    triton_attention = pytest.importorskip("bob_compile.kernels.triton_attention")
-    monkeypatch.setattr(triton_attention, "_native_failed", set())
+    native_sdpa = pytest.importorskip("bob_compile.kernels.native_sdpa")
+    monkeypatch.setattr(native_sdpa, "failed", set())
     q64, v64 = torch.empty(1, 1, 4, 64), torch.empty(1, 1, 4, 64)
     q128 = torch.empty(1, 1, 4, 128)
 
@@ -88,13 +88,13 @@ def test_a_refused_native_configuration_falls_back_for_that_configuration_only(m
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     with pytest.raises(torch.OutOfMemoryError):
-        triton_attention._try_native("cudnn", out_of_memory, q64, q64, v64, 0.1, True)
-    assert triton_attention._native_failed == set()
-    assert triton_attention._try_native("cudnn", refuses, q64, q64, v64, 0.1, True) is None
-    failed = triton_attention._native_failed
-    assert triton_attention._native_key("cudnn", q64, v64, True) in failed
-    assert triton_attention._native_key("cudnn", q64, v64, False) not in failed
-    assert triton_attention._native_key("cudnn", q128, q128, True) not in failed
+        native_sdpa.attempt("cudnn", out_of_memory, q64, q64, v64, 0.1, True)
+    assert native_sdpa.failed == set()
+    assert native_sdpa.attempt("cudnn", refuses, q64, q64, v64, 0.1, True) is None
+    failed = native_sdpa.failed
+    assert native_sdpa.key("cudnn", q64, v64, True) in failed
+    assert native_sdpa.key("cudnn", q64, v64, False) not in failed
+    assert native_sdpa.key("cudnn", q128, q128, True) not in failed
 
 
 # --------------------------------------------------------------------------------------

@@ -113,8 +113,8 @@ SECOND_ORDER_RUNS = {"first_order.forward", "second_order.forward", "second_orde
 @pytest.mark.parametrize("scenario,expected_runs", [
     (first_order, {"first_order.forward", "first_order.backward"}),
     (hessian_vector_product, SECOND_ORDER_RUNS),
-    (gradient_penalty, SECOND_ORDER_RUNS),
-    (maml, SECOND_ORDER_RUNS),
+    pytest.param(gradient_penalty, SECOND_ORDER_RUNS, marks=pytest.mark.slow),
+    pytest.param(maml, SECOND_ORDER_RUNS, marks=pytest.mark.slow),
 ], ids=lambda x: getattr(x, "__name__", ""))
 def test_inductor_code_runs_in_every_order(scenario, expected_runs, inductor_runs):
     model = SDPABlock().double()
