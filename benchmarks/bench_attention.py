@@ -394,9 +394,9 @@ def main():
     node_build_s = None
     if any(p.startswith("op_") for p in args.providers):
         # the op's C++ node builds in the background on first use: have it ready first
-        from bob_compile import native_node
+        from bob_compile.eager import node as eager_node
         start = time.perf_counter()
-        node_ready = native_node.extension(wait=True) is not None
+        node_ready = eager_node.extension(wait=True) is not None
         node_build_s = time.perf_counter() - start
         print(f"C++ node {'ready' if node_ready else 'NOT built'} in {node_build_s:.1f} s")
     B, H = args.batch, args.heads

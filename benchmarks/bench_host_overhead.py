@@ -482,7 +482,7 @@ def main():
 
     # the op's C++ node (CUDA) builds in the background on first use: have it ready first
     start = time.perf_counter()
-    node_ready = device.type == "cuda" and bob_compile.native_node.extension(wait=True) is not None
+    node_ready = device.type == "cuda" and bob_compile.eager.node.extension(wait=True) is not None
     node_build_s = time.perf_counter() - start
     if device.type == "cuda":
         print(f"C++ node {'ready' if node_ready else 'NOT built'} in {node_build_s:.1f} s "

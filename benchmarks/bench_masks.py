@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bob_compile  # noqa: E402
-from bob_compile import native_node  # noqa: E402
+from bob_compile.eager import node as eager_node  # noqa: E402
 from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 
@@ -158,7 +158,7 @@ def main():
         first_step_s[name] = time.perf_counter() - start
         # the C++ autograd node builds in the background from the first call: no row is
         # timed through the Python node beside a compiler (a training run has it built)
-        native_node.extension(wait=True)
+        eager_node.extension(wait=True)
         rows[name] = median_ms(lambda: step(q, k, v, do, cot, mask, is_causal), args.reps)
         print(f"{name}: {rows[name]:.3f} ms (first step {first_step_s[name]:.1f} s)", flush=True)
         if args.profile:
@@ -223,13 +223,13 @@ class python_node:
     """Masked calls through the Python autograd node (the C++ node declines them)."""
 
     def __enter__(self):
-        self.module = native_node
-        self.real = native_node.masked_attention_output, native_node.fast_entry
-        native_node.masked_attention_output = lambda *a: None
-        native_node.fast_entry = None
+        self.module = eager_node
+        self.real = eager_node.masked_output, eager_node.fast_entry
+        eager_node.masked_output = lambda *a: None
+        eager_node.fast_entry = None
 
     def __exit__(self, *exc):
-        self.module.masked_attention_output, self.module.fast_entry = self.real
+        self.module.masked_output, self.module.fast_entry = self.real
 
 
 def host_times(calls=200):

@@ -10,8 +10,9 @@ import sys
 
 import torch
 
-from . import native_node
+from . import eager
 from .autograd import attention_output
+from .eager import node as eager_node
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
@@ -174,8 +175,8 @@ def attention(query, key, value, attn_mask=None, *, is_causal=False, scale=None,
     """
     # the C++ node's entry: for a plain eager call of a signature seen before, whose first
     # order PyTorch's fused kernels run, what the lines below would run, without their
-    # Python; None for anything else (bob_compile/native_node.py)
-    fast = native_node.fast_entry
+    # Python; None for anything else (bob_compile/eager/)
+    fast = eager_node.fast_entry
     if fast is not None:
         o = fast(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if o is not None:
@@ -186,4 +187,5 @@ def attention(query, key, value, attn_mask=None, *, is_causal=False, scale=None,
     scale = _scale_value(scale, query.shape[-1])
     query, key, value = _broadcast_leading(query, key, value, enable_gqa)
     mask = _checked_mask(attn_mask, query, key, value)
-    return attention_output(query, key, value, mask, scale, is_causal)
+    o = eager.output(query, key, value, mask, scale, is_causal)
+    return attention_output(query, key, value, mask, scale, is_causal) if o is None else o

@@ -36,6 +36,11 @@ records its node on the wrapper, which vmap throws away with the wrapper: a fuse
 applied there with grad mode on would silently lose its derivatives. Such steps run the
 closed-form twin instead (builtin ops, exact at every order); without grad mode (no
 create_graph) the fused ops run, as their results are never differentiated.
+
+The file runs from the plumbing every Function shares (the host fast path, jvp rules, call
+paths) through first, second and third order. The C++ nodes that run plain eager calls
+with less host time are bob_compile/eager/, which calls into this module, never the
+reverse.
 """
 import inspect
 import logging
@@ -47,9 +52,8 @@ from torch._C._functorch import TransformType, _unwrap_for_grad, _wrap_for_grad
 from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
-from . import _compat, kernels, native_node, ops
+from . import _compat, kernels, ops
 from .kernels import reference
-from .kernels import native_sdpa
 from .kernels import settings as kernel_settings
 
 op = torch.ops.bob_compile
@@ -98,7 +102,7 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _forward_ad = torch.autograd.forward_ad
 
 
-def _plain_eager(tensors):
+def plain_eager(tensors):
     """Whether these op inputs may go to the implementation without the dispatcher
     (see above): nothing that intercepts ops is active and every tensor is plain."""
     if _functorch_active() or _dispatch_modes() or _torch_function_mode_on() \
@@ -135,7 +139,7 @@ def _run(op_overload, call, name, args):
     return _direct(call, name, args)
 
 
-def _no_graph_needed(args):
+def no_graph_needed(args):
     """Whether no output computed from `args` can need an autograd graph: no forward-AD
     level, and grad mode off or no input requiring grad."""
     return _forward_ad._current_level < 0 and (
@@ -163,12 +167,12 @@ class _Fused(torch.autograd.Function):
             if jvp_rule_level is not None:
                 return _apply_below_jvp_level(jvp_rule_level, cls, args)
             return custom_function_call(cls, *args)     # as Function.apply does, unbound
-        plain = _plain_eager(args[:-2])
+        plain = plain_eager(args[:-2])
         if not plain:
             args = unwrap_dead_wrappers(args)
         outer, _apply_state.plain = getattr(_apply_state, "plain", False), plain
         try:
-            if plain and _no_graph_needed(args):
+            if plain and no_graph_needed(args):
                 return cls.forward(*args)
             # what Function.apply does from here on, without binding the signature again
             return super(torch.autograd.Function, cls).apply(*args)
@@ -203,65 +207,6 @@ def _apply_below_jvp_level(interpreter, cls, args):
     return tuple(None if t is None else _wrap_for_grad(t, level) for t in outputs)
 
 
-def attention_output(q, k, v, mask, scale, causal):
-    """o of the attention op. A plain eager call runs through the C++ node (native_node.py)
-    where PyTorch's fused kernels compute it, or, with a mask, the Triton kernels do, with or
-    without a graph; else, where nothing can differentiate it (no grad needed, no
-    forward-mode AD), the implementation's forward_output, without an lse (PyTorch's fused
-    forward then skips computing it, as native SDPA does without grad); everywhere else, the
-    op through AttnFn (attention_with_lse)."""
-    if not _functorch_active() and _plain_eager((q, k, v, mask)):
-        no_graph = _no_graph_needed((q, k, v))
-        if mask is None:
-            o = native_node.attention_output(q, k, v, scale, causal, not no_graph)
-        else:
-            o = native_node.masked_attention_output(q, k, v, mask, scale, causal, not no_graph)
-        if o is not None:
-            return o
-        if no_graph:
-            return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
-                           (q, k, v, mask, scale, causal))
-    return attention_with_lse(q, k, v, mask, scale, causal)[0]
-
-
-def native_node_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused, mask):
-    """The backwards of the C++ node (native_node.py) that it does not run itself: what
-    AttnFn.backward runs there (a create_graph backward, an lse cotangent, a tensor subclass,
-    deterministic algorithms). refused: the message of the fused backward's refusal, if it
-    refused. o and lse are the node's outputs (they carry its history, for a third order);
-    mask: the call's (B, Hq, L, S) mask view, or None."""
-    if refused is not None:
-        native_sdpa.refused(native_node.KERNEL_NAMES[kernels], q, v, causal,
-                                        refused)
-    if do is None and dlse is None:
-        return None, None, None
-    return differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal)
-
-
-def native_bob_backward(q, k, v, o, lse, do, o_attached, lse_attached, gdq, gdk, gdv, dq,
-                        scale, causal, wants_plan, mask):
-    """The backward of the C++ node's first backward (native_node.py) where it does not run
-    it itself: what AttnBwdFn.backward runs for o and lse that came in detached (the folded
-    BoB), returning (gq, gk, gv, gdo). o_attached, lse_attached: the forward's outputs with
-    their history, which a third order differentiates through; dq: the first backward's dq
-    (None if modified in place since); wants_plan: the node has no plan of this signature's
-    launches yet and could replay one (native_node.bob_folded_with_plan); mask: the call's
-    (B, Hq, L, S) mask view, or None."""
-    if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
-        o, lse = o_attached, lse_attached
-    path = None
-    if not torch.is_grad_enabled() and not _profiling() and _plain_eager((gdq, gdk, gdv)):
-        path = ops.call_path(kernels.select, q, k, v, mask, scale, causal)
-    if path is not None and wants_plan:
-        outs = native_node.bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq,
-                                                scale, causal)
-        if outs is not None:
-            return outs[:4]
-        path = None
-    return _run_bob(True, path, None, q, k, v, o, lse, do, None, gdq, gdk, gdv, dq, mask, scale,
-                    causal)[:4]
-
-
 def _plain_call_path(q, k, v, mask, scale, causal):
     """In the forward of a plain eager `_Fused.apply`: the implementation's CallPath for this
     call (ops.call_path), also kept for the setup_context that runs next on this thread (its
@@ -292,7 +237,7 @@ def _call_path_applies(ctx, cotangents):
     name) and the kernel choices of the forward are the ones in force (ctx.kernel_choices
     None: none were made, so the call path, decided under the same settings, applies)."""
     return (ctx.call_path is not None and ctx.kernel_choices is None
-            and not torch.is_grad_enabled() and not _profiling() and _plain_eager(cotangents))
+            and not torch.is_grad_enabled() and not _profiling() and plain_eager(cotangents))
 
 
 def _forward_mode_possible():
@@ -303,26 +248,6 @@ def _forward_mode_possible():
 
 def _zeros_if_none(t, like):
     return torch.zeros_like(like) if t is None else t
-
-
-# ----------------------------------------------------------------------------- third order
-def _always_reference(q, k, v):
-    return reference
-
-
-def _canonical_twin(call):
-    """The closed-form twin of an op with the op's own (any-leading-dims) calling convention."""
-    def twin(*args):
-        return call(_always_reference, *args)
-    return twin
-
-
-_forward_twin = _canonical_twin(ops.call_forward)
-_backward_twin = _canonical_twin(ops.call_backward)
-_bob_twin = _canonical_twin(ops.call_bob)
-_bob_folded_twin = _canonical_twin(ops.call_bob_folded)
-_forward_jvp_twin = _canonical_twin(ops.call_forward_jvp)
-_backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
 
 
 # ----------------------------------------------------------------------------- legacy vmap
@@ -348,6 +273,19 @@ def _needs_twin_under_legacy_vmap(*tensors):
     return True
 
 
+# ----------------------------------------------------------------------------- first order
+def attention_output(q, k, v, mask, scale, causal):
+    """o of the attention op through the Functions (bob_compile.attention asks the eager
+    accelerator, bob_compile/eager/, first): where nothing can differentiate it (no grad
+    needed, no forward-mode AD, plain eager), the implementation's forward_output, without an
+    lse (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
+    everywhere else, the op through AttnFn (attention_with_lse)."""
+    if not _functorch_active() and plain_eager((q, k, v, mask)) and no_graph_needed((q, k, v)):
+        return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
+                       (q, k, v, mask, scale, causal))
+    return attention_with_lse(q, k, v, mask, scale, causal)[0]
+
+
 def attention_with_lse(q, k, v, mask, scale, causal):
     """(o, lse) of the attention op, differentiable to any order (AttnFn, or its twin where
     legacy vmap would drop AttnFn's node)."""
@@ -356,145 +294,64 @@ def attention_with_lse(q, k, v, mask, scale, causal):
     return AttnFn.apply(q, k, v, mask, scale, causal)
 
 
-def _twin_inputs(ctx, like):
-    """(the saved tensor inputs of a fused op, each None made zeros shaped like its input
-    like[i]; the mask, saved last)."""
-    *saved, mask = ctx.saved_tensors
-    return tuple(torch.zeros_like(saved[like[i]]) if t is None else t
-                 for i, t in enumerate(saved)), mask
+def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal,
+                                  kernel_choices=None):
+    """(dq, dk, dv) of the forward's (o, lse) by the general path, differentiable again
+    (_first_backward, or its closed-form twin where legacy vmap would drop AttnBwdFn's node),
+    under the kernel choices of the forward: what the first order's nodes (AttnFn, and the
+    C++ node, bob_compile/eager/node.py) run wherever they cannot call their kernels
+    directly."""
+    backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
+    return kernel_settings.run_with(kernel_choices, backward, q, k, v, o, lse,
+                                    _zeros_if_none(do, o), dlse, mask, scale, causal)
 
 
-def _third_order(twin, ctx, grads, like):
-    """Cotangents of a fused op's inputs, by differentiating its closed-form twin; the mask
-    (saved last, a constant) gets None, as do scale and causal.
-
-    A None (optional) input becomes zeros shaped like input like[i]; its gradient is
-    dropped again."""
-    primals, mask = _twin_inputs(ctx, like)
-    outputs, pull = torch.func.vjp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), *primals)
-    grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
-    cotangents = pull(tuple(grads))
-    return (*(g if present else None for g, present in zip(cotangents, ctx.present)),
-            None, None, None)
-
-
-def _third_order_jvp(twin, ctx, tangents, like):
-    """Tangents of a fused op's outputs (forward mode over a derivative op: jvp of a jvp,
-    jacfwd(jacfwd), forward over reverse over reverse), by pushing the tangents of its
-    inputs through its closed-form twin; the mask, scale and causal have none. A None input
-    or tangent is zeros, as in _third_order."""
-    primals, mask = _twin_inputs(ctx, like)
-    pushed = tuple(torch.zeros_like(p) if t is None else t
-                   for t, p in zip(tangents[:len(primals)], primals))
-    _, out = torch.func.jvp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), primals, pushed)
-    return out
-
-
-def _save_all(ctx, inputs):
-    *tensors, mask, scale, causal = inputs
-    ctx.present = [t is not None for t in tensors]
-    ctx.save_for_backward(*tensors, mask)
-    if _forward_mode_possible():
-        ctx.save_for_forward(*tensors, mask)
-    ctx.scale, ctx.causal = scale, causal
-    ctx.set_materialize_grads(False)
-
-
-def _like_positions(op_overload, **like):
-    """{position of an optional input: position of the required input shaped like it},
-    from the op's own argument names (optional input name=required input name)."""
-    names = [argument.name for argument in op_overload._schema.arguments]
-    return {names.index(optional): names.index(required) for optional, required in like.items()}
-
-
-_BOB_LIKE = _like_positions(op.attn_bob.default, dlse="lse", gdq="q", gdk="k", gdv="v")
-_BOB_FOLDED_LIKE = _like_positions(op.attn_bob_folded.default, dlse="lse", gdq="q", gdk="k",
-                                   gdv="v", dq="q")
-_FWD_JVP_LIKE = _like_positions(op.attn_fwd_jvp.default, tq="q", tk="k", tv="v")
-_BWD_JVP_LIKE = _like_positions(op.attn_bwd_jvp.default, dlse="lse", tq="q", tk="k", tv="v",
-                                to="o", tlse="lse", tdo="do", tdlse="lse")
-
-
-class AttnBobFn(_Fused):
-    """attn_bob, the second-order kernel; its own backward is third order (math twin)."""
+class AttnFn(_Fused):
+    """attn_fwd; outputs (o, lse). lse is exposed so that its cotangent (non-zero in the
+    second order of the chain form) reaches attn_bwd."""
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
-        return _run(op.attn_bob, ops.call_bob, "bob_compile::attn_bob",
-                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal))
-
-    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _third_order(_bob_twin, ctx, grads, _BOB_LIKE)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        return _third_order_jvp(_bob_twin, ctx, tangents, _BOB_LIKE)
-
-
-class AttnBobFoldedFn(_Fused):
-    """attn_bob_folded, the second-order kernel of the folded form; its own backward is
-    third order (math twin: reference.bob_folded, differentiable in o and lse as well)."""
-    generate_vmap_rule = True
+    def forward(q, k, v, mask, scale, causal):
+        path = _plain_call_path(q, k, v, mask, scale, causal)
+        if path is not None:
+            out = path.forward(q, k, v)
+            if out is not None:
+                return out
+            _call_path_refused()
+        return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
+                    (q, k, v, mask, scale, causal))
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal):
-        return _run(op.attn_bob_folded, ops.call_bob_folded, "bob_compile::attn_bob_folded",
-                    (q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal))
-
-    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _third_order(_bob_folded_twin, ctx, grads, _BOB_FOLDED_LIKE)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        return _third_order_jvp(_bob_folded_twin, ctx, tangents, _BOB_FOLDED_LIKE)
-
-
-class AttnFwdJvpFn(_Fused):
-    """attn_fwd_jvp; differentiating the tangents again is third order (math twin)."""
-    generate_vmap_rule = True
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, scale, causal = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, mask)
+        ctx.kernel_choices = kernel_settings.overridden()
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse, mask)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
+        ctx.call_path = _call_path_of_plain_call()
 
     @staticmethod
-    def forward(q, k, v, o, lse, tq, tk, tv, mask, scale, causal):
-        return _run(op.attn_fwd_jvp, ops.call_forward_jvp, "bob_compile::attn_fwd_jvp",
-                    (q, k, v, o, lse, tq, tk, tv, mask, scale, causal))
-
-    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _third_order(_forward_jvp_twin, ctx, grads, _FWD_JVP_LIKE)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        return _third_order_jvp(_forward_jvp_twin, ctx, tangents, _FWD_JVP_LIKE)
-
-
-class AttnBwdJvpFn(_Fused):
-    """attn_bwd_jvp; differentiating the tangents again is third order (math twin)."""
-    generate_vmap_rule = True
+    def backward(ctx, do, dlse):
+        if do is None and dlse is None:
+            return None, None, None, None, None, None
+        q, k, v, o, lse, mask = ctx.saved_tensors
+        if _call_path_applies(ctx, (do, dlse)):
+            grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
+            if grads is not None:
+                return (*grads, None, None, None)
+        dq, dk, dv = differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, ctx.scale,
+                                                   ctx.causal, ctx.kernel_choices)
+        return dq, dk, dv, None, None, None
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale, causal):
-        return _run(op.attn_bwd_jvp, ops.call_backward_jvp, "bob_compile::attn_bwd_jvp",
-                    (q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale,
-                     causal))
-
-    setup_context = staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _third_order(_backward_jvp_twin, ctx, grads, _BWD_JVP_LIKE)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        return _third_order_jvp(_backward_jvp_twin, ctx, tangents, _BWD_JVP_LIKE)
+    def jvp(ctx, tq, tk, tv, _tmask, _scale, _causal):
+        q, k, v, o, lse, mask = ctx.saved_tensors
+        jvp = _forward_jvp_twin if _needs_twin_under_legacy_vmap(tq, tk, tv) else AttnFwdJvpFn.apply
+        return jvp(q, k, v, o, lse, tq, tk, tv, mask, ctx.scale, ctx.causal)
 
 
 # ----------------------------------------------------------------------------- second order
@@ -571,7 +428,7 @@ class AttnBwdFn(_Fused):
             # autograd engine's thread)
             fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
         path = ctx.call_path if _call_path_applies(ctx, (gdq, gdk, gdv)) else None
-        outs = _run_bob(fold, path, ctx.kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
+        outs = run_bob(fold, path, ctx.kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
                         _kept_dq(ctx) if fold else None, mask, ctx.scale, ctx.causal)
         if fold:        # nothing for o and lse: their cotangents are in gq, gk, gv
             (gq, gk, gv, gdo, gdlse), go, glse = outs, None, None
@@ -589,7 +446,7 @@ class AttnBwdFn(_Fused):
         return jvp(q, k, v, o, lse, do, dlse, *tangents, mask, ctx.scale, ctx.causal)
 
 
-def _run_bob(fold, path, kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
+def run_bob(fold, path, kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
              scale, causal):
     """The BoB of a first backward (AttnBwdFn's, or the C++ node's second node's), folded
     (reading dq, if given) or in the chain form: `path`'s kernels directly where a call path
@@ -619,7 +476,7 @@ def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
     them from _apply_state) for the BoB of a third order, whose math twin sends cotangents to
     o and lse as well."""
     if torch.is_grad_enabled() and not _functorch_active() and _forward_ad._current_level < 0 \
-            and _plain_eager((q, k, v, o, lse, do, dlse, mask)) and kernels.fold_bob(q, k, v):
+            and plain_eager((q, k, v, o, lse, do, dlse, mask)) and kernels.fold_bob(q, k, v):
         _apply_state.folded_forward_outputs = (o, lse)
         try:
             return AttnBwdFn.apply(q, k, v, o.detach(), lse.detach(), do, dlse, mask, scale,
@@ -629,62 +486,118 @@ def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
     return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, scale, causal)
 
 
-# ----------------------------------------------------------------------------- first order
-def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal,
-                                  kernel_choices=None):
-    """(dq, dk, dv) of the forward's (o, lse) by the general path, differentiable again
-    (_first_backward, or its closed-form twin where legacy vmap would drop AttnBwdFn's node),
-    under the kernel choices of the forward: what the first order's nodes (AttnFn, and the
-    C++ node through native_node_backward) run wherever they cannot call their kernels
-    directly."""
-    backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
-    return kernel_settings.run_with(kernel_choices, backward, q, k, v, o, lse,
-                                    _zeros_if_none(do, o), dlse, mask, scale, causal)
+# ----------------------------------------------------------------------------- third order
+# The derivative ops' own derivatives, through the closed-form math (bob_compile/kernels/
+# reference.py).
+def _always_reference(q, k, v):
+    return reference
 
 
-class AttnFn(_Fused):
-    """attn_fwd; outputs (o, lse). lse is exposed so that its cotangent (non-zero in the
-    second order of the chain form) reaches attn_bwd."""
-    generate_vmap_rule = True
+def _canonical_twin(call):
+    """The closed-form twin of an op with the op's own (any-leading-dims) calling convention."""
+    def twin(*args):
+        return call(_always_reference, *args)
+    return twin
 
-    @staticmethod
-    def forward(q, k, v, mask, scale, causal):
-        path = _plain_call_path(q, k, v, mask, scale, causal)
-        if path is not None:
-            out = path.forward(q, k, v)
-            if out is not None:
-                return out
-            _call_path_refused()
-        return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
-                    (q, k, v, mask, scale, causal))
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, mask, scale, causal = inputs
-        o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse, mask)
-        ctx.kernel_choices = kernel_settings.overridden()
-        if _forward_mode_possible():
-            ctx.save_for_forward(q, k, v, o, lse, mask)
-        ctx.scale, ctx.causal = scale, causal
-        ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
-        ctx.call_path = _call_path_of_plain_call()
+_forward_twin = _canonical_twin(ops.call_forward)
+_backward_twin = _canonical_twin(ops.call_backward)
+_bob_twin = _canonical_twin(ops.call_bob)
+_bob_folded_twin = _canonical_twin(ops.call_bob_folded)
+_forward_jvp_twin = _canonical_twin(ops.call_forward_jvp)
+_backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
 
-    @staticmethod
-    def backward(ctx, do, dlse):
-        if do is None and dlse is None:
-            return None, None, None, None, None, None
-        q, k, v, o, lse, mask = ctx.saved_tensors
-        if _call_path_applies(ctx, (do, dlse)):
-            grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
-            if grads is not None:
-                return (*grads, None, None, None)
-        dq, dk, dv = differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, ctx.scale,
-                                                   ctx.causal, ctx.kernel_choices)
-        return dq, dk, dv, None, None, None
 
-    @staticmethod
-    def jvp(ctx, tq, tk, tv, _tmask, _scale, _causal):
-        q, k, v, o, lse, mask = ctx.saved_tensors
-        jvp = _forward_jvp_twin if _needs_twin_under_legacy_vmap(tq, tk, tv) else AttnFwdJvpFn.apply
-        return jvp(q, k, v, o, lse, tq, tk, tv, mask, ctx.scale, ctx.causal)
+def _twin_inputs(ctx, like):
+    """(the saved tensor inputs of a fused op, each None made zeros shaped like its input
+    like[i]; the mask, saved last)."""
+    *saved, mask = ctx.saved_tensors
+    return tuple(torch.zeros_like(saved[like[i]]) if t is None else t
+                 for i, t in enumerate(saved)), mask
+
+
+def _third_order(twin, ctx, grads, like):
+    """Cotangents of a fused op's inputs, by differentiating its closed-form twin; the mask
+    (saved last, a constant) gets None, as do scale and causal.
+
+    A None (optional) input becomes zeros shaped like input like[i]; its gradient is
+    dropped again."""
+    primals, mask = _twin_inputs(ctx, like)
+    outputs, pull = torch.func.vjp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), *primals)
+    grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
+    cotangents = pull(tuple(grads))
+    return (*(g if present else None for g, present in zip(cotangents, ctx.present)),
+            None, None, None)
+
+
+def _third_order_jvp(twin, ctx, tangents, like):
+    """Tangents of a fused op's outputs (forward mode over a derivative op: jvp of a jvp,
+    jacfwd(jacfwd), forward over reverse over reverse), by pushing the tangents of its
+    inputs through its closed-form twin; the mask, scale and causal have none. A None input
+    or tangent is zeros, as in _third_order."""
+    primals, mask = _twin_inputs(ctx, like)
+    pushed = tuple(torch.zeros_like(p) if t is None else t
+                   for t, p in zip(tangents[:len(primals)], primals))
+    _, out = torch.func.jvp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), primals, pushed)
+    return out
+
+
+def _save_all(ctx, inputs):
+    *tensors, mask, scale, causal = inputs
+    ctx.present = [t is not None for t in tensors]
+    ctx.save_for_backward(*tensors, mask)
+    if _forward_mode_possible():
+        ctx.save_for_forward(*tensors, mask)
+    ctx.scale, ctx.causal = scale, causal
+    ctx.set_materialize_grads(False)
+
+
+def _like_positions(op_overload, **like):
+    """{position of an optional input: position of the required input shaped like it},
+    from the op's own argument names (optional input name=required input name)."""
+    names = [argument.name for argument in op_overload._schema.arguments]
+    return {names.index(optional): names.index(required) for optional, required in like.items()}
+
+
+def _derivative_op_function(name, op_overload, call, twin, like, doc):
+    """The autograd.Function of a derivative op (attn_bob, attn_bob_folded, attn_fwd_jvp,
+    attn_bwd_jvp): its forward runs the op; differentiating it again, in either mode, is
+    third order, through the op's closed-form twin. The forward's parameters are the op's
+    own arguments, by name (from its schema)."""
+    parameters = [inspect.Parameter(argument.name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                  for argument in op_overload.default._schema.arguments]
+    op_name = op_overload.default._schema.name.split("::")[1]
+    record_name = f"bob_compile::{op_name}"
+
+    def forward(*args):     # the op looked up per call, as in the other Functions (tests count)
+        return _run(getattr(op, op_name), call, record_name, args)
+    forward.__signature__ = inspect.Signature(parameters)
+    forward.__qualname__ = f"{name}.forward"
+    return type(name, (_Fused,), {
+        "__doc__": doc, "__module__": __name__, "generate_vmap_rule": True,
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(lambda ctx, inputs, output: _save_all(ctx, inputs)),
+        "backward": staticmethod(lambda ctx, *grads: _third_order(twin, ctx, grads, like)),
+        "jvp": staticmethod(lambda ctx, *tangents: _third_order_jvp(twin, ctx, tangents, like)),
+    })
+
+
+AttnBobFn = _derivative_op_function(
+    "AttnBobFn", op.attn_bob, ops.call_bob, _bob_twin,
+    _like_positions(op.attn_bob.default, dlse="lse", gdq="q", gdk="k", gdv="v"),
+    "attn_bob, the second-order kernel (chain form).")
+AttnBobFoldedFn = _derivative_op_function(
+    "AttnBobFoldedFn", op.attn_bob_folded, ops.call_bob_folded, _bob_folded_twin,
+    _like_positions(op.attn_bob_folded.default, dlse="lse", gdq="q", gdk="k", gdv="v",
+                    dq="q"),
+    "attn_bob_folded, the second-order kernel of the folded form (its twin,\n"
+    "reference.bob_folded, is differentiable in o and lse as well).")
+AttnFwdJvpFn = _derivative_op_function(
+    "AttnFwdJvpFn", op.attn_fwd_jvp, ops.call_forward_jvp, _forward_jvp_twin,
+    _like_positions(op.attn_fwd_jvp.default, tq="q", tk="k", tv="v"),
+    "attn_fwd_jvp, the forward's tangents.")
+AttnBwdJvpFn = _derivative_op_function(
+    "AttnBwdJvpFn", op.attn_bwd_jvp, ops.call_backward_jvp, _backward_jvp_twin,
+    _like_positions(op.attn_bwd_jvp.default, dlse="lse", tq="q", tk="k", tv="v", to="o",
+                    tlse="lse", tdo="do", tdlse="lse"),
+    "attn_bwd_jvp, the first backward's tangents.")

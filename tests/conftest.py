@@ -66,8 +66,8 @@ def pytest_collection_finish(session):
     """Compile the C++ node in the background while the tests before its first user run
     (the `cpp_node` fixture then waits for it): ~80 s of a 2-core machine."""
     if any("cpp_node" in getattr(item, "fixturenames", ()) for item in session.items):
-        from bob_compile import native_node
-        native_node.extension(wait=False)
+        from bob_compile.eager import node as eager_node
+        eager_node.extension(wait=False)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -121,10 +121,10 @@ def fresh_dynamo():
 
 @pytest.fixture(scope="session")
 def cpp_node():
-    """The module of the op's C++ autograd node (bob_compile/native_node.py), built or loaded
+    """The module of the op's C++ autograd node (bob_compile/eager/node.py), built or loaded
     once per session."""
-    from bob_compile import native_node
-    module = native_node.extension(wait=True)
+    from bob_compile.eager import node as eager_node
+    module = eager_node.extension(wait=True)
     if module is None:
         pytest.fail("the C++ node did not build (see the logged warning)")
     return module

@@ -3,7 +3,7 @@ warps, stages) are chosen once per tuning bucket and remembered (`launch_plan`),
 repeated launches go straight to the compiled kernel (`LaunchPlan`), so a call costs the
 allocation of its outputs, its launches and little else (benchmarks/bench_host_overhead.py
 measures it). Launch sites pass arguments by name (`strides_of`, `packer`); `recording`
-lists what ran, for the C++ node's programs (bob_compile/native_node.py).
+lists what ran, for the C++ node's programs (bob_compile/eager/node.py).
 """
 import inspect
 import threading
@@ -170,7 +170,7 @@ def runtime_parameters(kernel):
 
 
 # --------------------------------------------------------------------------------------
-# Recording launches (the C++ node's plans of the BoB: bob_compile/native_node.py)
+# Recording launches (the C++ node's plans of the BoB: bob_compile/eager/node.py)
 # --------------------------------------------------------------------------------------
 class Recording:
     """What ran inside `recording()` on this thread: `launches`, one (kernel, grid, args,

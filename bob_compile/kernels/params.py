@@ -28,7 +28,7 @@ class AttentionParams:
     for the backwards of the same call (triton_masks.py, "One summary per forward"): only
     plain eager calls, where no compiled graph or CUDA graph owns the memory;
     mask_summary: the mask's summary (triton_masks.mask_summary) where the caller made it
-    already (the C++ node keeps its forward's for the backwards: bob_compile/native_node.py).
+    already (the C++ node keeps its forward's for the backwards: bob_compile/eager/node.py).
     Keyword-only, checked."""
     __slots__ = ("scale", "causal", "mask", "keep_mask_summary", "mask_summary")
 

@@ -202,7 +202,7 @@ _applied = {}   # choices -> (environment settings, those settings with the choi
 
 def kernel_choices_variable():
     """The contextvar holding the kernel choices in force (for the C++ node's entry, which
-    reads it directly: bob_compile/native_node.py)."""
+    reads it directly: bob_compile/eager/node.py)."""
     return _choices
 
 

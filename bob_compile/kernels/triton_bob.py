@@ -630,7 +630,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def flag_key(path):
         return (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind, path),
                 int(fold))
-    # for the C++ node's plans (bob_compile/native_node.py), which make these tensors alike
+    # for the C++ node's plans (bob_compile/eager/node.py), which make these tensors alike
     note_tensors(GQ=gq, GK=gk, GV=gv, GDO=gdo, GDLSE=gdlse, D=d, ROW_E=row_e, KEYS_OUT=keys_out)
 
     def common(path):

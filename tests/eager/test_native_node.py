@@ -1,4 +1,4 @@
-"""The C++ autograd node of the first order (bob_compile/native_node.py), on the CPU.
+"""The C++ autograd node of the first order (bob_compile/eager/node.py), on the CPU.
 
 In use the node runs PyTorch's CUDA kernels (cuDNN, FA2); here it runs PyTorch's CPU flash
 kernels (its CPU_FLASH number), in float64, against autograd through plain math attention:
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import bob_compile
-from bob_compile import native_node
-from bob_compile.autograd import native_bob_backward, native_node_backward
+from bob_compile.eager import node as eager_node
+from bob_compile.eager.node import bob_backward, general_backward
 from bob_compile.kernels import settings
 
 
@@ -32,7 +32,7 @@ def counted(set_callback, callback):
 @pytest.fixture
 def general_calls(cpp_node):
     """The arguments of every call of the first-order node's Python backward."""
-    yield from counted(cpp_node.set_general_backward, native_node_backward)
+    yield from counted(cpp_node.set_general_backward, general_backward)
 
 
 def math_attention(q, k, v, scale, causal):
@@ -83,7 +83,7 @@ def test_first_order_runs_in_cpp(cpp_node, general_calls, shape, layout):
 @pytest.fixture
 def bob_calls(cpp_node):
     """The arguments of every call of the second node's Python backward (the BoB)."""
-    yield from counted(cpp_node.set_bob_backward, native_bob_backward)
+    yield from counted(cpp_node.set_bob_backward, bob_backward)
 
 
 @pytest.mark.parametrize("bob_form", ["chain", "folded"])
@@ -214,8 +214,8 @@ def test_python_errors_keep_their_type(cpp_node, which):
             g = torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
             torch.autograd.grad(g[0].sum(), q)
     finally:
-        cpp_node.set_general_backward(native_node_backward)
-        cpp_node.set_bob_backward(native_bob_backward)
+        cpp_node.set_general_backward(general_backward)
+        cpp_node.set_bob_backward(bob_backward)
 
 
 def test_saved_tensors_die_with_the_backward(cpp_node):
@@ -237,7 +237,7 @@ def cpu_kernels_as_native(cpp_node, monkeypatch):
     """Let bob_compile.attention take the node on the CPU, as it does on CUDA where
     PyTorch's fused kernels compute the call (routes remembered meanwhile are dropped
     after)."""
-    monkeypatch.setattr(native_node, "_call_path",
+    monkeypatch.setattr(eager_node, "_call_path",
                         lambda *args: types.SimpleNamespace(native="cpu_flash"))
     cpp_node.forget_routes()
     yield
@@ -301,9 +301,9 @@ def unbuilt(monkeypatch, cpp_node):
     """native_node as before its first use (restored after the test). After the session's
     build (cpp_node), which conftest may have started in the background: a build still
     running would write into the state this fixture replaces."""
-    monkeypatch.setattr(native_node, "_extension", None)
-    monkeypatch.setattr(native_node, "_build_started", False)
-    monkeypatch.setattr(native_node, "_ready", native_node.threading.Event())
+    monkeypatch.setattr(eager_node, "_extension", None)
+    monkeypatch.setattr(eager_node, "_build_started", False)
+    monkeypatch.setattr(eager_node, "_ready", eager_node.threading.Event())
 
 
 def test_a_failed_build_is_logged_and_the_python_node_runs(unbuilt, monkeypatch, caplog):
@@ -312,10 +312,10 @@ def test_a_failed_build_is_logged_and_the_python_node_runs(unbuilt, monkeypatch,
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="bob_compile.native_node"):
-        assert native_node.extension(wait=True) is None
+    with caplog.at_level(logging.WARNING, logger="bob_compile.eager"):
+        assert eager_node.extension(wait=True) is None
     assert "Ninja is required" in caplog.text and "BOB_COMPILE_CPP_NODE=off" in caplog.text
-    assert native_node.extension(wait=True) is None      # tried once, not on every call
+    assert eager_node.extension(wait=True) is None      # tried once, not on every call
 
 
 def test_off_never_builds(unbuilt, reread_settings, monkeypatch):
@@ -323,7 +323,7 @@ def test_off_never_builds(unbuilt, reread_settings, monkeypatch):
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
     settings.reload()
     monkeypatch.setattr(torch.utils.cpp_extension, "load", pytest.fail)
-    assert native_node.extension() is None
+    assert eager_node.extension() is None
 
 
 def test_an_unknown_build_setting_is_an_error(reread_settings, monkeypatch):
@@ -363,7 +363,7 @@ def test_a_refused_forward_is_logged_and_the_python_path_runs(cpp_node, monkeypa
     op's Python path: the same result."""
     from bob_compile.kernels import native_sdpa
     monkeypatch.setattr(native_sdpa, "failed", set())
-    monkeypatch.setattr(native_node, "_call_path",
+    monkeypatch.setattr(eager_node, "_call_path",
                         lambda *args: types.SimpleNamespace(native="cudnn"))
     q, k, v = inputs(1, 2, 7, 7, 8)
     with caplog.at_level(logging.WARNING, logger="bob_compile.kernels"):
@@ -403,7 +403,7 @@ def test_plans_of_recorded_launches(cpp_node):
         record = launching.Recording()
         record.launches.append((_row_dot_kernel, (1, 6), args, *launch))
         record.tensors.update(D=d)
-        return native_node._bob_launches(cpp_node, record, named)
+        return eager_node._bob_launches(cpp_node, record, named)
 
     (launch,) = plan(dict(DO=do, O=o))
     assert launch[:5] == (1234, 1, 6, 128, 512)
@@ -433,7 +433,7 @@ def test_programs_of_recorded_stages(cpp_node):
     import types
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
-    from bob_compile import launch_programs
+    from bob_compile.eager import programs
     from bob_compile.kernels import launching
     from bob_compile.kernels.triton_backward import _row_dot_kernel
 
@@ -443,7 +443,7 @@ def test_programs_of_recorded_stages(cpp_node):
     names, _ = launching.runtime_parameters(_row_dot_kernel)
 
     def stage(do, o, then=None, d_from_outside=False):
-        with launch_programs.recorded_stage() as recorded:
+        with programs.recorded_stage() as recorded:
             d = outside if d_from_outside else torch.empty(o.shape[:3])
             rows = d.unsqueeze(-1)[:, 1:]
             args = launching.packer(_row_dot_kernel)(DO=do, O=o, DLSE=d, D=d,
@@ -459,7 +459,7 @@ def test_programs_of_recorded_stages(cpp_node):
         return recorded, d, rows
 
     recorded, d, rows = stage(do, o)
-    assert launch_programs.replays_complete(recorded.record)
+    assert programs.replays_complete(recorded.record)
     made, launches, outputs = recorded.program(cpp_node, (do, o), [(d, None), (rows, 0)])
     fresh, unsqueezed, sliced = made
     assert fresh == (-1, [2, 3, 5], [15, 5, 1], 0, cpp_node.scalar_type_code(d))
@@ -484,14 +484,14 @@ def test_programs_of_recorded_stages(cpp_node):
     assert recorded.program(cpp_node, (do, do), [(d, None)]) is None      # two roles
     assert recorded.program(cpp_node, (do, o), [(outside, None)]) is None  # not the stage's
     recorded.record.launches[0] = (*recorded.record.launches[0][:4], False)
-    assert not launch_programs.replays_complete(recorded.record)        # a provisional config
+    assert not programs.replays_complete(recorded.record)        # a provisional config
     assert recorded.program(cpp_node, (do, o), [(d, None)]) is None
 
 
 @pytest.fixture
 def blockwise_stages(cpp_node):
     """The masked node's stages (kernels TRITON) run by the blockwise CPU kernels, as
-    native_node.run_triton_stage runs the Triton ones on CUDA (the same inputs and outputs;
+    eager_node.run_triton_stage runs the Triton ones on CUDA (the same inputs and outputs;
     never recorded: no driver here), so that the masked node's plumbing runs on the CPU in
     float64. Yields the names of the stages run."""
     from bob_compile.kernels import blockwise, triton_masks
@@ -512,7 +512,7 @@ def blockwise_stages(cpp_node):
 
     cpp_node.set_triton_stage(stage)
     yield ran
-    cpp_node.set_triton_stage(native_node.run_triton_stage)
+    cpp_node.set_triton_stage(eager_node.run_triton_stage)
 
 
 def masked_math_attention(q, k, v, mask, scale):
@@ -575,8 +575,8 @@ def python_calls(cpu_kernels_as_native, monkeypatch):
     """How many bob_compile.attention calls ran their Python lines (not the C++ entry)."""
     module = sys.modules["bob_compile.attention"]
     calls = []
-    real = module.attention_output
-    monkeypatch.setattr(module, "attention_output", lambda *a: calls.append(1) or real(*a))
+    real = module._check_inputs
+    monkeypatch.setattr(module, "_check_inputs", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -668,7 +668,7 @@ def test_calls_of_other_ranks_are_left_to_python(cpp_node):
 
 
 def test_no_cpp_entry_when_off(cpu_kernels_as_native, reread_settings, monkeypatch):
-    assert native_node.fast_entry is not None
+    assert eager_node.fast_entry is not None
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
     settings.reload()
-    assert native_node.fast_entry is None
+    assert eager_node.fast_entry is None

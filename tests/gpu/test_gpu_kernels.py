@@ -331,7 +331,7 @@ def test_deterministic_algorithms_run_our_backward(monkeypatch, reread_settings,
     """Under torch.use_deterministic_algorithms(True) a first-order step through the op runs
     our backward, not cuDNN's (whose dq accumulates by atomics; native SDPA then avoids
     cuDNN too): bit-identical run to run, and as exact as the rule above. Through the op's
-    C++ node (bob_compile/native_node.py) and its Python node; the C++ node calls cuDNN's
+    C++ node (bob_compile/eager/node.py) and its Python node; the C++ node calls cuDNN's
     backward from C++, which the spy below does not see."""
     import bob_compile
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", cpp_node)

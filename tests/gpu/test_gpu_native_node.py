@@ -1,4 +1,4 @@
-"""The C++ autograd nodes on CUDA (bob_compile/native_node.py): the same kernels as the op's
+"""The C++ autograd nodes on CUDA (bob_compile/eager/node.py): the same kernels as the op's
 Python node, so the same results at every order (the same bits but where PyTorch's fused
 backwards accumulate dq with atomics), with no Python in a first-order backward nor in a
 folded create_graph backward, and the BoB launched from C++ once a plan of its launches was
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import bob_compile
-from bob_compile.autograd import native_bob_backward, native_node_backward
+from bob_compile.eager.node import bob_backward, general_backward
 from bob_compile.kernels import settings
 
 pytestmark = pytest.mark.gpu
@@ -50,11 +50,11 @@ def test_same_results_as_the_python_node(cpp_node, reread_settings, monkeypatch,
 
     calls = []
     cpp_node.set_general_backward(
-        lambda *a: calls.append(a[5] is None) or native_node_backward(*a))
+        lambda *a: calls.append(a[5] is None) or general_backward(*a))
     try:
         name, ours = step(q, k, v, do, vs, causal, gqa)
     finally:
-        cpp_node.set_general_backward(native_node_backward)
+        cpp_node.set_general_backward(general_backward)
     assert name == "CppFunction"
     assert calls == []     # the create_graph backward is the second node (folded form)
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
@@ -92,7 +92,7 @@ def test_bob_from_plans(cpp_node, dtype, causal, gqa, head_dim):
     assert type(g1[0].grad_fn).__name__ == "CppFunction"
     vs = [torch.randn(t.shape, device="cuda", dtype=dtype, generator=g) for t in g1]
     calls = []
-    cpp_node.set_bob_backward(lambda *a: calls.append(a[-2]) or native_bob_backward(*a))
+    cpp_node.set_bob_backward(lambda *a: calls.append(a[-2]) or bob_backward(*a))
     try:
         torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)    # compiles, tunes
         cpp_node.forget_bob_plans()
@@ -120,7 +120,7 @@ def test_bob_from_plans(cpp_node, dtype, causal, gqa, head_dim):
         for a, b in zip(from_plan, in_python, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
-        cpp_node.set_bob_backward(native_bob_backward)
+        cpp_node.set_bob_backward(bob_backward)
 
 
 def test_plans_are_forgotten_on_reload(cpp_node, reread_settings):
@@ -142,15 +142,15 @@ def python_lines(monkeypatch):
     import sys
     module = sys.modules["bob_compile.attention"]
     calls = []
-    real = module.attention_output
-    monkeypatch.setattr(module, "attention_output", lambda *a: calls.append(1) or real(*a))
+    real = module._check_inputs
+    monkeypatch.setattr(module, "_check_inputs", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
 def test_repeated_calls_take_the_cpp_entry(cpp_node, monkeypatch):
     """From its second call on, a signature's calls run from the C++ entry: the same kernels
     as attention()'s Python lines, so the same bits; with and without grad."""
-    from bob_compile import native_node
+    from bob_compile.eager import node as eager_node
     calls = python_lines(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, do = randn_like_views(g, *[(2, 4, 130, 64)] * 4, dtype=torch.bfloat16)
@@ -161,7 +161,7 @@ def test_repeated_calls_take_the_cpp_entry(cpp_node, monkeypatch):
     with torch.no_grad():
         without_grad = bob_compile.attention(q, k, v, is_causal=True)
     assert len(calls) == 1 and type(again.grad_fn).__name__ == "CppFunction"
-    monkeypatch.setattr(native_node, "fast_entry", None)
+    monkeypatch.setattr(eager_node, "fast_entry", None)
     python = bob_compile.attention(q, k, v, is_causal=True)
     assert len(calls) == 2
     for a in (again, without_grad, python):
@@ -211,7 +211,7 @@ def test_masked_calls_from_programs(cpp_node, monkeypatch, kind, gqa, head_dim):
     run in the C++ nodes: by Python while a signature compiles and tunes, recorded once its
     launches are replayable, then from programs, with no Python: the same bits as the Python
     node, in the same layouts."""
-    from bob_compile import native_node
+    from bob_compile.eager import node as eager_node
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(4)
     kv = 2 if gqa else 4
@@ -221,17 +221,17 @@ def test_masked_calls_from_programs(cpp_node, monkeypatch, kind, gqa, head_dim):
     mask, causal = mask_of(kind, 3, 4, 200, 200, g, dtype)
     stages = []
     cpp_node.set_triton_stage(
-        lambda *a: stages.append(a[0]) or native_node.run_triton_stage(*a))
+        lambda *a: stages.append(a[0]) or eager_node.run_triton_stage(*a))
     try:
         for _ in range(3):      # compiles and tunes; records; replays
             masked_step(q, k, v, do, vs, mask, causal, gqa)
         stages.clear()
         name, ours = masked_step(q, k, v, do, vs, mask, causal, gqa)
     finally:
-        cpp_node.set_triton_stage(native_node.run_triton_stage)
+        cpp_node.set_triton_stage(eager_node.run_triton_stage)
     assert name == "CppFunction" and stages == [] and cpp_node.program_count() >= 3
-    monkeypatch.setattr(native_node, "masked_attention_output", lambda *a: None)
-    monkeypatch.setattr(native_node, "fast_entry", None)
+    monkeypatch.setattr(eager_node, "masked_output", lambda *a: None)
+    monkeypatch.setattr(eager_node, "fast_entry", None)
     name, python_node = masked_step(q, k, v, do, vs, mask, causal, gqa)
     assert name != "CppFunction"
     for a, b in zip(ours, python_node, strict=True):
@@ -243,7 +243,7 @@ def test_masked_calls_in_the_node_at_every_order(cpp_node, monkeypatch):
     """Through the C++ node, a masked call's third order (the BoB differentiated: Python's
     math twin) equals the Python node's, and a mask modified in place before the backward is
     refused, as autograd refuses it there."""
-    from bob_compile import native_node
+    from bob_compile.eager import node as eager_node
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = randn_like_views(g, *[(2, 2, 70, 32)] * 3, dtype=torch.float32)
     mask, _ = mask_of("key padding", 2, 2, 70, 70, g, torch.float32)
@@ -257,8 +257,8 @@ def test_masked_calls_in_the_node_at_every_order(cpp_node, monkeypatch):
 
     name, ours = third_order()
     assert name == "CppFunction"
-    monkeypatch.setattr(native_node, "masked_attention_output", lambda *a: None)
-    monkeypatch.setattr(native_node, "fast_entry", None)
+    monkeypatch.setattr(eager_node, "masked_output", lambda *a: None)
+    monkeypatch.setattr(eager_node, "fast_entry", None)
     name, python_node = third_order()
     assert name != "CppFunction"
     for a, b in zip(ours, python_node, strict=True):

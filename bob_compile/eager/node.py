@@ -8,19 +8,19 @@ first-order backward are C++, the backward run without the GIL; where it needs n
 module's forward_output runs (the same kernel call, from C++). Its create_graph backward
 (a second order) in the folded form is the second node, whose backward is the folded BoB:
 launched from C++ by a plan of its Triton launches (`bob_folded_with_plan` below makes it
-the first time a signature runs), or by Python (autograd.native_bob_backward). Every other
-backward calls autograd.native_node_backward, which is what the Python node (AttnFn in
-autograd.py) runs there: exact at every order either way.
+the first time a signature runs), or by Python (bob_backward below). Every other
+backward calls general_backward, which is what the Python node (AttnFn in autograd.py)
+runs there: exact at every order either way.
 
 A plain eager call with a mask runs through the same nodes with the op's Triton kernels
-(masked_attention_output): each stage from a program of its launches once Python has recorded
-one (run_triton_stage, launch_programs.py), the mask's summary kept in the node.
+(masked_output): each stage from a program of its launches once Python has recorded
+one (run_triton_stage, programs.py), the mask's summary kept in the node.
 
 The node is compiled on first use with torch.utils.cpp_extension (a C++ compiler and ninja,
 which PyTorch's own extensions need too) into BOB_COMPILE_CACHE_DIR, keyed by its source,
 the torch version and the Python version, so a machine builds it once. BOB_COMPILE_CPP_NODE
-(bob_compile/kernels/settings.py) says how: `background` (default; the Python node runs until the build
-is ready, ~30 s), `wait` (the first call waits: benchmarks), `off`. A failed build is logged
+(bob_compile/kernels/settings.py) says how: `background` (default; the Python node runs
+until the build is ready, ~30 s), `wait` (the first call waits: benchmarks), `off`. A failed build is logged
 once, and the Python node runs.
 """
 import ctypes
@@ -33,12 +33,13 @@ import time
 
 import torch
 
-from . import kernels, launch_programs, ops
-from .kernels import layout, native_sdpa, triton_attention, triton_masks
-from .kernels import settings as kernel_settings
-from .kernels.params import AttentionParams
+from .. import autograd, kernels, ops
+from ..kernels import layout, native_sdpa, triton_attention, triton_masks
+from ..kernels import settings as kernel_settings
+from ..kernels.params import AttentionParams
+from . import programs
 
-log = logging.getLogger("bob_compile.native_node")
+log = logging.getLogger("bob_compile.eager")
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "native_node.cpp")
 KERNEL_NAMES = ("cudnn", "flash", "cpu_flash")    # the node's kernel numbers (CUDNN, ...)
@@ -72,9 +73,8 @@ def _build():
         os.makedirs(directory, exist_ok=True)
         module = load(f"bob_compile_native_node_{key}", [_SOURCE], extra_cflags=["-O2"],
                       build_directory=directory, verbose=False)
-        from .autograd import native_bob_backward, native_node_backward
-        module.set_general_backward(native_node_backward)
-        module.set_bob_backward(native_bob_backward)
+        module.set_general_backward(general_backward)
+        module.set_bob_backward(bob_backward)
         module.set_triton_stage(run_triton_stage)
         module.set_python_state(kernel_settings.kernel_choices_variable(), _forward_ad)
         _connect_driver(module)
@@ -160,7 +160,7 @@ def _something_intercepts():
         kernel_settings.overridden() is not None
 
 
-def attention_output(q, k, v, scale, causal, needs_graph):
+def unmasked_output(q, k, v, scale, causal, needs_graph):
     """o of a plain eager call without a mask through the C++ node (needs_graph: some input
     requires grad under grad mode; else the forward alone, without the lse); None where the
     node does not apply (not PyTorch's fused kernels, forward-mode AD, the profiler, a
@@ -197,18 +197,57 @@ def attention_output(q, k, v, scale, causal, needs_graph):
 
 
 # --------------------------------------------------------------------------------------
+# What the nodes call back into Python for
+# --------------------------------------------------------------------------------------
+def general_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused, mask):
+    """The backwards of the C++ node that it does not run itself: what
+    AttnFn.backward runs there (a create_graph backward, an lse cotangent, a tensor subclass,
+    deterministic algorithms). refused: the message of the fused backward's refusal, if it
+    refused. o and lse are the node's outputs (they carry its history, for a third order);
+    mask: the call's (B, Hq, L, S) mask view, or None."""
+    if refused is not None:
+        native_sdpa.refused(KERNEL_NAMES[kernels], q, v, causal, refused)
+    if do is None and dlse is None:
+        return None, None, None
+    return autograd.differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal)
+
+
+def bob_backward(q, k, v, o, lse, do, o_attached, lse_attached, gdq, gdk, gdv, dq,
+                 scale, causal, wants_plan, mask):
+    """The backward of the C++ node's first backward where it does not run it itself: what AttnBwdFn.backward runs for o and lse that came in detached (the folded
+    BoB), returning (gq, gk, gv, gdo). o_attached, lse_attached: the forward's outputs with
+    their history, which a third order differentiates through; dq: the first backward's dq
+    (None if modified in place since); wants_plan: the node has no plan of this signature's
+    launches yet and could replay one (bob_folded_with_plan); mask: the call's
+    (B, Hq, L, S) mask view, or None."""
+    if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
+        o, lse = o_attached, lse_attached
+    path = None
+    if not torch.is_grad_enabled() and not _profiling() and autograd.plain_eager((gdq, gdk, gdv)):
+        path = ops.call_path(kernels.select, q, k, v, mask, scale, causal)
+    if path is not None and wants_plan:
+        outs = bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale,
+                                    causal)
+        if outs is not None:
+            return outs[:4]
+        path = None
+    return autograd.run_bob(True, path, None, q, k, v, o, lse, do, None, gdq, gdk, gdv, dq,
+                            mask, scale, causal)[:4]
+
+
+# --------------------------------------------------------------------------------------
 # Masked calls: the op's Triton kernels in the C++ nodes, replayed from programs
 # --------------------------------------------------------------------------------------
 # PyTorch's fused kernels take no mask that skips hidden tiles, so a masked call's stages are
 # the Triton kernels (its forward with the mask's summary, its first backward, the folded
 # BoB). The nodes run them as they run the fused ones (kernels TRITON): each stage from a
 # program of its launches where the node holds one for the call's signature (made from a
-# recording of the first Python run that took replayable paths: launch_programs.py), else
+# recording of the first Python run that took replayable paths: programs.py), else
 # through run_triton_stage below. The mask's summary is made by the forward's program and
 # kept in the node for the backwards.
-def masked_attention_output(q, k, v, mask, scale, causal, needs_graph):
+def masked_output(q, k, v, mask, scale, causal, needs_graph):
     """o of a plain eager call with a mask through the C++ node (needs_graph as for
-    attention_output); None where the node does not apply: inputs the Triton kernels do not
+    unmasked_output); None where the node does not apply: inputs the Triton kernels do not
     take or an empty length, forward-mode AD, the profiler, a compiled graph's kernel
     choices, Triton's own launcher (fast launches off), or the node not built yet."""
     if _something_intercepts():
@@ -265,14 +304,14 @@ def run_triton_stage(stage, inputs, scale, causal, wants_program):
     run = _STAGES[stage]
     if not wants_program:
         return _laid_out(run(*inputs, scale, causal), inputs)
-    with launch_programs.recorded_stage() as recorded:
+    with programs.recorded_stage() as recorded:
         outputs = run(*inputs, scale, causal)
     module = _extension
     if module is not None:
         program = recorded.program(module, inputs, outputs)
         if program is not None:
             module.register_program(stage, list(inputs), scale, causal, True, *program)
-        elif launch_programs.replays_complete(recorded.record):
+        elif programs.replays_complete(recorded.record):
             log.info("bob_compile: the %s stage of a masked call runs from Python (its "
                      "recording cannot be replayed)", module.STAGES[stage])
             module.register_program(stage, list(inputs), scale, causal, False, [], [], [])
@@ -297,7 +336,7 @@ def _laid_out(outputs, inputs):
 def bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale, causal):
     """path.bob_folded(...) (no lse cotangent), recorded; where its launches can be
     replayed, the C++ node gets their plan for this signature."""
-    from .kernels import launching
+    from ..kernels import launching
     with launching.recording() as record:
         outs = path.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq)
     module = _extension
@@ -311,7 +350,7 @@ def bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale, ca
 
 
 def _bob_launches(module, record, named):
-    """The recorded launches as the node's plan (launch_programs.launch_arguments), the
+    """The recorded launches as the node's plan (programs.launch_arguments), the
     tensors named by role (module.SLOT_NAMES); None where one cannot be replayed, or where
     one tensor has two roles (its role would be ambiguous in a later call)."""
     slot_of = {}
@@ -320,4 +359,4 @@ def _bob_launches(module, record, named):
             if id(tensor) in slot_of:
                 return None
             slot_of[id(tensor)] = module.SLOT_NAMES.index(name)
-    return launch_programs.launch_arguments(module, record, slot_of)
+    return programs.launch_arguments(module, record, slot_of)

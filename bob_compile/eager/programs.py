@@ -1,5 +1,5 @@
 """Recorded Triton launches as the C++ node replays them: the BoB's plans, and the programs
-of masked calls' stages (bob_compile/csrc/native_node.cpp; why: docs/host-overhead.md).
+of masked calls' stages (bob_compile/eager/csrc/native_node.cpp; why: docs/host-overhead.md).
 
 A recording of one Python run of a stage (bob_compile/kernels/launching.py `recording`) holds each
 launch with its runtime arguments and the compiled kernel it went through. The node replays
@@ -20,7 +20,7 @@ would not redo) means the stage cannot be replayed.
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .kernels import launching
+from ..kernels import launching
 
 aten = torch.ops.aten
 

@@ -60,7 +60,7 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Which kernels run (the Python side passes these numbers: bob_compile/native_node.py):
+// Which kernels run (the Python side passes these numbers: bob_compile/eager/node.py):
 // PyTorch's fused ones, or (kTriton, calls with a mask) the op's Triton kernels, launched
 // from programs (below, "Programs") or by Python
 enum Kernels : int64_t { kCudnn = 0, kFlash = 1, kCpuFlash = 2, kTriton = 3 };
@@ -450,7 +450,7 @@ void set_driver(uint64_t launch_kernel, uint64_t context_get_current) {
 // A call with a mask runs the op's Triton kernels in three stages: its forward (the mask's
 // summary, then the forward kernel), its first backward, and the folded BoB. Once Python has
 // run a stage for a call signature under a recording (native_node.py run_triton_stage,
-// launch_programs.py), this module holds a *program* of it: the tensors the stage made
+// eager/programs.py), this module holds a *program* of it: the tensors the stage made
 // (fresh allocations and views, each by sizes, strides and dtype) and its launches, with
 // slots numbered inputs first, then the tensors made, in order. Later calls of the signature
 // make the same tensors and launch the same kernels (as a BoB plan does); a signature whose
@@ -520,7 +520,7 @@ std::optional<std::vector<Tensor>> replay(const Program& program,
   return outputs;
 }
 
-// Python's stage (native_node.run_triton_stage), under the GIL; wants_program: record it
+// Python's stage (eager/node.py run_triton_stage), under the GIL; wants_program: record it
 std::vector<Tensor> python_stage(int64_t stage, const std::vector<Tensor>& inputs, double scale,
                                  bool causal, bool wants_program) {
   TORCH_CHECK(triton_stage != nullptr, "bob_compile native node: no Triton stage set");
@@ -560,7 +560,7 @@ std::vector<Tensor> run_stage(int64_t stage, const std::vector<Tensor>& inputs, 
   return python_stage(stage, inputs, scale, causal, replays && !program);
 }
 
-// A program from Python (launch_programs.py): made, [(base, sizes, strides, offset, dtype)];
+// A program from Python (eager/programs.py): made, [(base, sizes, strides, offset, dtype)];
 // launches as parse_launches takes them; outputs, [(slot, like)]. replayable=false marks the
 // signature as one Python runs unrecorded
 void register_program(int64_t stage, const std::vector<std::optional<Tensor>>& inputs,
