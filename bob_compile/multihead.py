@@ -3,7 +3,7 @@
 
 Dynamo records those modules' attention as one `F.multi_head_attention_forward` call; the
 flashbob backend puts `multi_head_attention` in its place where that is exact
-(bob_compile/passes/multihead.py): the attention weights are not used, dropout is off, there is no
+(bob_compile/passes/multi_head_forward.py): the attention weights are not used, dropout is off, there is no
 key_padding_mask, and the attention mask is absent or causal.
 """
 import torch

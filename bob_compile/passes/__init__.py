@@ -7,7 +7,11 @@ higher-order ops such as activation checkpointing), recompiles it, and returns a
 GraphReport: one Site per attention site, and the run-time guards that the rewritten graph
 needs (causal masks read from graph inputs, see causal_mask.py).
 
-Modules: sdpa.py and handwritten.py (the rewrites), inplace.py (in-place arithmetic on
+Modules: sdpa.py, handwritten.py and multi_head_forward.py (the rewrites: SDPA calls,
+attention written by hand, nn.MultiheadAttention's F.multi_head_attention_forward),
+sdpa_math.py (sites left as written, run as SDPA's math where differentiated twice),
+autograd_functions.py (user Functions' backwards), inference.py (which inference graphs
+keep PyTorch's fused SDPA), einsum.py (einsum spellings), inplace.py (in-place arithmetic on
 temporaries made out of place first), subgraphs.py (higher-order op bodies), causal_mask.py
 (proofs that a mask is causal), nodes.py (node spellings and queries), erase.py (targeted
 dead-node removal), report.py (reports, counters).
@@ -15,7 +19,7 @@ dead-node removal), report.py (reports, counters).
 from .causal_mask import CausalTensorGuard, MaskProver
 from .handwritten import rewrite_handwritten
 from .inplace import functionalize_temporaries
-from .multihead import rewrite_multihead
+from .multi_head_forward import rewrite_multihead
 from .report import GraphReport, Site, counters
 from .sdpa import rewrite_sdpa
 from .subgraphs import rewrite_bodies

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .multihead import MHA_SIGNATURE
+from .multi_head_forward import MHA_SIGNATURE
 from .sdpa import SDPA_TARGETS, _bound_arguments
 
 

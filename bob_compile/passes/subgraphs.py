@@ -86,7 +86,7 @@ def rewrite_bodies(gm, prover, report, rewrite_graph, make_prover):
 def report_untouched(gm, report, reason):
     """Add a skipped Site for every attention site of `gm` and of the bodies it calls."""
     from .handwritten import attention_like_softmaxes
-    from .multihead import FAST_PATH_KERNELS
+    from .multi_head_forward import FAST_PATH_KERNELS
     from .sdpa import SDPA_TARGETS
     kinds = {**{t: "sdpa" for t in SDPA_TARGETS}, **{t: "multihead" for t in FAST_PATH_KERNELS},
              torch.nn.functional.multi_head_attention_forward: "multihead"}

@@ -1,4 +1,4 @@
-"""nn.MultiheadAttention and the nn.Transformer* layers under flashbob (bob_compile/passes/multihead.py).
+"""nn.MultiheadAttention and the nn.Transformer* layers under flashbob (bob_compile/passes/multi_head_forward.py).
 
 Dynamo records their attention as one F.multi_head_attention_forward call. Supported calls
 must become bob_compile.multihead.multi_head_attention, run the fused op, and give the
