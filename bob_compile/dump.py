@@ -6,7 +6,9 @@ Per compiled graph, with options={"dump_dir": PATH} or BOB_COMPILE_DUMP_DIR=PATH
     PATH/<compile id>/graph_after.py    after the rewrite
     PATH/<compile id>/graph.diff        unified diff of the two
     PATH/<compile id>/report.txt        one line per attention site, the route and what
-                                        was compiled
+                                        was compiled (per order: its ops, the bytes its
+                                        forward keeps for the backward, its compile time;
+                                        written again as each order compiles)
     PATH/<compile id>/<order>.forward.py, <order>.backward.py
                                         on the "training" route, the AOTAutograd graphs
                                         (aten level, our ops in them) of each compiled
@@ -70,6 +72,9 @@ def emit_compiled(report, what, pair):
     """Log, trace and (where report has a dump folder) write the two graphs of one
     compiled AOTAutograd pair of a training graph."""
     log.info("flashbob graph %s compiled %s", report.compile_id, report.compiled[-1])
+    if report.dump_folder:      # the report again, with this order's line
+        with open(os.path.join(report.dump_folder, "report.txt"), "w") as f:
+            f.write(report.text())
     for half, graph in (("forward", pair.forward_graph), ("backward", pair.backward_graph)):
         text = graph.print_readable(print_output=False)
         _compat.trace_artifact(f"flashbob_{what}_{half}", text)

@@ -110,7 +110,19 @@ def compiled_text_name(what):
 
 
 def compiled_text(what, pair):
+    """'<order>: forward half N ops, backward half M ops, keeping B for the backward,
+    compiled in S s'. B: what the forward keeps beyond its inputs (CompiledPair.saved_bytes)."""
     def ops(graph):
         return sum(1 for n in graph.graph.nodes if n.op == "call_function")
+    saved = pair.saved_bytes()
+    kept = "? bytes (symbolic shapes)" if saved is None else byte_text(saved)
     return (f"{compiled_text_name(what)}: forward half {ops(pair.forward_graph)} ops, "
-            f"backward half {ops(pair.backward_graph)} ops")
+            f"backward half {ops(pair.backward_graph)} ops, keeping {kept} for the backward, "
+            f"compiled in {pair.compile_seconds:.1f} s")
+
+
+def byte_text(n):
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"

@@ -10,6 +10,7 @@ aliased outputs are first retried as copies.
 import contextlib
 import copy
 import dataclasses
+import time
 from typing import Callable
 
 import torch
@@ -48,6 +49,7 @@ class CompiledPair:
     donates: bool = False                   # backward overwrites saved values (run it once)
     static_inputs: frozenset = frozenset()  # primal indices at fixed addresses (parameters)
     effect_tokens: int = 0                  # forward inputs (and outputs) ahead of the primals
+    compile_seconds: float = 0.0            # AOTAutograd's tracing and both halves' compiles
 
     def primal_nodes(self):
         return self.forward_graph.graph.find_nodes(op="placeholder")[self.effect_tokens:]
@@ -55,6 +57,29 @@ class CompiledPair:
     def output_nodes(self):
         """The forward graph's outputs as `forward` returns them (effect tokens dropped)."""
         return list(self.forward_graph.graph.output_node().args[0])[self.effect_tokens:]
+
+    def saved_bytes(self):
+        """Bytes of the values the forward keeps for the backward beyond its inputs and
+        outputs (a primal or an output saved as-is, or a view of a primal, costs nothing
+        more; views of one storage count once), at the traced shapes; None where a size is
+        symbolic without a hint."""
+        outputs = self.output_nodes()
+        inputs = {_storage(node.meta.get("val")) for node in self.primal_nodes()}
+        sizes = {}
+        for index in self.saved_order:
+            if index in self.saved_primals or index in self.saved_outputs:
+                continue
+            value = outputs[index].meta.get("val")
+            if isinstance(value, torch.Tensor) and _storage(value) not in inputs:
+                sizes[_storage(value)] = value.untyped_storage().nbytes()
+        total = 0
+        for size in sizes.values():
+            if isinstance(size, torch.SymInt):
+                size = size.node.hint
+                if size is None:
+                    return None
+            total += int(size)
+        return total
 
     def backward_inputs(self, saved, cotangents, output_meta):
         """The backward's inputs: the saved values, then a tangent per differentiable output
@@ -64,6 +89,11 @@ class CompiledPair:
                                 device=output_meta[i][2]) if cotangents[i] is None else cotangents[i]
                     for i in self.tangent_outputs]
         return list(saved) + [as_traced(t, layout) for t, layout in zip(tangents, self.tangent_layouts)]
+
+
+def _storage(value):
+    """An identity of a (fake) tensor's storage, shared by its views; None for non-tensors."""
+    return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
 
 
 def compile_pair(gm, example_inputs, compiler, config_patches=(), what="graph", nested=True,
@@ -80,14 +110,17 @@ def compile_pair(gm, example_inputs, compiler, config_patches=(), what="graph", 
         static_inputs = _static_input_marks(gm)
     args = (compiler, config_patches, what, nested, donate, frozenset(static_inputs))
     _clone_outputs(gm, _outputs_aliasing_inputs(gm))
+    start = time.perf_counter()
     try:
-        return _compile_pair(gm, example_inputs, *args)
+        pair = _compile_pair(gm, example_inputs, *args)
     except _AliasedOutputs as aliased:
         # Outputs that are inputs or views AOTAutograd would rebuild at run time through its
         # view-replay wrappers, which we do not replicate: return copies instead (one copy
         # of that output; inductor usually writes it from the kernel that produces it).
         _clone_outputs(gm, aliased.indices)
-        return _compile_pair(gm, example_inputs, *args)
+        pair = _compile_pair(gm, example_inputs, *args)
+    pair.compile_seconds = time.perf_counter() - start
+    return pair
 
 
 def _static_input_marks(gm):

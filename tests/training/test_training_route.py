@@ -6,6 +6,7 @@ test_backend_scenarios.py runs this route with aot_eager; here: inductor in ever
 gradient penalties, third order, dropout, graphs the route refuses, dynamic shapes, dumps.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -498,3 +499,35 @@ def test_report_and_dump_name_the_compiled_graphs_of_every_order(tmp_path):
         assert "bob_compile" in (folder / f"second_order.{half}.py").read_text(), half
     assert "attn_bob" in (folder / "second_order.backward.py").read_text()
     assert "the VJP as a differentiable function (second order)" in recent_reports[-1].text()
+
+
+def _kept_by_the_forward(compiled, x):
+    """Bytes the compiled forward keeps for its backward beyond its inputs and outputs,
+    measured at run time: the storage of every tensor autograd packs (views of one storage
+    once), less the inputs', parameters' and outputs' own."""
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = compiled(x)
+    known = {t.untyped_storage().data_ptr() for t in (x, out, *compiled.parameters())}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in packed}
+    return sum(n for pointer, n in storages.items() if pointer not in known)
+
+
+def test_report_says_what_each_order_keeps_and_how_long_it_compiled(tmp_path):
+    """Each compiled order's line says the bytes its forward keeps for the backward (what a
+    step's memory is made of) and its compile time; the dump's report.txt has every order."""
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob,
+                             options={**AOT_EAGER, "dump_dir": str(tmp_path)})
+    kept = _kept_by_the_forward(compiled, x)
+    hessian_vector_product(compiled, x)
+    report = (tmp_path / "0_0" / "report.txt").read_text()
+    first, second = (re.search(rf"{order}: forward half \d+ ops, backward half \d+ ops, keeping "
+                               r"([\d.]+) (bytes|KiB|MiB|GiB) for the backward, compiled in "
+                               r"[\d.]+ s", report) for order in
+                     ("forward and backward", r"the VJP as a differentiable function \(second order\)"))
+    assert first and second, report
+    number, unit = first.groups()
+    scale = {"bytes": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}[unit]
+    assert kept > 0 and abs(float(number) * scale - kept) <= 0.05 * scale + 0.01 * kept, (kept, report)
