@@ -34,7 +34,7 @@ def committed(path):
     return (out[0], out[1]) if len(out) == 2 else ("", "")
 
 
-def command_of(meta, name):
+def command_of(meta):
     if meta.get("command"):
         return meta["command"]
     args = meta.get("args")
@@ -87,7 +87,7 @@ def page():
         date, commit = committed(path)
         date = str(meta.get("date", date))[:10]
         commit = str(meta.get("git_commit", commit))[:7]
-        command = command_of(meta, path.stem)
+        command = command_of(meta)
         link = f"[{path.name}](../benchmarks/results/{path.name})"
         index.append(f"| {path.stem} | {date} | {commit} | "
                      + (f"`{command}`" if command else "not recorded in the JSON")

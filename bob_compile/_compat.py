@@ -17,6 +17,8 @@ Differences found so far (docs/torch-behaviour.md lists them with the rest):
 - `torch.autograd.Function.apply` binds the call's arguments to `forward`'s signature in
   Python up to 2.13, and in C (`_C._FunctionBase.apply`) on 2.14.
 """
+import functools
+
 import torch
 
 # call_method names under which Dynamo may record `a <op> b` for tensors, by operator name.
@@ -50,7 +52,9 @@ def _aten_calls(name):
 ATTRIBUTE_CALLS = {"T": _aten_calls("numpy_T"), "mT": _aten_calls("mT")}
 
 
-def _sdpa_takes_mask_with_is_causal():
+@functools.cache
+def sdpa_takes_mask_with_is_causal():
+    """Whether this torch's SDPA takes attn_mask with is_causal=True (see above); asked once."""
     q = torch.zeros(1, 1, 2, 1)
     try:
         torch.nn.functional.scaled_dot_product_attention(
@@ -60,7 +64,6 @@ def _sdpa_takes_mask_with_is_causal():
     return True
 
 
-SDPA_TAKES_MASK_WITH_IS_CAUSAL = _sdpa_takes_mask_with_is_causal()
 # Whether Function.apply's C part binds the signature itself (see the module docstring).
 FUNCTION_APPLY_BINDS_IN_C = (torch.autograd.Function.__dict__.get("apply")
                              is torch._C._FunctionBase.__dict__["apply"])

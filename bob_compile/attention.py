@@ -10,8 +10,7 @@ import sys
 
 import torch
 
-from . import eager
-from .autograd import attention_output
+from . import autograd, eager
 from .eager import node as eager_node
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -187,5 +186,13 @@ def attention(query, key, value, attn_mask=None, *, is_causal=False, scale=None,
     scale = _scale_value(scale, query.shape[-1])
     query, key, value = _broadcast_leading(query, key, value, enable_gqa)
     mask = _checked_mask(attn_mask, query, key, value)
-    o = eager.output(query, key, value, mask, scale, is_causal)
-    return attention_output(query, key, value, mask, scale, is_causal) if o is None else o
+    # a plain eager call: the eager accelerator first, then the forward alone where nothing
+    # can differentiate the result; anything else through the autograd Functions
+    if autograd.plain_call((query, key, value, mask)):
+        needs_graph = not autograd.no_graph_needed((query, key, value))
+        o = eager.output(query, key, value, mask, scale, is_causal, needs_graph)
+        if o is not None:
+            return o
+        if not needs_graph:
+            return autograd.forward_output(query, key, value, mask, scale, is_causal)
+    return autograd.attention_with_lse(query, key, value, mask, scale, is_causal)[0]

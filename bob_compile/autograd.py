@@ -274,16 +274,18 @@ def _needs_twin_under_legacy_vmap(*tensors):
 
 
 # ----------------------------------------------------------------------------- first order
-def attention_output(q, k, v, mask, scale, causal):
-    """o of the attention op through the Functions (bob_compile.attention asks the eager
-    accelerator, bob_compile/eager/, first): where nothing can differentiate it (no grad
-    needed, no forward-mode AD, plain eager), the implementation's forward_output, without an
-    lse (PyTorch's fused forward then skips computing it, as native SDPA does without grad);
-    everywhere else, the op through AttnFn (attention_with_lse)."""
-    if not _functorch_active() and plain_eager((q, k, v, mask)) and no_graph_needed((q, k, v)):
-        return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
-                       (q, k, v, mask, scale, causal))
-    return attention_with_lse(q, k, v, mask, scale, causal)[0]
+def plain_call(tensors):
+    """Whether a call on these op inputs is plain eager: no torch.func transform, and
+    nothing else that could observe it (plain_eager)."""
+    return not _functorch_active() and plain_eager(tensors)
+
+
+def forward_output(q, k, v, mask, scale, causal):
+    """o of a plain call that nothing can differentiate (no grad needed, no forward-mode
+    AD): the implementation's forward_output, without an lse (PyTorch's fused forward then
+    skips computing it, as native SDPA does without grad)."""
+    return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
+                   (q, k, v, mask, scale, causal))
 
 
 def attention_with_lse(q, k, v, mask, scale, causal):

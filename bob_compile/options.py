@@ -46,9 +46,9 @@ OWN_OPTIONS = (
 )
 VALID_KEYS = tuple(key for key, *_ in OWN_OPTIONS) + tuple(
     switch.option for switch in kernel_settings.SWITCHES if switch.option)
-_CHOICES = {"kernels": kernel_settings.KERNELS, "native_backend": kernel_settings.NATIVE_BACKENDS,
-            "bwd_dq": kernel_settings.SCHEDULES, "bob_schedule": kernel_settings.SCHEDULES,
-            "bob_form": kernel_settings.BOB_FORMS}
+# the values each kernel option takes: its switch's (a 1/0 switch's option is a bool instead)
+_CHOICES = {switch.option: switch.choices for switch in kernel_settings.SWITCHES
+            if switch.option and switch.choices is not kernel_settings.SWITCH}
 
 
 def parse(options=None, mode=None):
@@ -85,4 +85,3 @@ def parse(options=None, mode=None):
             bwd_dq_atomics=schedule["bwd_dq"], bob_row_atomics=schedule["bob_schedule"],
             bob_form=options.get("bob_form"), tune=options.get("tune")),
     )
-

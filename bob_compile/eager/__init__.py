@@ -7,26 +7,20 @@ second order's first backward, with the kernels launched from C++ where a record
 of their launches exists (programs.py). A repeated call of a signature enters C++ from its
 first line (`node.fast_entry`, which bob_compile.attention tries before anything else).
 
-`output` is the one question the rest of the package asks: o of this call through the
-nodes, or None, and then the op's autograd Functions (bob_compile/autograd.py) run it.
+`output` is the one question the rest of the package asks, for a plain eager call
+(bob_compile.attention establishes that): o of this call through the nodes, or None, and
+then the op's autograd Functions (bob_compile/autograd.py) run it.
 BOB_COMPILE_CPP_NODE=off makes every answer None; nothing outside this package changes.
 The nodes call back into autograd.py for what they do not run themselves (node.py:
 general_backward, bob_backward): this package depends on autograd.py, never the reverse.
 """
-import torch
-
-from .. import autograd
 from . import node
 
-_functorch_active = torch._C._are_functorch_transforms_active
 
-
-def output(q, k, v, mask, scale, causal):
-    """o of a plain eager call through the C++ nodes (with or without a graph), or None
-    where they do not apply (see node.unmasked_output, node.masked_output)."""
-    if _functorch_active() or not autograd.plain_eager((q, k, v, mask)):
-        return None
-    needs_graph = not autograd.no_graph_needed((q, k, v))
+def output(q, k, v, mask, scale, causal, needs_graph):
+    """o of a plain eager call (autograd.plain_call) through the C++ nodes, with a graph
+    where needs_graph, or None where they do not apply (see node.unmasked_output,
+    node.masked_output)."""
     if mask is None:
         return node.unmasked_output(q, k, v, scale, causal, needs_graph)
     return node.masked_output(q, k, v, mask, scale, causal, needs_graph)

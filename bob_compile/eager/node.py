@@ -20,8 +20,8 @@ The node is compiled on first use with torch.utils.cpp_extension (a C++ compiler
 which PyTorch's own extensions need too) into BOB_COMPILE_CACHE_DIR, keyed by its source,
 the torch version and the Python version, so a machine builds it once. BOB_COMPILE_CPP_NODE
 (bob_compile/kernels/settings.py) says how: `background` (default; the Python node runs
-until the build is ready, ~30 s), `wait` (the first call waits: benchmarks), `off`. A failed build is logged
-once, and the Python node runs.
+until the build is ready, ~30 s), `wait` (the first call waits: benchmarks), `off`. A failed
+build is logged once, and the Python node runs.
 """
 import ctypes
 import hashlib
@@ -200,8 +200,8 @@ def unmasked_output(q, k, v, scale, causal, needs_graph):
 # What the nodes call back into Python for
 # --------------------------------------------------------------------------------------
 def general_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused, mask):
-    """The backwards of the C++ node that it does not run itself: what
-    AttnFn.backward runs there (a create_graph backward, an lse cotangent, a tensor subclass,
+    """The backwards of the C++ node that it does not run itself: what AttnFn.backward runs
+    there (a create_graph backward, an lse cotangent, a tensor subclass,
     deterministic algorithms). refused: the message of the fused backward's refusal, if it
     refused. o and lse are the node's outputs (they carry its history, for a third order);
     mask: the call's (B, Hq, L, S) mask view, or None."""
@@ -214,8 +214,9 @@ def general_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused,
 
 def bob_backward(q, k, v, o, lse, do, o_attached, lse_attached, gdq, gdk, gdv, dq,
                  scale, causal, wants_plan, mask):
-    """The backward of the C++ node's first backward where it does not run it itself: what AttnBwdFn.backward runs for o and lse that came in detached (the folded
-    BoB), returning (gq, gk, gv, gdo). o_attached, lse_attached: the forward's outputs with
+    """The backward of the C++ node's first backward where it does not run it itself: what
+    AttnBwdFn.backward runs for o and lse that came in detached (the folded BoB), returning
+    (gq, gk, gv, gdo). o_attached, lse_attached: the forward's outputs with
     their history, which a third order differentiates through; dq: the first backward's dq
     (None if modified in place since); wants_plan: the node has no plan of this signature's
     launches yet and could replay one (bob_folded_with_plan); mask: the call's

@@ -343,19 +343,19 @@ class SecondOrderFn(torch.autograd.Function):
         ctx.graph, ctx.pair, ctx.wanted = graph, pair, wanted
         traced = [as_traced(x, layout) if isinstance(x, torch.Tensor) else x
                   for x, layout in zip(inputs, pair.input_layouts)]
+        # An input saved as-is is handed to the backward as the input itself, as ForwardFn
+        # does: under CUDA graphs the forward's output for it is a tensor of the graph's own,
+        # at an address of its own per recording, and the backward, which takes it for
+        # static, recorded itself again for every new batch. (Taken now: the boxed forward
+        # empties the list it is given.)
+        saved_inputs = {p: traced[p] for p in pair.saved_primals.values()}
         with _named_errors(graph, "the compiled second order (forward half)"):
             values = pair.forward(traced)
-        # Only what the double backward reads, never the outputs themselves: an output kept
-        # on its own node's ctx is a reference cycle autograd never frees. An input saved
-        # as-is is handed over as the input itself, as ForwardFn does: under CUDA graphs the
-        # forward's output for it is a tensor of the graph's own, at an address of its own
-        # per recording, and the backward, which takes it for static, recorded itself again
-        # for every new batch.
-        # (`traced` itself is gone: the boxed forward empties the list it is given)
-        ctx.second_order_saved = [
-            as_traced(inputs[pair.saved_primals[i]], pair.input_layouts[pair.saved_primals[i]])
-            if i in pair.saved_primals else values[i] for i in pair.saved_order]
         del traced
+        # Only what the double backward reads, never the outputs themselves: an output kept
+        # on its own node's ctx is a reference cycle autograd never frees.
+        ctx.second_order_saved = [saved_inputs[pair.saved_primals[i]] if i in pair.saved_primals
+                                  else values[i] for i in pair.saved_order]
         ctx.output_meta = [_meta(v) for v in values[:pair.num_outputs]]
         ctx.non_tensor_inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]
         ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])

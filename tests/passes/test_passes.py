@@ -182,7 +182,7 @@ def test_sdpa_arbitrary_mask_is_passed_on():
     torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
 
 
-@pytest.mark.skipif(not _compat.SDPA_TAKES_MASK_WITH_IS_CAUSAL,
+@pytest.mark.skipif(not _compat.sdpa_takes_mask_with_is_causal(),
                     reason="this torch refuses attn_mask with is_causal=True in SDPA itself")
 def test_sdpa_mask_and_is_causal_both_apply():
     """A mask with is_causal=True: both apply (PyTorch's fused kernels combine them; SDPA's

@@ -358,7 +358,7 @@ def test_learned_bias_runs_as_math_and_is_exact():
     assert report.skipped and "runs as SDPA's math" in report.skipped[0].reason
 
 
-@pytest.mark.skipif(not _compat.SDPA_TAKES_MASK_WITH_IS_CAUSAL,
+@pytest.mark.skipif(not _compat.sdpa_takes_mask_with_is_causal(),
                     reason="this torch refuses attn_mask with is_causal=True in SDPA itself")
 def test_mask_and_is_causal_are_replaced_and_exact():
     torch.manual_seed(0)
