@@ -6,15 +6,17 @@ A plain eager call whose call path is PyTorch's cuDNN or FA2 kernels runs throug
 where it needs a graph (grad mode on, an input requiring grad): its forward and its
 first-order backward are C++, the backward run without the GIL; where it needs none, the
 module's forward_output runs (the same kernel call, from C++). Its create_graph backward
-(a second order) in the folded form is the second node, whose backward is the folded BoB:
-launched from C++ by a plan of its Triton launches (`bob_folded_with_plan` below makes it
-the first time a signature runs), or by Python (bob_backward below). Every other
-backward calls general_backward, which is what the Python node (AttnFn in autograd.py)
-runs there: exact at every order either way.
+(a second order) in the folded form is the second node, whose backward is the folded BoB.
+Every other backward calls general_backward, which is what the Python node (AttnFn in
+autograd.py) runs there: exact at every order either way.
 
 A plain eager call with a mask runs through the same nodes with the op's Triton kernels
-(masked_output): each stage from a program of its launches once Python has recorded
-one (run_triton_stage, programs.py), the mask's summary kept in the node.
+(masked_output), the mask's summary kept in the node.
+
+The Triton kernels run in stages (a masked call's forward and first backward, any call's
+folded BoB): each from a program of its allocations and launches once Python has recorded
+one (run_triton_stage, programs.py), launched from C++; by Python (run_triton_stage, or
+bob_backward for a BoB that is differentiated again) otherwise.
 
 The node is compiled on first use with torch.utils.cpp_extension (a C++ compiler and ninja,
 which PyTorch's own extensions need too) into BOB_COMPILE_CACHE_DIR, keyed by its source,
@@ -76,6 +78,7 @@ def _build():
         module.set_general_backward(general_backward)
         module.set_bob_backward(bob_backward)
         module.set_triton_stage(run_triton_stage)
+        module.set_keys_out_above_head_dim(triton_attention.ACCUMULATE_B_MAX_HEAD_DIM)
         module.set_python_state(kernel_settings.kernel_choices_variable(), _forward_ad)
         _connect_driver(module)
         _extension = module
@@ -92,8 +95,8 @@ def _build():
 
 def _connect_driver(module):
     """Hands the module the CUDA driver's cuLaunchKernel and cuCtxGetCurrent (it links no CUDA
-    library, so that it builds on machines without one), for the BoB plans it replays.
-    Without a driver, no plan is made: Python launches every BoB."""
+    library, so that it builds on machines without one), for the programs it replays.
+    Without a driver, no program is made: Python launches every Triton stage."""
     if not torch.cuda.is_available():
         return
     try:
@@ -112,11 +115,10 @@ def _install_entry(settings):
 
 
 @kernel_settings.on_reload
-def _forget_plans(settings):
-    """Plans hold launch configs chosen under the previous settings (kernel choices,
+def _forget_programs(settings):
+    """Programs hold launch configs chosen under the previous settings (kernel choices,
     tuning, fast launches), routes the kernels chosen: made again under the new ones."""
     if _extension is not None:
-        _extension.forget_bob_plans()
         _extension.forget_programs()
         _extension.forget_routes()
     _install_entry(settings)
@@ -213,25 +215,17 @@ def general_backward(q, k, v, o, lse, do, dlse, scale, causal, kernels, refused,
 
 
 def bob_backward(q, k, v, o, lse, do, o_attached, lse_attached, gdq, gdk, gdv, dq,
-                 scale, causal, wants_plan, mask):
+                 scale, causal, mask):
     """The backward of the C++ node's first backward where it does not run it itself: what
     AttnBwdFn.backward runs for o and lse that came in detached (the folded BoB), returning
     (gq, gk, gv, gdo). o_attached, lse_attached: the forward's outputs with
     their history, which a third order differentiates through; dq: the first backward's dq
-    (None if modified in place since); wants_plan: the node has no plan of this signature's
-    launches yet and could replay one (bob_folded_with_plan); mask: the call's
-    (B, Hq, L, S) mask view, or None."""
+    (None if modified in place since); mask: the call's (B, Hq, L, S) mask view, or None."""
     if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
         o, lse = o_attached, lse_attached
     path = None
     if not torch.is_grad_enabled() and not _profiling() and autograd.plain_eager((gdq, gdk, gdv)):
         path = ops.call_path(kernels.select, q, k, v, mask, scale, causal)
-    if path is not None and wants_plan:
-        outs = bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale,
-                                    causal)
-        if outs is not None:
-            return outs[:4]
-        path = None
     return autograd.run_bob(True, path, None, q, k, v, o, lse, do, None, gdq, gdk, gdv, dq,
                             mask, scale, causal)[:4]
 
@@ -286,10 +280,11 @@ def _backward_stage(q, k, v, o, lse, do, mask, key_range, scale, causal):
     return (dq, 0), (dk, 1), (dv, 2)
 
 
-def _bob_stage(q, k, v, o, lse, do, dq, gdq, gdk, gdv, mask, key_range, scale, causal):
+def _bob_stage(q, k, v, o, lse, do, dq, gdq, gdk, gdv, mask, key_range, keys_out, scale,
+               causal):
     params = AttentionParams(scale=scale, causal=causal, mask=mask, mask_summary=key_range)
     gq, gk, gv, gdo, _ = triton_attention.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv,
-                                                     dq, params)
+                                                     dq, params, keys_out=keys_out)
     return (gq, 0), (gk, 1), (gv, 2), (gdo, 5)
 
 
@@ -298,12 +293,13 @@ _STAGES = (_forward_stage, _backward_stage, _bob_stage)
 
 
 def run_triton_stage(stage, inputs, scale, causal, wants_program):
-    """A masked call's stage for the node (native_node.cpp run_stage), by Python: its outputs,
-    each laid out like its input. wants_program: recorded, and its program handed to the
-    node, or, where every launch took a replayable path and still the stage cannot be
-    replayed (an op besides allocations and views), the mark that it has none."""
+    """A Triton stage for the node (native_node.cpp run_stage), by Python: its outputs, each
+    laid out like its input. wants_program: recorded, and its program handed to the node,
+    or, where every launch took a replayable path and still the stage cannot be replayed
+    (an op besides allocations and views), the mark that it has none. Nothing is recorded
+    under Triton's own launcher (fast launches off), whose launches cannot be replayed."""
     run = _STAGES[stage]
-    if not wants_program:
+    if not wants_program or not kernel_settings.current().fast_launch:
         return _laid_out(run(*inputs, scale, causal), inputs)
     with programs.recorded_stage() as recorded:
         outputs = run(*inputs, scale, causal)
@@ -313,7 +309,7 @@ def run_triton_stage(stage, inputs, scale, causal, wants_program):
         if program is not None:
             module.register_program(stage, list(inputs), scale, causal, True, *program)
         elif programs.replays_complete(recorded.record):
-            log.info("bob_compile: the %s stage of a masked call runs from Python (its "
+            log.info("bob_compile: the %s stage runs from Python for this signature (its "
                      "recording cannot be replayed)", module.STAGES[stage])
             module.register_program(stage, list(inputs), scale, causal, False, [], [], [])
     return _laid_out(outputs, inputs)
@@ -322,42 +318,3 @@ def run_triton_stage(stage, inputs, scale, causal, wants_program):
 def _laid_out(outputs, inputs):
     return tuple(t if like is None else layout.in_order_of(t, inputs[like])
                  for t, like in outputs)
-
-
-# --------------------------------------------------------------------------------------
-# Plans of the folded BoB, for the second node's backward
-# --------------------------------------------------------------------------------------
-# The C++ node replays what Python's folded BoB launched for a call signature (the same
-# compiled Triton kernels, grids and launch configs) with the tensors of a later call, named
-# by role (SLOT_NAMES: the inputs, and what attention_bob makes, which the node makes alike).
-# A plan is made from a recording of one Python run: each runtime argument of each launch
-# becomes a tensor's address or stride (found by identity among the named tensors), or a
-# constant of the signature (lengths, head counts, scale), with how Triton specialized it
-# (launching.py, "Launching"), which the node checks on every replay.
-def bob_folded_with_plan(path, q, k, v, o, lse, do, gdq, gdk, gdv, dq, scale, causal):
-    """path.bob_folded(...) (no lse cotangent), recorded; where its launches can be
-    replayed, the C++ node gets their plan for this signature."""
-    from ..kernels import launching
-    with launching.recording() as record:
-        outs = path.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, dq)
-    module = _extension
-    if outs is not None and module is not None and kernel_settings.current().fast_launch:
-        named = dict(Q=q, K=k, V=v, O=o, LSE=lse, DO=do, DQ=dq, GDQ=gdq, GDK=gdk, GDV=gdv)
-        launches = _bob_launches(module, record, named)
-        if launches is not None:
-            module.register_bob_plan(q, k, v, gdq, gdk, gdv, dq is not None, scale, causal,
-                                     launches)
-    return outs
-
-
-def _bob_launches(module, record, named):
-    """The recorded launches as the node's plan (programs.launch_arguments), the
-    tensors named by role (module.SLOT_NAMES); None where one cannot be replayed, or where
-    one tensor has two roles (its role would be ambiguous in a later call)."""
-    slot_of = {}
-    for name, tensor in {**named, **record.tensors}.items():
-        if tensor is not None:
-            if id(tensor) in slot_of:
-                return None
-            slot_of[id(tensor)] = module.SLOT_NAMES.index(name)
-    return programs.launch_arguments(module, record, slot_of)

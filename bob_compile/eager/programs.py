@@ -1,21 +1,22 @@
-"""Recorded Triton launches as the C++ node replays them: the BoB's plans, and the programs
-of masked calls' stages (bob_compile/eager/csrc/native_node.cpp; why: docs/host-overhead.md).
+"""Recorded Triton stages as the C++ node replays them: programs (native_node.cpp;
+why: docs/host-overhead.md).
 
-A recording of one Python run of a stage (bob_compile/kernels/launching.py `recording`) holds each
-launch with its runtime arguments and the compiled kernel it went through. The node replays
-the same compiled kernels, grids and launch configs with the tensors of a later call, so each
-tensor argument must be named by its role in the call: a *slot*. Every runtime argument
-becomes a slot's address or one of its strides, or a constant of the call's signature
-(lengths, head counts, the scale), with how Triton specialized it when it compiled the kernel
-(launching.py, "Launching"), which the node checks on every replay.
+A Triton stage (a masked call's forward with the mask's summary and its first backward; any
+call's folded BoB) is recorded once per call signature (bob_compile/kernels/launching.py
+`recording`): each launch with its runtime arguments and the compiled kernel it went
+through. The node replays the same compiled kernels, grids and launch configs with the
+tensors of a later call, so each tensor argument must be named by its role in the call: a
+*slot*. Every runtime argument becomes a slot's address or one of its strides, or a
+constant of the call's signature (lengths, head counts, the scale), with how Triton
+specialized it when it compiled the kernel (launching.py, "Launching"), which the node
+checks on every replay.
 
-A masked call's stage (its forward with the mask's summary, its first backward, the folded
-BoB) also makes tensors: its outputs and scratch. `recorded_stage` watches the stage's ATen
-ops with a dispatch mode: each fresh allocation (`empty`, `empty_like`, `empty_strided`) and
-each view of a tensor already known becomes a slot after the inputs, described by sizes,
-strides and dtype (a view: by its base slot and storage offset), which the node makes again
-for a later call of the same signature. Any other op (a copy, a fill, a sum: work the node
-would not redo) means the stage cannot be replayed.
+A stage also makes tensors: its outputs and scratch. `recorded_stage` watches the stage's
+ATen ops with a dispatch mode: each fresh allocation (`empty`, `empty_like`,
+`empty_strided`) and each view of a tensor already known becomes a slot after the inputs,
+described by sizes, strides and dtype (a view: by its base slot and storage offset), which
+the node makes again for a later call of the same signature. Any other op (a copy, a fill,
+a sum: work the node would not redo) means the stage cannot be replayed.
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -170,18 +170,17 @@ def runtime_parameters(kernel):
 
 
 # --------------------------------------------------------------------------------------
-# Recording launches (the C++ node's plans of the BoB: bob_compile/eager/node.py)
+# Recording launches (the C++ node's programs: bob_compile/eager/programs.py)
 # --------------------------------------------------------------------------------------
 class Recording:
     """What ran inside `recording()` on this thread: `launches`, one (kernel, grid, args,
     direct, kept) per LaunchPlan launch (args: the runtime arguments in the kernel's order;
     direct: the DirectLaunch the launch went through, None where it took another path;
-    kept: whether the plan is a remembered one, not a provisional choice), and `tensors`,
-    the tensors a launch site named with note_tensors."""
-    __slots__ = ("launches", "tensors")
+    kept: whether the plan is a remembered one, not a provisional choice)."""
+    __slots__ = ("launches",)
 
     def __init__(self):
-        self.launches, self.tensors = [], {}
+        self.launches = []
 
 
 class _RecordingState(threading.local):
@@ -200,13 +199,6 @@ class recording:
 
     def __exit__(self, *exc):
         _recording.record = self.previous
-
-
-def note_tensors(**tensors):
-    """Name tensors a launch site made (its outputs, its scratch) for a recording, if any."""
-    record = _recording.record
-    if record is not None:
-        record.tensors.update(tensors)
 
 
 class LaunchPlan:

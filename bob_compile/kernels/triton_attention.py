@@ -250,12 +250,14 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
                          row_atomics=settings.current().bob_row_atomics)
 
 
-def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
+def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, keys_out=None):
+    """keys_out: B = P k where the caller computed it already (the C++ node), else None."""
     S, L = k.shape[2], q.shape[2]
     if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
         like = (q, k, v, do, lse)
         return tuple(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like)
-    keys_out = _keys_out(q, k, params)
+    if keys_out is None:
+        keys_out = _keys_out(q, k, params)
     return attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True, dq=dq,
                          keys_out=keys_out)
 

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
-from .launching import fixed_plan, launch_plan, note_tensors, read_path_first, strides_of
+from .launching import fixed_plan, launch_plan, read_path_first, strides_of
 from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
                     apply_mask_tile, blocks, column_block_program, dot_precision,
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask,
@@ -630,8 +630,6 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     def flag_key(path):
         return (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind, path),
                 int(fold))
-    # for the C++ node's plans (bob_compile/eager/node.py), which make these tensors alike
-    note_tensors(GQ=gq, GK=gk, GV=gv, GDO=gdo, GDLSE=gdlse, D=d, ROW_E=row_e, KEYS_OUT=keys_out)
 
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),

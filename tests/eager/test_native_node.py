@@ -376,60 +376,15 @@ def test_a_refused_forward_is_logged_and_the_python_path_runs(cpp_node, monkeypa
     close(torch.autograd.grad(o.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v)))
 
 
-# ----------------------------------------------------------------------------- BoB plans
-def test_plans_of_recorded_launches(cpp_node):
-    """What native_node makes of a recorded launch (here the row-dot pre-pass of the BoB,
-    recorded by hand: without a GPU nothing launches): each argument a named tensor's
-    address or stride, or a constant, with Triton's specialization of it; and no plan where
-    a launch cannot be replayed."""
-    import types
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-    from bob_compile.kernels import launching
-    from bob_compile.kernels.triton_backward import _row_dot_kernel
-
-    do = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16).transpose(1, 2)    # strides 120, 8, 24, 1
-    o = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
-    d = torch.empty(2, 3, 5)
-    args = launching.packer(_row_dot_kernel)(DO=do, O=o, DLSE=d, D=d, num_q_heads=3, L=5)
-    names, _ = launching.runtime_parameters(_row_dot_kernel)
-    signature = {n: native_specialize_impl(BaseBackend, a, False, True, True)[0]
-                 for n, a in zip(names, args)}
-    compiled = types.SimpleNamespace(src=types.SimpleNamespace(signature=signature))
-    direct = types.SimpleNamespace(compiled=compiled, function=1234, metadata=(4, 1, 512),
-                                   cooperative=False, pdl=False)
-
-    def plan(named, launch=(direct, True)):
-        record = launching.Recording()
-        record.launches.append((_row_dot_kernel, (1, 6), args, *launch))
-        record.tensors.update(D=d)
-        return eager_node._bob_launches(cpp_node, record, named)
-
-    (launch,) = plan(dict(DO=do, O=o))
-    assert launch[:5] == (1234, 1, 6, 128, 512)
-    slot, kind = cpp_node.SLOT_NAMES.index, cpp_node.ARG_KINDS.index
-    got = dict(zip(names, launch[5], strict=True))
-    # strides of 1 are compiled in: checked on every replay, not passed
-    assert got["sde"] == (kind("stride_one"), slot("DO"), 3, 0, 0, 0, 0, 0.0)
-    assert got["DO"][:2] == (kind("pointer"), slot("DO")) and got["DLSE"][1] == slot("D")
-    assert got["sdl"] == (kind("stride"), slot("DO"), 2, 0, 0, 0, 0, 0.0)   # 24: not div by 16
-    assert got["sdb"][:4] == (kind("stride"), slot("DO"), 0, 0)               # 120
-    assert got["sob"][:4] == (kind("stride"), slot("O"), 0, 0)                # 120
-    assert got["num_q_heads"] == (kind("int32"), 0, 0, 0, 0, 0, 3, 0.0)
-    assert got["DO"][5] == cpp_node.scalar_type_code(do) != cpp_node.scalar_type_code(d)
-    assert plan(dict(DO=do, O=do)) is None                 # one tensor in two roles
-    assert plan(dict(DO=do)) is None                       # o is no named tensor
-    assert plan(dict(DO=do, O=o), (None, True)) is None    # not a direct launch
-    assert plan(dict(DO=do, O=o), (direct, False)) is None  # a provisional launch config
-
-
-# ----------------------------------------------------------------------------- masked calls
+# ----------------------------------------------------------------------------- programs
 def test_programs_of_recorded_stages(cpp_node):
-    """What launch_programs makes of a masked call's stage (a launch recorded by hand, as
-    above): the inputs first among the slots, then each tensor the stage made, fresh (sizes,
-    strides, dtype) or a view (its base slot and offset); the outputs by slot. No program
-    where the stage did more than allocate and view, launched on a tensor it neither got
-    nor made, or got one tensor in two roles."""
+    """What programs.py makes of a Triton stage (a launch recorded by hand: without a GPU
+    nothing launches): the inputs first among the slots, then each tensor the stage made,
+    fresh (sizes, strides, dtype) or a view (its base slot and offset); the outputs by slot;
+    each launch argument a slot's address or stride, or a constant, with Triton's
+    specialization of it. No program where the stage did more than allocate and view,
+    launched on a tensor it neither got nor made, got one tensor in two roles, or launched
+    otherwise than through a remembered launch config."""
     import types
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
@@ -437,12 +392,12 @@ def test_programs_of_recorded_stages(cpp_node):
     from bob_compile.kernels import launching
     from bob_compile.kernels.triton_backward import _row_dot_kernel
 
-    do = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16).transpose(1, 2)
+    do = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16).transpose(1, 2)    # strides 120, 8, 24, 1
     o = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
     outside = torch.empty(2, 3, 5)
     names, _ = launching.runtime_parameters(_row_dot_kernel)
 
-    def stage(do, o, then=None, d_from_outside=False):
+    def stage(do, o, then=None, d_from_outside=False, direct_launch=True, kept=True):
         with programs.recorded_stage() as recorded:
             d = outside if d_from_outside else torch.empty(o.shape[:3])
             rows = d.unsqueeze(-1)[:, 1:]
@@ -452,8 +407,9 @@ def test_programs_of_recorded_stages(cpp_node):
                          for n, a in zip(names, args)}
             direct = types.SimpleNamespace(
                 compiled=types.SimpleNamespace(src=types.SimpleNamespace(signature=signature)),
-                function=99, metadata=(4, 1, 0), cooperative=False, pdl=False)
-            recorded.record.launches.append((_row_dot_kernel, (1, 6), args, direct, True))
+                function=99, metadata=(4, 1, 512), cooperative=False, pdl=False)
+            recorded.record.launches.append(
+                (_row_dot_kernel, (1, 6), args, direct if direct_launch else None, kept))
             if then is not None:
                 then(d)
         return recorded, d, rows
@@ -466,10 +422,19 @@ def test_programs_of_recorded_stages(cpp_node):
     assert unsqueezed[:4] == (2, [2, 3, 5, 1], [15, 5, 1, 1], 0)       # a view of slot 2
     assert sliced[:4] == (3, [2, 2, 5, 1], [15, 5, 1, 1], 5)            # of slot 3, 5 further
     assert outputs == [(2, -1), (4, 0)]
-    got = dict(zip(names, launches[0][5], strict=True))
+    (launch,) = launches
+    assert launch[:5] == (99, 1, 6, 128, 512)        # function, grid, threads, shared bytes
+    got = dict(zip(names, launch[5], strict=True))
     kind = cpp_node.ARG_KINDS.index
     assert got["DO"][:2] == (kind("pointer"), 0) and got["O"][:2] == (kind("pointer"), 1)
     assert got["D"][:2] == got["DLSE"][:2] == (kind("pointer"), 2)
+    assert got["DO"][5] == cpp_node.scalar_type_code(do) != cpp_node.scalar_type_code(d)
+    # strides of 1 are compiled in: checked on every replay, not passed
+    assert got["sde"] == (kind("stride_one"), 0, 3, 0, 0, 0, 0, 0.0)
+    assert got["sdl"] == (kind("stride"), 0, 2, 0, 0, 0, 0, 0.0)     # 24: not divisible by 16
+    assert got["sdb"][:4] == (kind("stride"), 0, 0, 0)                 # 120
+    assert got["sob"][:4] == (kind("stride"), 1, 0, 0)                 # 120
+    assert got["num_q_heads"] == (kind("int32"), 0, 0, 0, 0, 0, 3, 0.0)
     # the node takes it; registering makes one replayable program, reloading drops it
     before = cpp_node.program_count()
     cpp_node.register_program(1, [do, o, None], 1.0, False, True, made, launches, outputs)
@@ -481,6 +446,10 @@ def test_programs_of_recorded_stages(cpp_node):
 
     assert stage(do, o, then=lambda d: d.zero_())[0].program(cpp_node, (do, o), []) is None
     assert stage(do, o, d_from_outside=True)[0].program(cpp_node, (do, o), []) is None
+    for launched_otherwise in (stage(do, o, direct_launch=False)[0],   # Triton's launcher
+                               stage(do, o, kept=False)[0]):           # a provisional config
+        assert not programs.replays_complete(launched_otherwise.record)
+        assert launched_otherwise.program(cpp_node, (do, o), []) is None
     assert recorded.program(cpp_node, (do, do), [(d, None)]) is None      # two roles
     assert recorded.program(cpp_node, (do, o), [(outside, None)]) is None  # not the stage's
     recorded.record.launches[0] = (*recorded.record.launches[0][:4], False)
@@ -501,7 +470,13 @@ def blockwise_stages(cpp_node):
     def stage(number, inputs, scale, causal, wants_program):
         assert not wants_program
         ran.append(cpp_node.STAGES[number])
-        *tensors, mask = inputs[:4] if number == 0 else inputs[:-1]
+        if number == 0:
+            *tensors, mask = inputs
+        elif number == 1:
+            *tensors, mask, _ = inputs                  # the mask's summary: not needed here
+        else:
+            *tensors, mask, _, keys_out = inputs
+            assert keys_out is None                     # computed by the node for fused kernels
         params = AttentionParams(scale=scale, causal=causal, mask=mask)
         if number == 0:
             return (*blockwise.forward(*tensors, params), triton_masks.summarize_with_torch(mask))

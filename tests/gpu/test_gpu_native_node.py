@@ -1,13 +1,13 @@
 """The C++ autograd nodes on CUDA (bob_compile/eager/node.py): the same kernels as the op's
 Python node, so the same results at every order (the same bits but where PyTorch's fused
 backwards accumulate dq with atomics), with no Python in a first-order backward nor in a
-folded create_graph backward, and the BoB launched from C++ once a plan of its launches was
-made. The nodes' plumbing at every order in float64: test_native_node.py."""
+folded create_graph backward, and the BoB launched from C++ once a program of its launches
+was recorded. The nodes' plumbing at every order in float64: test_native_node.py."""
 import pytest
 import torch
 
 import bob_compile
-from bob_compile.eager.node import bob_backward, general_backward
+from bob_compile.eager.node import general_backward
 from bob_compile.kernels import settings
 
 pytestmark = pytest.mark.gpu
@@ -78,10 +78,12 @@ def randn_like_views(g, *shapes, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_bob_from_plans(cpp_node, dtype, causal, gqa, head_dim):
-    """The first BoB of a signature runs in Python and leaves a plan; the next ones launch
-    the same kernels from C++: the same bits. Cotangents that specialize otherwise
-    (misaligned) go back to Python, with the same results."""
+def test_bob_from_programs(cpp_node, dtype, causal, gqa, head_dim):
+    """The first BoB of a signature runs in Python and is recorded; the next ones launch the
+    same kernels from C++ (B = P k for wide heads from the fused forward, as Python's): the
+    same bits. Cotangents that specialize otherwise (misaligned) go back to Python, with the
+    same results."""
+    from bob_compile.eager import node as eager_node
     g = torch.Generator(device="cuda").manual_seed(1)
     kv = 2 if gqa else 4
     q, k, v, do = randn_like_views(g, (2, 4, 200, head_dim), (2, kv, 200, head_dim),
@@ -91,39 +93,39 @@ def test_bob_from_plans(cpp_node, dtype, causal, gqa, head_dim):
     g1 = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     assert type(g1[0].grad_fn).__name__ == "CppFunction"
     vs = [torch.randn(t.shape, device="cuda", dtype=dtype, generator=g) for t in g1]
-    calls = []
-    cpp_node.set_bob_backward(lambda *a: calls.append(a[-2]) or bob_backward(*a))
+    stages = []
+    cpp_node.set_triton_stage(lambda *a: stages.append(a[-1]) or eager_node.run_triton_stage(*a))
     try:
         torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)    # compiles, tunes
-        cpp_node.forget_bob_plans()
-        calls.clear()
+        cpp_node.forget_programs()
+        stages.clear()
         in_python = torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)
-        assert calls == [True] and cpp_node.bob_plan_count() == 1
-        from_plan = torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)
-        assert calls == [True]
-        for a, b in zip(from_plan, in_python, strict=True):
+        assert stages == [True] and cpp_node.program_count() == 1
+        from_program = torch.autograd.grad(g1, (q, k, v, do), vs, retain_graph=True)
+        assert stages == [True]
+        for a, b in zip(from_program, in_python, strict=True):
             assert a.stride() == b.stride()
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-        # a cotangent one element off 16-byte alignment: not the plan's specialization
+        # a cotangent one element off 16-byte alignment: not the program's specialization
         misaligned = torch.empty(vs[0].numel() + 1, device="cuda", dtype=dtype)[1:]
         misaligned = misaligned.view(vs[0].shape).copy_(vs[0])
         again = torch.autograd.grad(g1, (q, k, v, do), [misaligned, *vs[1:]], retain_graph=True)
-        assert len(calls) == 2
+        assert len(stages) == 2
         for a, b in zip(again, in_python, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-        # only dk's cotangent: another signature (dq's and dv's GEMMs skipped), another plan
+        # only dk's cotangent: another signature (dq's and dv's GEMMs skipped), another program
         in_python = torch.autograd.grad(g1[1], (q, k, v, do), vs[1], retain_graph=True)
         torch.autograd.grad(g1[1], (q, k, v, do), vs[1], retain_graph=True)
-        made = len(calls)
-        from_plan = torch.autograd.grad(g1[1], (q, k, v, do), vs[1])
-        assert len(calls) == made and cpp_node.bob_plan_count() == 2
-        for a, b in zip(from_plan, in_python, strict=True):
+        made = len(stages)
+        from_program = torch.autograd.grad(g1[1], (q, k, v, do), vs[1])
+        assert len(stages) == made and cpp_node.program_count() == 2
+        for a, b in zip(from_program, in_python, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
-        cpp_node.set_bob_backward(bob_backward)
+        cpp_node.set_triton_stage(eager_node.run_triton_stage)
 
 
-def test_plans_are_forgotten_on_reload(cpp_node, reread_settings):
+def test_programs_are_forgotten_on_reload(cpp_node, reread_settings):
     g = torch.Generator(device="cuda").manual_seed(2)
     q, k, v, do = randn_like_views(g, *[(1, 2, 128, 64)] * 4, dtype=torch.bfloat16)
     q.requires_grad_()
@@ -131,9 +133,9 @@ def test_plans_are_forgotten_on_reload(cpp_node, reread_settings):
         o = bob_compile.attention(q, k, v)
         (dq,) = torch.autograd.grad(o, q, do, create_graph=True)
         torch.autograd.grad(dq, q, torch.ones_like(dq))
-    assert cpp_node.bob_plan_count() >= 1
+    assert cpp_node.program_count() >= 1
     settings.reload()
-    assert cpp_node.bob_plan_count() == 0
+    assert cpp_node.program_count() == 0
 
 
 def python_lines(monkeypatch):

@@ -19,16 +19,19 @@
 //              function set by set_general_backward, the op's own differentiable path.
 //
 // A call with a mask runs the same two nodes with the op's Triton kernels instead of the
-// fused ones (kTriton): each stage (forward with the mask's summary, first backward, folded
-// BoB) from a program of its allocations and launches (below, "Programs"), or by Python.
+// fused ones (kTriton).
 //
-// NativeAttentionBackward's backward is the folded backward-over-backward (the BoB), three
-// Triton kernels. Once the Python BoB has run for a call signature it hands this module a
-// plan of its launches (register_bob_plan: the compiled kernels' CUDA functions, grids,
-// and where each kernel argument comes from); later calls of that signature launch them
-// from here with the CUDA driver, checking first that every argument specializes as it did
-// when the kernels were compiled. Anything else (no plan yet, a third order, a tensor
-// subclass, a changed specialization) calls the Python function set by set_bob_backward.
+// NativeAttentionBackward's backward is the folded backward-over-backward (the BoB), Triton
+// kernels in either case. Every Triton stage (a masked call's forward with the mask's
+// summary and its first backward; the folded BoB of any call) runs from a *program*
+// (below, "Programs"): once Python has run the stage for a call signature under a
+// recording, this module holds the tensors it made and its launches (the compiled kernels'
+// CUDA functions, grids, and where each kernel argument comes from), and later calls of
+// that signature make the same tensors and launch the same kernels with the CUDA driver,
+// checking first that every argument specializes as it did when the kernels were compiled.
+// Anything else (no program yet, a third order, a tensor subclass, a changed
+// specialization) runs by Python: the stage function set by set_triton_stage, or the
+// differentiable BoB set by set_bob_backward.
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
@@ -60,9 +63,9 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Which kernels run (the Python side passes these numbers: bob_compile/eager/node.py):
-// PyTorch's fused ones, or (kTriton, calls with a mask) the op's Triton kernels, launched
-// from programs (below, "Programs") or by Python
+// Which kernels run the forward and the first backward (the Python side passes these
+// numbers: bob_compile/eager/node.py): PyTorch's fused ones, or (kTriton, calls with a mask)
+// the op's Triton kernels, launched from programs (below, "Programs") or by Python
 enum Kernels : int64_t { kCudnn = 0, kFlash = 1, kCpuFlash = 2, kTriton = 3 };
 
 // ---------------------------------------------------------------------------- layouts
@@ -213,15 +216,6 @@ using ContextFn = int (*)(void**);
 LaunchKernelFn cu_launch_kernel = nullptr;
 ContextFn cu_ctx_get_current = nullptr;
 
-// The tensors of a folded BoB, by the names Python's plans use (SLOT_NAMES, same order)
-enum Slot : int64_t {
-  kQ, kK, kV, kO, kLse, kDout, kDq, kGdq, kGdk, kGdv,           // inputs
-  kGq, kGk, kGv, kGdo, kGdlse, kD, kRowE, kKeysOut, kNumSlots   // made here
-};
-const char* const kSlotNames[kNumSlots] = {"Q", "K", "V", "O", "LSE", "DO", "DQ", "GDQ", "GDK",
-                                           "GDV", "GQ", "GK", "GV", "GDO", "GDLSE", "D",
-                                           "ROW_E", "KEYS_OUT"};
-
 // Where one runtime argument of a kernel comes from, and how Triton specialized it when it
 // compiled the kernel (triton_common.py, "Launching"): a pointer's 16-byte alignment, an
 // int's width and divisibility by 16; an int that was 1 became a constant of the kernel
@@ -239,29 +233,11 @@ struct KernelLaunch {
   unsigned grid_x, grid_y, threads, shared_bytes;
   std::vector<Arg> args;
 };
-struct BobPlan {
-  std::vector<KernelLaunch> launches;
-  bool reads_keys_out;
-};
-
-// Plans by call signature (plan_key); bounded like Python's call paths
-std::mutex plans_lock;
-std::map<std::vector<int64_t>, std::shared_ptr<const BobPlan>> plans;
-constexpr size_t kPlansLimit = 1024;
-
 // A double's bits, as a key entry (equal keys: the very same scale)
 int64_t bits_of(double x) {
   int64_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   return bits;
-}
-
-std::vector<int64_t> plan_key(const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& gdq, const Tensor& gdk, const Tensor& gdv,
-                              bool has_dq, double scale, bool causal) {
-  return {q.device().index(), static_cast<int64_t>(q.scalar_type()), q.size(0), q.size(1),
-          k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), causal, bits_of(scale),
-          gdq.defined(), gdk.defined(), gdv.defined(), has_dq};
 }
 
 // Fills `values` (one 8-byte cell per launched argument) for one launch; false where an
@@ -304,8 +280,8 @@ bool pack_arguments(const KernelLaunch& launch, const Tensor* slots,
     }
     values.push_back(cell);
   }
-  values.push_back(0);   // Triton's global and profile scratch pointers (the plans' kernels
-  values.push_back(0);   // need neither: Python makes no plan of a kernel that does)
+  values.push_back(0);   // Triton's global and profile scratch pointers (the programs'
+  values.push_back(0);   // kernels need neither: Python makes no program of one that does)
   return true;
 }
 
@@ -328,53 +304,10 @@ bool launch_all(const std::vector<KernelLaunch>& launches, const Tensor* slots,
     int status = cu_launch_kernel(reinterpret_cast<void*>(launch.function), launch.grid_x,
                                   launch.grid_y, 1, launch.threads, 1, 1, launch.shared_bytes,
                                   stream, pointers.data(), nullptr);
-    TORCH_CHECK(status == 0, "bob_compile: launching a Triton kernel from a plan failed (CUDA "
+    TORCH_CHECK(status == 0, "bob_compile: launching a Triton kernel from a program failed (CUDA "
                 "driver error ", status, ")");
   }
   return true;
-}
-
-// The folded BoB from a plan: (gq, gk, gv, gdo) in the layouts of q, k, v and dO, or
-// nothing where the plan does not apply (Python then runs it)
-std::optional<std::array<Tensor, 4>> bob_from_plan(const Tensor& q, const Tensor& k,
-                                                   const Tensor& v, const Tensor& o,
-                                                   const Tensor& lse, const Tensor& dout,
-                                                   const Tensor& dq, const Tensor& gdq,
-                                                   const Tensor& gdk, const Tensor& gdv,
-                                                   double scale, bool causal, int64_t kernels) {
-  if (cu_launch_kernel == nullptr || !q.is_cuda() || !lse.is_contiguous()) return std::nullopt;
-  std::shared_ptr<const BobPlan> plan;
-  {
-    std::lock_guard<std::mutex> guard(plans_lock);
-    auto found = plans.find(plan_key(q, k, v, gdq, gdk, gdv, dq.defined(), scale, causal));
-    if (found == plans.end()) return std::nullopt;
-    plan = found->second;
-  }
-  void* context = nullptr;
-  if (cu_ctx_get_current(&context) != 0 || context == nullptr) return std::nullopt;
-  // the tensors Python's attention_bob makes, made alike (contiguous, each like an input)
-  Tensor slots[kNumSlots];
-  slots[kQ] = q, slots[kK] = k, slots[kV] = v, slots[kO] = o, slots[kLse] = lse;
-  slots[kDout] = dout, slots[kDq] = dq, slots[kGdq] = gdq, slots[kGdk] = gdk, slots[kGdv] = gdv;
-  auto dense = at::MemoryFormat::Contiguous;
-  at::TensorOptions same;
-  slots[kGq] = at::empty_like(q, same, dense), slots[kGk] = at::empty_like(k, same, dense);
-  slots[kGv] = at::empty_like(v, same, dense), slots[kGdo] = at::empty_like(dout, same, dense);
-  slots[kGdlse] = at::empty_like(lse, same, dense);
-  slots[kRowE] = at::empty_like(lse, lse.options().dtype(at::kFloat), dense);
-  slots[kD] = at::empty(q.sizes().slice(0, 3), q.options().dtype(at::kFloat));
-  if (plan->reads_keys_out) {      // B = P k: an attention forward with the keys as values
-    try {
-      slots[kKeysOut] = std::get<0>(fused_forward(q, k, k, scale, causal, kernels, false));
-    } catch (const c10::OutOfMemoryError&) {
-      throw;
-    } catch (const c10::Error&) {
-      return std::nullopt;    // refused: Python's path logs it and takes the Triton forward
-    }
-  }
-  if (!launch_all(plan->launches, slots, q.device())) return std::nullopt;
-  return std::array<Tensor, 4>{in_order_of(slots[kGq], q), in_order_of(slots[kGk], k),
-                               in_order_of(slots[kGv], v), in_order_of(slots[kGdo], dout)};
 }
 
 // A pointer or a stride: an argument taken from a slot's tensor
@@ -411,51 +344,21 @@ std::vector<KernelLaunch> parse_launches(const std::vector<py::tuple>& launches,
   return parsed;
 }
 
-// A plan from Python (native_node.py, register_bob_plan)
-void register_bob_plan(const Tensor& q, const Tensor& k, const Tensor& v,
-                       const std::optional<Tensor>& gdq, const std::optional<Tensor>& gdk,
-                       const std::optional<Tensor>& gdv, bool has_dq, double scale, bool causal,
-                       const std::vector<py::tuple>& launches) {
-  auto plan = std::make_shared<BobPlan>();
-  plan->launches = parse_launches(launches, kNumSlots);
-  plan->reads_keys_out = false;
-  for (const KernelLaunch& launch : plan->launches) {
-    for (const Arg& arg : launch.args) {
-      plan->reads_keys_out |= uses_slot(arg) && arg.slot == kKeysOut;
-    }
-  }
-  auto key = plan_key(q, k, v, gdq.value_or(Tensor()), gdk.value_or(Tensor()),
-                      gdv.value_or(Tensor()), has_dq, scale, causal);
-  std::lock_guard<std::mutex> guard(plans_lock);
-  if (plans.size() >= kPlansLimit) plans.clear();
-  plans[key] = std::move(plan);
-}
-
-void forget_bob_plans() {
-  std::lock_guard<std::mutex> guard(plans_lock);
-  plans.clear();
-}
-
-size_t bob_plan_count() {
-  std::lock_guard<std::mutex> guard(plans_lock);
-  return plans.size();
-}
-
 void set_driver(uint64_t launch_kernel, uint64_t context_get_current) {
   cu_launch_kernel = reinterpret_cast<LaunchKernelFn>(launch_kernel);
   cu_ctx_get_current = reinterpret_cast<ContextFn>(context_get_current);
 }
 
 // ---------------------------------------------------------------------------- programs
-// A call with a mask runs the op's Triton kernels in three stages: its forward (the mask's
-// summary, then the forward kernel), its first backward, and the folded BoB. Once Python has
-// run a stage for a call signature under a recording (native_node.py run_triton_stage,
-// eager/programs.py), this module holds a *program* of it: the tensors the stage made
-// (fresh allocations and views, each by sizes, strides and dtype) and its launches, with
-// slots numbered inputs first, then the tensors made, in order. Later calls of the signature
-// make the same tensors and launch the same kernels (as a BoB plan does); a signature whose
-// stage cannot be replayed (an op besides allocations and views, a launch Triton took
-// another path for) is marked so, and Python runs it without recording.
+// The op's Triton kernels run in stages: a masked call's forward (the mask's summary, then
+// the forward kernel) and first backward, and any call's folded BoB. Once Python has run a
+// stage for a call signature under a recording (node.py run_triton_stage, programs.py), this
+// module holds a *program* of it: the tensors the stage made (fresh allocations and views,
+// each by sizes, strides and dtype) and its launches, with slots numbered inputs first, then
+// the tensors made, in order. Later calls of the signature make the same tensors and launch
+// the same kernels; a signature whose stage cannot be replayed (an op besides allocations
+// and views, a launch Triton took another path for) is marked so, and Python runs it
+// without recording.
 enum Stage : int64_t { kForwardStage = 0, kBackwardStage = 1, kBobStage = 2 };
 
 struct MadeTensor {
@@ -472,6 +375,7 @@ struct Program {
 };
 std::mutex programs_lock;
 std::map<std::vector<int64_t>, std::shared_ptr<const Program>> programs;
+constexpr size_t kProgramsLimit = 1024;   // signatures, bounded like Python's call paths
 py::object* triton_stage = nullptr;
 
 // The stage, scale, causal and each input's dtype, device, sizes and strides: everything
@@ -588,7 +492,7 @@ void register_program(int64_t stage, const std::vector<std::optional<Tensor>>& i
   for (const auto& t : inputs) tensors.push_back(t.value_or(Tensor()));
   auto key = program_key(stage, tensors, scale, causal);
   std::lock_guard<std::mutex> guard(programs_lock);
-  if (programs.size() >= kPlansLimit) programs.clear();
+  if (programs.size() >= kProgramsLimit) programs.clear();
   programs[key] = std::move(program);
 }
 
@@ -660,9 +564,26 @@ struct ForwardOutputs {
   Tensor o, lse, mask, key_range;
 };
 
+// B = P k, the attention output with the keys as values, for the folded BoB's row pass of
+// heads wider than keys_out_above_head_dim (narrower ones accumulate it in the pass: Python's
+// triton_attention._keys_out decides alike), from the fused kernels where they run the
+// call; undefined otherwise, or where the kernel refuses (the stage then computes it)
+int64_t keys_out_above_head_dim = INT64_MAX;
+
+Tensor keys_out(const Tensor& q, const Tensor& k, double scale, bool causal, int64_t kernels) {
+  if (kernels == kTriton || q.size(3) <= keys_out_above_head_dim) return Tensor();
+  try {
+    return std::get<0>(fused_forward(q, k, k, scale, causal, kernels, false));
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error&) {
+    return Tensor();
+  }
+}
+
 // The first backward of a folded second order (what AttnBwdFn is to the Python node, for o
 // and lse detached: autograd.py _first_backward): forward, the first-order backward;
-// backward, the folded BoB (from a plan or a program, or by Python).
+// backward, the folded BoB (from a program, or by Python).
 struct NativeAttentionBackward : public torch::autograd::Function<NativeAttentionBackward> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& o, const Tensor& lse,
@@ -702,24 +623,17 @@ struct NativeAttentionBackward : public torch::autograd::Function<NativeAttentio
     }
     bool plain = !c10::GradMode::is_enabled() && plain_or_undefined(gdq, q) &&
                  plain_or_undefined(gdk, k) && plain_or_undefined(gdv, v);
-    if (plain) {
+    if (plain && (kernels == kTriton || (cu_launch_kernel != nullptr && q.is_cuda()))) {
       RECORD_FUNCTION("bob_compile::attn_bob_folded", std::vector<c10::IValue>());
-      if (kernels == kTriton) {
-        auto got = run_stage(kBobStage, {q, k, v, o, lse, dout, dq, gdq, gdk, gdv, mask,
-                                         saved_tensor(ctx, "key_range")}, scale, causal);
-        result[0] = got[0], result[1] = got[1], result[2] = got[2], result[5] = got[3];
-        return result;
-      }
-      auto got = bob_from_plan(q, k, v, o, lse, dout, dq, gdq, gdk, gdv, scale, causal, kernels);
-      if (got) {
-        result[0] = (*got)[0], result[1] = (*got)[1], result[2] = (*got)[2];
-        result[5] = (*got)[3];
-        return result;
-      }
+      auto got = run_stage(kBobStage, {q, k, v, o, lse, dout, dq, gdq, gdk, gdv, mask,
+                                       saved_tensor(ctx, "key_range"),
+                                       keys_out(q, k, scale, causal, kernels)},
+                           scale, causal);
+      result[0] = got[0], result[1] = got[1], result[2] = got[2], result[5] = got[3];
+      return result;
     }
-    bool wants_plan = plain && kernels != kTriton && cu_launch_kernel != nullptr && q.is_cuda();
     call_python(bob_backward, "BoB backward", result, {0, 1, 2, 5}, q, k, v, o, lse, dout,
-                saved[6], saved[7], gdq, gdk, gdv, dq, scale, causal, wants_plan, mask);
+                saved[6], saved[7], gdq, gdk, gdv, dq, scale, causal, mask);
     return result;
   }
 };
@@ -1001,25 +915,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forget_routes", &forget_routes, "drop every remembered route");
   m.def("set_python_state", &set_python_state,
         "the contextvar of kernel choices, and torch.autograd.forward_ad");
-  m.def("register_bob_plan", &register_bob_plan, "the launches of a folded BoB's signature");
-  m.def("forget_bob_plans", &forget_bob_plans, "drop every plan");
   m.def("set_triton_stage",
         [](py::object fn) { set_python_function(triton_stage, std::move(fn)); },
-        "the Python function that runs (and records) a masked call's stage");
-  m.def("register_program", &register_program, "the program of a masked call's stage");
+        "the Python function that runs (and records) a Triton stage");
+  m.def("set_keys_out_above_head_dim", [](int64_t d) { keys_out_above_head_dim = d; },
+        "the head dims above which the folded BoB reads B = P k, computed beforehand");
+  m.def("register_program", &register_program, "the program of a Triton stage");
   m.def("forget_programs", &forget_programs, "drop every program");
   m.def("program_count", &program_count, "how many replayable programs are kept");
-  m.def("bob_plan_count", &bob_plan_count, "how many plans are kept");
   m.def("scalar_type_code", [](const Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
-        "the number of a tensor's dtype in plans");
+        "the number of a tensor's dtype in programs");
   m.attr("CUDNN") = static_cast<int64_t>(kCudnn);
   m.attr("FLASH") = static_cast<int64_t>(kFlash);
   m.attr("CPU_FLASH") = static_cast<int64_t>(kCpuFlash);
   m.attr("TRITON") = static_cast<int64_t>(kTriton);
   m.attr("STAGES") = py::make_tuple("forward", "backward", "bob_folded");
-  py::list slot_names;
-  for (auto name : kSlotNames) slot_names.append(name);
-  m.attr("SLOT_NAMES") = slot_names;
   m.attr("ARG_KINDS") = py::make_tuple("pointer", "stride", "stride_one", "int32", "int64",
                                        "float32");
 }
