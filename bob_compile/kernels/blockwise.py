@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .reference import acc_dtype, apply_mask, expand_kv, lse_for_probabilities, reduce_kv
+from . import dropout
+from .reference import acc_dtype, apply_mask, dropped, expand_kv, lse_for_probabilities, reduce_kv
 
 # Tile edge lengths (query rows, key columns). 256 keeps Python overhead low on CPU while
 # one tile stays far below an L·S tensor; tests shrink them (`tiles`) so short sequences
@@ -78,6 +79,12 @@ def _probs(q_tile, k_tile, lse_rows, params, rows, cols, masked):
     return torch.exp(s - lse_for_probabilities(lse_rows).unsqueeze(-1))
 
 
+def _keep(params, q, S, rows, cols):
+    """Dropout's Z on the tile (dropout.py), or None without dropout."""
+    B, H, L = q.shape[:3]
+    return dropout.keep_scale(params, (B, H, L, S), rows, cols, q.dtype, q.device)
+
+
 def _prepare(q, k, v, *kv_like):
     """Upcast to the accumulation dtype and expand key/value heads for GQA."""
     dt = acc_dtype(q.dtype)
@@ -120,7 +127,7 @@ def forward(q, k, v, params):
             rescale = torch.exp(m - m_ref)
             p = torch.exp(s - m_ref.unsqueeze(-1))
             denom = denom * rescale + p.sum(-1)
-            acc = acc * rescale.unsqueeze(-1) + p @ v[:, :, cols]
+            acc = acc * rescale.unsqueeze(-1) + dropped(p, _keep(params, q, S, rows, cols)) @ v[:, :, cols]
             m = m_new
         # A row sees no key iff its running max is still -inf (every score masked or -inf):
         # its o is then acc = 0 and its lse -inf. A NaN score makes the max NaN, so a row that
@@ -149,10 +156,11 @@ def backward(q, k, v, o, lse, do, dlse, params):
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
         p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
-        ds = p * (do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1))
+        z = _keep(params, q, S, rows, cols)
+        ds = p * (dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1))
         dq[:, :, rows] += scale * ds @ k_j
         dk[:, :, cols] += scale * ds.transpose(-2, -1) @ q_i
-        dv[:, :, cols] += p.transpose(-2, -1) @ do_i
+        dv[:, :, cols] += dropped(p, z).transpose(-2, -1) @ do_i
     return dq.to(dts[0]), reduce_kv(dk, hkv).to(dts[1]), reduce_kv(dv, hkv).to(dts[2])
 
 
@@ -177,12 +185,13 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
         p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
-        dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
+        z = _keep(params, q, S, rows, cols)
+        dp_shifted = dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1)
         ds = p * dp_shifted
         p_bar = torch.zeros_like(p)                 # cotangent of P (lse held fixed)
         if gdv is not None:
-            p_bar = p_bar + do_i @ gdv[:, :, cols].transpose(-2, -1)
-            gdo[:, :, rows] += p @ gdv[:, :, cols]
+            p_bar = p_bar + dropped(do_i @ gdv[:, :, cols].transpose(-2, -1), z)
+            gdo[:, :, rows] += dropped(p, z) @ gdv[:, :, cols]
         if has_f:
             F = torch.zeros_like(p)                 # cotangent of dS
             if gdq is not None:
@@ -194,8 +203,8 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
             A = p * F                               # cotangent of dP
             p_bar = p_bar + F * dp_shifted
             Dg[:, :, rows] += A.sum(-1)
-            gv[:, :, cols] += A.transpose(-2, -1) @ do_i
-            gdo[:, :, rows] += A @ v_j
+            gv[:, :, cols] += dropped(A, z).transpose(-2, -1) @ do_i
+            gdo[:, :, rows] += dropped(A, z) @ v_j
         s_bar = p * p_bar                           # cotangent of the scores
         glse[:, :, rows] -= s_bar.sum(-1)
         gq[:, :, rows] += scale * s_bar @ k_j
@@ -223,10 +232,12 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
     has_f = gdq is not None or gdk is not None      # F = 0 (so alpha = 0) when both are None
 
     def tile(rows, cols, masked):
-        """P, dS, F (None when zero) and C + F (dP - D), the alpha-free cotangent of P."""
+        """P, Z, dP - D, F (None when zero) and C + F (dP - D), the alpha-free cotangent of
+        P."""
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
         p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
-        dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
+        z = _keep(params, q, S, rows, cols)
+        dp_shifted = dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1)
         F = None
         if has_f:
             F = torch.zeros_like(p)
@@ -236,8 +247,8 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
                 F = F + scale * q_i @ gdk[:, :, cols].transpose(-2, -1)
         p_bar = torch.zeros_like(p) if F is None else F * dp_shifted
         if gdv is not None:
-            p_bar = p_bar + do_i @ gdv[:, :, cols].transpose(-2, -1)
-        return p, dp_shifted, F, p_bar
+            p_bar = p_bar + dropped(do_i @ gdv[:, :, cols].transpose(-2, -1), z)
+        return p, z, dp_shifted, F, p_bar
 
     for rows in _row_tiles(L):
         key_tiles = list(_key_tiles(rows, S, causal))
@@ -246,21 +257,21 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
         e_i = torch.zeros_like(a_i)
         omega, r, b = torch.zeros_like(q_i), torch.zeros_like(q_i), torch.zeros_like(q_i)
         for cols, masked in key_tiles:
-            p, dp_shifted, F, p_bar = tile(rows, cols, masked)
+            p, z, dp_shifted, F, p_bar = tile(rows, cols, masked)
             k_j, v_j = k[:, :, cols], v[:, :, cols]
             ds = p * dp_shifted
             e_i += (p * p_bar).sum(-1)
             omega += (p * p_bar) @ k_j
             b += p @ k_j
             if gdv is not None:
-                gdo[:, :, rows] += p @ gdv[:, :, cols]
+                gdo[:, :, rows] += dropped(p, z) @ gdv[:, :, cols]
             if gdk is not None:
                 omega += ds @ gdk[:, :, cols]
             if F is not None:
                 a_i += (p * F).sum(-1)
                 if dq is None:
                     r += ds @ k_j
-                gdo[:, :, rows] += (p * F) @ v_j
+                gdo[:, :, rows] += dropped(p * F, z) @ v_j
         if dlse is not None:
             e_i = e_i - a_i * dlse[:, :, rows]
         # scale alpha R is alpha dq where dq is read (never dq / scale: scale may be 0)
@@ -269,14 +280,14 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
         gdo[:, :, rows] -= a_i.unsqueeze(-1) * o[:, :, rows]
         alpha[:, :, rows] = a_i
         for cols, masked in key_tiles:
-            p, dp_shifted, F, p_bar = tile(rows, cols, masked)
+            p, z, dp_shifted, F, p_bar = tile(rows, cols, masked)
             # Sbar = P (C + (F - alpha)(dP - D) - E)
             s_bar = p * (p_bar - a_i.unsqueeze(-1) * dp_shifted - e_i.unsqueeze(-1))
             gk[:, :, cols] += scale * s_bar.transpose(-2, -1) @ q_i
             if gdq is not None:
                 gk[:, :, cols] += scale * (p * dp_shifted).transpose(-2, -1) @ gdq[:, :, rows]
             if F is not None:
-                gv[:, :, cols] += (p * (F - a_i.unsqueeze(-1))).transpose(-2, -1) @ do_i
+                gv[:, :, cols] += dropped(p * (F - a_i.unsqueeze(-1)), z).transpose(-2, -1) @ do_i
     outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), gdo, alpha)
     return tuple(t.to(d) for t, d in zip(outs, dts))
 
@@ -294,6 +305,7 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, k_j = q[:, :, rows], k[:, :, cols]
         p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        z = _keep(params, q, S, rows, cols)
         if tq is not None or tk is not None:
             ts = torch.zeros_like(p)
             if tq is not None:
@@ -301,9 +313,9 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
             if tk is not None:
                 ts = ts + scale * q_i @ tk[:, :, cols].transpose(-2, -1)
             tlse[:, :, rows] += (p * ts).sum(-1)
-            to[:, :, rows] += (p * ts) @ v[:, :, cols]
+            to[:, :, rows] += dropped(p * ts, z) @ v[:, :, cols]
         if tv is not None:
-            to[:, :, rows] += p @ tv[:, :, cols]
+            to[:, :, rows] += dropped(p, z) @ tv[:, :, cols]
     to = to - tlse.unsqueeze(-1) * o
     return to.to(out_dtype), tlse
 
@@ -328,7 +340,8 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
         p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
-        dp_shifted = do_i @ v_j.transpose(-2, -1) - D[:, :, rows].unsqueeze(-1)
+        z = _keep(params, q, S, rows, cols)
+        dp_shifted = dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1)
         ds = p * dp_shifted
         ts = torch.zeros_like(p)                    # tangent of the scores minus tangent of lse
         if tq is not None:
@@ -340,14 +353,14 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
         tp = p * ts
         tdp = -tD[:, :, rows].unsqueeze(-1).expand_as(p)
         if tdo is not None:
-            tdp = tdp + tdo[:, :, rows] @ v_j.transpose(-2, -1)
-            tdv[:, :, cols] += p.transpose(-2, -1) @ tdo[:, :, rows]
+            tdp = tdp + dropped(tdo[:, :, rows] @ v_j.transpose(-2, -1), z)
+            tdv[:, :, cols] += dropped(p, z).transpose(-2, -1) @ tdo[:, :, rows]
         if tv is not None:
-            tdp = tdp + do_i @ tv[:, :, cols].transpose(-2, -1)
+            tdp = tdp + dropped(do_i @ tv[:, :, cols].transpose(-2, -1), z)
         tds = tp * dp_shifted + p * tdp
         tdq[:, :, rows] += scale * tds @ k_j
         tdk[:, :, cols] += scale * tds.transpose(-2, -1) @ q_i
-        tdv[:, :, cols] += tp.transpose(-2, -1) @ do_i
+        tdv[:, :, cols] += dropped(tp, z).transpose(-2, -1) @ do_i
         if tk is not None:
             tdq[:, :, rows] += scale * ds @ tk[:, :, cols]
         if tq is not None:

@@ -28,11 +28,15 @@ class AttentionParams:
     for the backwards of the same call (triton_masks.py, "One summary per forward"): only
     plain eager calls, where no compiled graph or CUDA graph owns the memory;
     mask_summary: the mask's summary (triton_masks.mask_summary) where the caller made it
-    already (the C++ node keeps its forward's for the backwards: bob_compile/eager/node.py).
+    already (the C++ node keeps its forward's for the backwards: bob_compile/eager/node.py);
+    dropout_p: the attention dropout's probability (0: none), with dropout_seed, the call's
+    seed (an int64 tensor of one element, or an int): dropout.py.
     Keyword-only, checked."""
-    __slots__ = ("scale", "causal", "mask", "keep_mask_summary", "mask_summary")
+    __slots__ = ("scale", "causal", "mask", "keep_mask_summary", "mask_summary", "dropout_p",
+                 "dropout_seed")
 
-    def __init__(self, *, scale, causal, mask=None, keep_mask_summary=False, mask_summary=None):
+    def __init__(self, *, scale, causal, mask=None, keep_mask_summary=False, mask_summary=None,
+                 dropout_p=0.0, dropout_seed=None):
         if causal is not True and causal is not False:
             raise TypeError(f"AttentionParams: causal must be a bool, got {causal!r}")
         if scale is True or scale is False:
@@ -45,14 +49,24 @@ class AttentionParams:
         if mask_summary is not None and mask is None:
             raise TypeError("AttentionParams: mask_summary without a mask")
         self.mask_summary = mask_summary
+        if dropout_p and dropout_seed is None:
+            raise TypeError("AttentionParams: dropout_p without a dropout_seed")
+        if not 0.0 <= dropout_p <= 1.0:
+            raise ValueError(f"AttentionParams: dropout_p must be in [0, 1], got {dropout_p!r}")
+        self.dropout_p, self.dropout_seed = float(dropout_p), dropout_seed
 
     def __repr__(self):
         mask = "None" if self.mask is None else f"<{self.mask.dtype} {tuple(self.mask.shape)}>"
-        return f"AttentionParams(scale={self.scale!r}, causal={self.causal!r}, mask={mask})"
+        dropout = f", dropout_p={self.dropout_p!r}" if self.dropout_p else ""
+        return (f"AttentionParams(scale={self.scale!r}, causal={self.causal!r}, mask={mask}"
+                f"{dropout})")
 
     def __eq__(self, other):
         return isinstance(other, AttentionParams) and \
-            (self.scale, self.causal) == (other.scale, other.causal) and self.mask is other.mask
+            (self.scale, self.causal, self.dropout_p) == \
+            (other.scale, other.causal, other.dropout_p) and self.mask is other.mask and \
+            self.dropout_seed is other.dropout_seed
 
     def __hash__(self):
-        return hash((self.scale, self.causal, id(self.mask)))
+        return hash((self.scale, self.causal, id(self.mask), self.dropout_p,
+                     id(self.dropout_seed)))

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from . import dropout
 from .params import HIDDEN_AT_OR_BELOW
 
 # Cotangent names of `bob` outputs, in order: the VJP of `backward` w.r.t. all its tensors.
@@ -82,6 +83,18 @@ def probabilities(q, k, lse, params):
     return torch.exp(s - lse_for_probabilities(lse).unsqueeze(-1))
 
 
+def keep_scale(p, params):
+    """Dropout's Z = keep / (1 - p) for the (B, H, L, S) probabilities p (dropout.py), or
+    None without dropout."""
+    B, H, L, S = p.shape
+    return dropout.keep_scale(params, (B, H, L, S), slice(0, L), slice(0, S), p.dtype, p.device)
+
+
+def dropped(t, z):
+    """t ∘ Z: probabilities (or their derivatives) where they meet V; t without dropout."""
+    return t if z is None else t * z
+
+
 def _upcast(*ts):
     dt = acc_dtype(ts[0].dtype)
     return [None if t is None else t.to(dt) for t in ts]
@@ -101,7 +114,8 @@ def _scores_in_dtype(q, k, params):
 def _forward_in_dtype(q, k, v, params):
     k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     s = _scores_in_dtype(q, k, params)
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s.to(acc_dtype(s.dtype)), -1)
+    p = torch.softmax(s, -1)
+    return dropped(p, keep_scale(p, params)) @ v, torch.logsumexp(s.to(acc_dtype(s.dtype)), -1)
 
 
 def _backward_in_dtype(q, k, v, o, lse, do, dlse, params):
@@ -110,14 +124,15 @@ def _backward_in_dtype(q, k, v, o, lse, do, dlse, params):
     acc = acc_dtype(q.dtype)
     s = masked((q @ ke.transpose(-2, -1)).to(acc) * scale, params)
     p = torch.exp(s - lse_for_probabilities(lse).unsqueeze(-1))
-    dp = (do @ ve.transpose(-2, -1)).to(acc)
+    z = keep_scale(p, params)
+    dp = dropped((do @ ve.transpose(-2, -1)).to(acc), z)
     D = (do.to(acc) * o.to(acc)).sum(-1)
     if dlse is not None:
         D = D - dlse
     ds = (p * (dp - D.unsqueeze(-1))).to(q.dtype)
     dq = (ds @ ke) * scale
     dk = reduce_kv((ds.transpose(-2, -1) @ q) * scale, hkv)
-    dv = reduce_kv(p.to(q.dtype).transpose(-2, -1) @ do, hkv)
+    dv = reduce_kv(dropped(p, z).to(q.dtype).transpose(-2, -1) @ do, hkv)
     return dq, dk, dv
 
 
@@ -149,7 +164,7 @@ def forward(q, k, v, params, upcast=True):
     # a +inf score leaves the row's softmax undefined (NaN in SDPA's math path), its lse too
     lse = torch.where(lse == float("inf"), float("nan"), lse)
     p = probabilities(q, k, lse, params)
-    return (p @ v).to(out_dtype), lse
+    return (dropped(p, keep_scale(p, params)) @ v).to(out_dtype), lse
 
 
 def forward_output(q, k, v, params):
@@ -167,14 +182,15 @@ def backward(q, k, v, o, lse, do, dlse, params, upcast=True):
     q, k, v, o, lse, do, dlse = _upcast(q, k, v, o, lse, do, dlse)
     k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     p = probabilities(q, k, lse, params)
-    dp = do @ v.transpose(-2, -1)
+    z = keep_scale(p, params)
+    dp = dropped(do @ v.transpose(-2, -1), z)
     D = (do * o).sum(-1)
     if dlse is not None:
         D = D - dlse
     ds = p * (dp - D.unsqueeze(-1))
     dq = scale * ds @ k
     dk = reduce_kv(scale * ds.transpose(-2, -1) @ q, hkv)
-    dv = reduce_kv(p.transpose(-2, -1) @ do, hkv)
+    dv = reduce_kv(dropped(p, z).transpose(-2, -1) @ do, hkv)
     return dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2])
 
 
@@ -194,7 +210,8 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
     gdk = None if gdk is None else expand_kv(gdk, q.shape[-3])
     gdv = None if gdv is None else expand_kv(gdv, q.shape[-3])
     p = probabilities(q, k, lse, params)
-    dp = do @ v.transpose(-2, -1)
+    z = keep_scale(p, params)
+    dp = dropped(do @ v.transpose(-2, -1), z)
     D = (do * o).sum(-1)
     if dlse is not None:
         D = D - dlse
@@ -209,7 +226,7 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
         F = F + scale * q @ gdk.transpose(-2, -1)
     A = p * F                                   # cotangent of dP
     Dg = A.sum(-1)                              # = -(cotangent of D)
-    C = do @ gdv.transpose(-2, -1) if gdv is not None else zero
+    C = dropped(do @ gdv.transpose(-2, -1), z) if gdv is not None else zero
     Sbar = p * (C + F * dp_shifted)             # cotangent of the scores S
     gq = scale * Sbar @ k
     gk = scale * Sbar.transpose(-2, -1) @ q
@@ -217,12 +234,12 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
         gq = gq + scale * ds @ gdk
     if gdq is not None:
         gk = gk + scale * ds.transpose(-2, -1) @ gdq
-    gv = A.transpose(-2, -1) @ do
+    gv = dropped(A, z).transpose(-2, -1) @ do
     go = -Dg.unsqueeze(-1) * do
     glse = -Sbar.sum(-1)
-    gdo = A @ v - Dg.unsqueeze(-1) * o
+    gdo = dropped(A, z) @ v - Dg.unsqueeze(-1) * o
     if gdv is not None:
-        gdo = gdo + p @ gdv
+        gdo = gdo + dropped(p, z) @ gdv
     outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), go, glse, gdo, Dg)
     return tuple(t.to(dt) for t, dt in zip(outs, dts + [dts[4]]))
 
@@ -255,15 +272,16 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     H = q.shape[-3]
     k, v = expand_kv(k, H), expand_kv(v, H)
     p = probabilities(q, k, lse, params)
+    z = keep_scale(p, params)
     ts = torch.zeros_like(p)
     if tq is not None:
         ts = ts + scale * tq @ k.transpose(-2, -1)
     if tk is not None:
         ts = ts + scale * q @ expand_kv(tk, H).transpose(-2, -1)
     tlse = (p * ts).sum(-1)
-    to = (p * ts) @ v - tlse.unsqueeze(-1) * o
+    to = dropped(p * ts, z) @ v - tlse.unsqueeze(-1) * o
     if tv is not None:
-        to = to + p @ expand_kv(tv, H)
+        to = to + dropped(p, z) @ expand_kv(tv, H)
     return to.to(out_dtype), tlse
 
 
@@ -278,7 +296,8 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     tk = None if tk is None else expand_kv(tk, H)
     tv = None if tv is None else expand_kv(tv, H)
     p = probabilities(q, k, lse, params)
-    dp = do @ v.transpose(-2, -1)
+    z = keep_scale(p, params)
+    dp = dropped(do @ v.transpose(-2, -1), z)
     D = (do * o).sum(-1)
     if dlse is not None:
         D = D - dlse
@@ -295,10 +314,10 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     tdp = zero
     tD = torch.zeros_like(D)
     if tdo is not None:
-        tdp = tdp + tdo @ v.transpose(-2, -1)
+        tdp = tdp + dropped(tdo @ v.transpose(-2, -1), z)
         tD = tD + (tdo * o).sum(-1)
     if tv is not None:
-        tdp = tdp + do @ tv.transpose(-2, -1)
+        tdp = tdp + dropped(do @ tv.transpose(-2, -1), z)
     if to is not None:
         tD = tD + (do * to).sum(-1)
     if tdlse is not None:
@@ -306,22 +325,25 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     tds = tp * (dp - D.unsqueeze(-1)) + p * (tdp - tD.unsqueeze(-1))
     tdq = scale * tds @ k
     tdk = scale * tds.transpose(-2, -1) @ q
-    tdv = tp.transpose(-2, -1) @ do
+    tdv = dropped(tp, z).transpose(-2, -1) @ do
     if tk is not None:
         tdq = tdq + scale * ds @ tk
     if tq is not None:
         tdk = tdk + scale * ds.transpose(-2, -1) @ tq
     if tdo is not None:
-        tdv = tdv + p.transpose(-2, -1) @ tdo
+        tdv = tdv + dropped(p, z).transpose(-2, -1) @ tdo
     outs = (tdq, reduce_kv(tdk, hkv), reduce_kv(tdv, hkv))
     return tuple(t.to(dt) for t, dt in zip(outs, dts))
 
 
-def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+              dropout_scale=None):
     """softmax(q kᵀ · scale, top-left causal mask, attn_mask) v with ordinary ops, SDPA's
     signature (any leading dims): what the tests differentiate with autograd for their
     answers. Rows that see no key are 0, as in SDPA (a plain softmax gives NaN there); mask
-    values <= HIDDEN_AT_OR_BELOW hide their key (bob_compile/kernels/params.py)."""
+    values <= HIDDEN_AT_OR_BELOW hide their key (bob_compile/kernels/params.py).
+    dropout_scale: a given dropout's Z (keep / (1 - p), broadcastable to the scores),
+    multiplying the probabilities."""
     if enable_gqa:
         k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -331,6 +353,8 @@ def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=F
     if attn_mask is not None:
         s = apply_mask(s, attn_mask)
     if attn_mask is None:
-        return torch.softmax(s, dim=-1) @ v
-    empty = (s == float("-inf")).all(-1, keepdim=True)
-    return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0) @ v
+        p = torch.softmax(s, dim=-1)
+    else:
+        empty = (s == float("-inf")).all(-1, keepdim=True)
+        p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return dropped(p, dropout_scale) @ v

@@ -21,6 +21,7 @@ def problems(draw):
         causal=draw(st.booleans()), scale=draw(st.floats(0.1, 2.0)),
         tiles=(draw(st.integers(1, 7)), draw(st.integers(1, 7))),
         present=draw(st.lists(st.booleans(), min_size=7, max_size=7)),
+        dropout_p=draw(st.sampled_from([0.0, 0.0, 0.3, 0.9])),
     )
 
 
@@ -31,7 +32,8 @@ def test_every_function_matches_reference(p):
     q = torch.randn(p["B"], p["H"], p["L"], p["E"], **f64)
     k = torch.randn(p["B"], p["Hkv"], p["S"], p["E"], **f64)
     v = torch.randn(p["B"], p["Hkv"], p["S"], p["Ev"], **f64)
-    params = AttentionParams(scale=p["scale"], causal=p["causal"])
+    params = AttentionParams(scale=p["scale"], causal=p["causal"], dropout_p=p["dropout_p"],
+                             dropout_seed=torch.tensor(12345))
     o, lse = reference.forward(q, k, v, params)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     cot = [t if keep else None for t, keep in

@@ -1,0 +1,138 @@
+"""Attention dropout's keep mask (bob_compile/kernels/dropout.py, philox.py) and the closed
+forms with dropout (reference.py) against autograd through math attention given the same
+mask, at every order, in float64. The blockwise path is held to the reference with dropout
+in test_blockwise.py, the Triton kernels in test_triton_interpret.py."""
+import pytest
+import torch
+from torch.func import jvp
+
+from bob_compile.kernels import dropout, philox, reference
+from bob_compile.kernels.params import AttentionParams
+
+
+def keep(p, shape, seed):
+    params = AttentionParams(scale=1.0, causal=False, dropout_p=p, dropout_seed=torch.tensor(seed))
+    return dropout.keep_mask(params, shape, slice(0, shape[2]), slice(0, shape[3]), "cpu")
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_is_one_minus_p(p):
+    """Within 4 standard deviations of 1 - p over 2**18 draws."""
+    mask = keep(p, (2, 4, 128, 256), seed=7)
+    n = mask.numel()
+    sigma = (p * (1 - p) / n) ** 0.5
+    assert abs(mask.double().mean().item() - (1 - p)) < 4 * sigma
+
+
+def test_no_correlation_across_rows_heads_batches_and_calls():
+    """The keep indicators of neighbouring rows, heads, batch entries and two calls' seeds
+    are uncorrelated (|corr| < 4 / sqrt(n)), and no two rows are equal."""
+    mask = keep(0.5, (2, 2, 64, 512), seed=11).double()
+    other_call = keep(0.5, (2, 2, 64, 512), seed=12).double()
+    n = mask[0, 0].numel()
+
+    def corr(a, b):
+        a, b = a - a.mean(), b - b.mean()
+        return ((a * b).mean() / (a.std() * b.std())).item()
+    bound = 4 / n ** 0.5
+    assert abs(corr(mask[0, 0, :-1], mask[0, 0, 1:])) < bound          # rows
+    assert abs(corr(mask[0, 0], mask[0, 1])) < bound                    # heads
+    assert abs(corr(mask[0, 0], mask[1, 0])) < bound                    # batch entries
+    assert abs(corr(mask[0, 0], other_call[0, 0])) < bound              # calls
+    rows = mask.reshape(-1, 512)
+    assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]
+
+
+def test_same_seed_same_mask_and_tiles_agree_with_the_whole():
+    whole = keep(0.3, (1, 3, 20, 30), seed=5)
+    assert torch.equal(whole, keep(0.3, (1, 3, 20, 30), seed=5))
+    params = AttentionParams(scale=1.0, causal=False, dropout_p=0.3, dropout_seed=5)
+    tile = dropout.keep_mask(params, (1, 3, 20, 30), slice(4, 11), slice(17, 30), "cpu")
+    assert torch.equal(tile, whole[:, :, 4:11, 17:30])
+
+
+def test_philox_matches_known_words():
+    """Philox-4x32-10's words for counter (offset, 0, 0, 0) and key (seed's words), as
+    Triton's tl.randint gives them (checked under the interpreter in
+    test_triton_interpret.py; these fix the values here)."""
+    offsets = torch.tensor([0, 1, 2, 2 ** 32 - 5, 2 ** 40 + 3])
+    got = philox.randint(0, offsets).tolist()
+    assert got[:3] == [1713891541, 4175744164, 83534633]
+    assert got[3] == 4141276520 and got[4] == 3434229619
+    assert philox.randint(12345678901234, torch.tensor([0])).tolist() == [3595742388]
+
+
+def test_p_zero_and_one():
+    params = AttentionParams(scale=1.0, causal=False, dropout_p=1.0, dropout_seed=1)
+    z = dropout.keep_scale(params, (1, 1, 3, 4), slice(0, 3), slice(0, 4), torch.float64, "cpu")
+    assert torch.equal(z, torch.zeros(1, 1, 3, 4, dtype=torch.float64))
+    params = AttentionParams(scale=1.0, causal=False)
+    assert dropout.keep_scale(params, (1, 1, 3, 4), slice(0, 3), slice(0, 4),
+                              torch.float64, "cpu") is None
+    with pytest.raises(TypeError, match="dropout_p without a dropout_seed"):
+        AttentionParams(scale=1.0, causal=False, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
+        AttentionParams(scale=1.0, causal=False, dropout_p=1.5, dropout_seed=1)
+
+
+# ----------------------------------------------------------------------------- closed forms
+SHAPES = [  # B, Hq, Hkv, L, S, E, Ev, causal
+    (1, 2, 2, 7, 7, 8, 8, True),
+    (2, 4, 2, 5, 9, 8, 4, False),
+]
+
+
+def close(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("p", [0.25, 0.8])
+def test_closed_forms_with_dropout_equal_autograd_through_math(shape, p):
+    """forward, backward, bob, bob_folded, forward_jvp, backward_jvp with dropout against
+    autograd (and forward-mode AD) through math attention with the same Z."""
+    B, Hq, Hkv, L, S, E, Ev, causal = shape
+    g = torch.Generator().manual_seed(0)
+    f64 = dict(dtype=torch.float64)
+    q, k, v = (torch.randn(*s, generator=g, **f64) for s in
+               ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev)))
+    do = torch.randn(B, Hq, L, Ev, generator=g, **f64)
+    scale = 0.4
+    params = AttentionParams(scale=scale, causal=causal, dropout_p=p, dropout_seed=torch.tensor(99))
+    z = dropout.keep_scale(params, (B, Hq, L, S), slice(0, L), slice(0, S), torch.float64, "cpu")
+    assert 0 < (z == 0).sum() < z.numel()
+
+    def math(q, k, v):
+        return reference.sdpa_math(q, k, v, is_causal=causal, scale=scale, enable_gqa=Hq != Hkv,
+                                   dropout_scale=z)
+    o, lse = reference.forward(q, k, v, params)
+    close((o,), (math(q, k, v),))
+    # first order
+    qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        first = torch.autograd.grad(math(*qkv), qkv, do, create_graph=True)
+    close(reference.backward(q, k, v, o, lse, do, None, params), first)
+    # second order: the VJP of the first, w.r.t. q, k, v and dO
+    gdq, gdk, gdv = (torch.randn(t.shape, generator=g, **f64) for t in (q, k, v))
+    do_leaf = do.clone().requires_grad_()
+    with torch.enable_grad():
+        grads = torch.autograd.grad(math(*qkv), qkv, do_leaf, create_graph=True)
+        want = torch.autograd.grad(grads, [*qkv, do_leaf], (gdq, gdk, gdv))
+    gq, gk, gv, gdo, _ = reference.bob_folded(q, k, v, o, lse, do, None, gdq, gdk, gdv, None,
+                                              params)
+    close((gq, gk, gv, gdo), want)
+    gq, gk, gv, go, glse, gdo, _ = reference.bob(q, k, v, o, lse, do, None, gdq, gdk, gdv, params)
+    dq2, dk2, dv2 = reference.backward(q, k, v, o, lse, go, glse, params)
+    close((gq + dq2, gk + dk2, gv + dv2, gdo), want)
+    # forward mode: the forward's and the backward's tangents
+    tq, tk, tv, tdo = (torch.randn(t.shape, generator=g, **f64) for t in (q, k, v, do))
+    _, want_to = jvp(math, (q, k, v), (tq, tk, tv))
+    to, tlse = reference.forward_jvp(q, k, v, o, lse, tq, tk, tv, params)
+    close((to,), (want_to,))
+
+    def first_order(q, k, v, do):
+        return torch.func.vjp(math, q, k, v)[1](do)
+    _, want_t = jvp(first_order, (q, k, v, do), (tq, tk, tv, tdo))
+    close(reference.backward_jvp(q, k, v, o, lse, do, None, tq, tk, tv, to, tlse, tdo, None,
+                                 params), want_t)
