@@ -115,6 +115,12 @@ def plain_eager(tensors):
     return True
 
 
+def _tensor_arguments(args):
+    """The tensor (or None) arguments of a Function's call: all but the trailing scale,
+    causal and dropout_p (the seed, last, is a tensor)."""
+    return args[:-4] + args[-1:]
+
+
 # Whether the running `_Fused.apply` found its call plain eager (per thread: the autograd
 # engine runs backwards on its own threads), so that the forward it runs need not check again.
 _apply_state = threading.local()
@@ -167,7 +173,7 @@ class _Fused(torch.autograd.Function):
             if jvp_rule_level is not None:
                 return _apply_below_jvp_level(jvp_rule_level, cls, args)
             return custom_function_call(cls, *args)     # as Function.apply does, unbound
-        plain = plain_eager(args[:-2])
+        plain = plain_eager(_tensor_arguments(args))
         if not plain:
             args = unwrap_dead_wrappers(args)
         outer, _apply_state.plain = getattr(_apply_state, "plain", False), plain
@@ -207,14 +213,15 @@ def _apply_below_jvp_level(interpreter, cls, args):
     return tuple(None if t is None else _wrap_for_grad(t, level) for t in outputs)
 
 
-def _plain_call_path(q, k, v, mask, scale, causal):
+def _plain_call_path(q, k, v, mask, scale, causal, dropout_p):
     """In the forward of a plain eager `_Fused.apply`: the implementation's CallPath for this
     call (ops.call_path), also kept for the setup_context that runs next on this thread (its
     backward may then run its kernels directly); None in any other call, or where
     the profiler should see the op's name."""
     if not getattr(_apply_state, "plain", False):
         return None
-    path = _apply_state.call_path = ops.call_path(kernels.select, q, k, v, mask, scale, causal)
+    path = _apply_state.call_path = ops.call_path(kernels.select, q, k, v, mask, scale, causal,
+                                                  dropout_p)
     return None if _profiling() else path
 
 
@@ -280,24 +287,24 @@ def plain_call(tensors):
     return not _functorch_active() and plain_eager(tensors)
 
 
-def forward_output(q, k, v, mask, scale, causal):
+def forward_output(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
     """o of a plain call that nothing can differentiate (no grad needed, no forward-mode
     AD): the implementation's forward_output, without an lse (PyTorch's fused forward then
     skips computing it, as native SDPA does without grad)."""
     return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
-                   (q, k, v, mask, scale, causal))
+                   (q, k, v, mask, scale, causal, dropout_p, seed))
 
 
-def attention_with_lse(q, k, v, mask, scale, causal):
+def attention_with_lse(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
     """(o, lse) of the attention op, differentiable to any order (AttnFn, or its twin where
     legacy vmap would drop AttnFn's node)."""
     if _needs_twin_under_legacy_vmap(q, k, v):
-        return _forward_twin(q, k, v, mask, scale, causal)
-    return AttnFn.apply(q, k, v, mask, scale, causal)
+        return _forward_twin(q, k, v, mask, scale, causal, dropout_p, seed)
+    return AttnFn.apply(q, k, v, mask, scale, causal, dropout_p, seed)
 
 
 def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal,
-                                  kernel_choices=None):
+                                  dropout_p=0.0, seed=None, kernel_choices=None):
     """(dq, dk, dv) of the forward's (o, lse) by the general path, differentiable again
     (_first_backward, or its closed-form twin where legacy vmap would drop AttnBwdFn's node),
     under the kernel choices of the forward: what the first order's nodes (AttnFn, and the
@@ -305,7 +312,8 @@ def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal
     directly."""
     backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
     return kernel_settings.run_with(kernel_choices, backward, q, k, v, o, lse,
-                                    _zeros_if_none(do, o), dlse, mask, scale, causal)
+                                    _zeros_if_none(do, o), dlse, mask, scale, causal,
+                                    dropout_p, seed)
 
 
 class AttnFn(_Fused):
@@ -314,46 +322,47 @@ class AttnFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, scale, causal):
-        path = _plain_call_path(q, k, v, mask, scale, causal)
+    def forward(q, k, v, mask, scale, causal, dropout_p, seed):
+        path = _plain_call_path(q, k, v, mask, scale, causal, dropout_p)
         if path is not None:
             out = path.forward(q, k, v)
             if out is not None:
                 return out
             _call_path_refused()
         return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
-                    (q, k, v, mask, scale, causal))
+                    (q, k, v, mask, scale, causal, dropout_p, seed))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, scale, causal = inputs
+        q, k, v, mask, scale, causal, dropout_p, seed = inputs
         o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse, mask)
+        ctx.save_for_backward(q, k, v, o, lse, mask, seed)
         ctx.kernel_choices = kernel_settings.overridden()
         if _forward_mode_possible():
-            ctx.save_for_forward(q, k, v, o, lse, mask)
-        ctx.scale, ctx.causal = scale, causal
+            ctx.save_for_forward(q, k, v, o, lse, mask, seed)
+        ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
         ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
         ctx.call_path = _call_path_of_plain_call()
 
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None and dlse is None:
-            return None, None, None, None, None, None
-        q, k, v, o, lse, mask = ctx.saved_tensors
+            return (None,) * 8
+        q, k, v, o, lse, mask, seed = ctx.saved_tensors
         if _call_path_applies(ctx, (do, dlse)):
             grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
             if grads is not None:
-                return (*grads, None, None, None)
-        dq, dk, dv = differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, ctx.scale,
-                                                   ctx.causal, ctx.kernel_choices)
-        return dq, dk, dv, None, None, None
+                return (*grads, None, None, None, None, None)
+        dq, dk, dv = differentiable_first_backward(
+            q, k, v, o, lse, do, dlse, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed,
+            kernel_choices=ctx.kernel_choices)
+        return dq, dk, dv, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, _tmask, _scale, _causal):
-        q, k, v, o, lse, mask = ctx.saved_tensors
+    def jvp(ctx, tq, tk, tv, _tmask, _scale, _causal, _dropout_p, _tseed):
+        q, k, v, o, lse, mask, seed = ctx.saved_tensors
         jvp = _forward_jvp_twin if _needs_twin_under_legacy_vmap(tq, tk, tv) else AttnFwdJvpFn.apply
-        return jvp(q, k, v, o, lse, tq, tk, tv, mask, ctx.scale, ctx.causal)
+        return jvp(q, k, v, o, lse, tq, tk, tv, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed)
 
 
 # ----------------------------------------------------------------------------- second order
@@ -387,19 +396,19 @@ class AttnBwdFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, mask, scale, causal):
-        path = _plain_call_path(q, k, v, mask, scale, causal)
+    def forward(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed):
+        path = _plain_call_path(q, k, v, mask, scale, causal, dropout_p)
         if path is not None:
             grads = path.backward(q, k, v, o, lse, do, dlse)
             if grads is not None:
                 return grads
             _call_path_refused()
         return _run(op.attn_bwd, ops.call_backward, "bob_compile::attn_bwd",
-                    (q, k, v, o, lse, do, dlse, mask, scale, causal))
+                    (q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, o, lse, do, dlse, mask, scale, causal = inputs
+        q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed = inputs
         ctx.has_dlse = dlse is not None
         ctx.kernel_choices = kernel_settings.overridden()
         ctx.call_path = _call_path_of_plain_call()
@@ -410,18 +419,18 @@ class AttnBwdFn(_Fused):
         attached = getattr(_apply_state, "folded_forward_outputs", None)
         _apply_state.folded_forward_outputs = None
         ctx.came_detached = attached is not None
-        ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask, *(attached or ()))
+        ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask, seed, *(attached or ()))
         if _forward_mode_possible():
-            ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask)
-        ctx.scale, ctx.causal = scale, causal
+            ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask, seed)
+        ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
         ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
         _keep_dq(ctx, output[0])
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv):
         if gdq is None and gdk is None and gdv is None:
-            return (None,) * 10
-        q, k, v, o, lse, do, dlse, mask, *attached = ctx.saved_tensors
+            return (None,) * 12
+        q, k, v, o, lse, do, dlse, mask, seed, *attached = ctx.saved_tensors
         if ctx.came_detached:       # o and lse came in detached: the BoB folds
             fold = True
             if torch.is_grad_enabled():     # a third order differentiates the BoB, o and lse too
@@ -431,25 +440,28 @@ class AttnBwdFn(_Fused):
             fold = kernel_settings.run_with(ctx.kernel_choices, kernels.fold_bob, q, k, v)
         path = ctx.call_path if _call_path_applies(ctx, (gdq, gdk, gdv)) else None
         outs = run_bob(fold, path, ctx.kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
-                        _kept_dq(ctx) if fold else None, mask, ctx.scale, ctx.causal)
+                       _kept_dq(ctx) if fold else None, mask, ctx.scale, ctx.causal,
+                       ctx.dropout_p, seed)
         if fold:        # nothing for o and lse: their cotangents are in gq, gk, gv
             (gq, gk, gv, gdo, gdlse), go, glse = outs, None, None
         else:
             gq, gk, gv, go, glse, gdo, gdlse = outs
-        return gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None), None, None, None
+        return (gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None),
+                None, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, _tmask, _scale, _causal):
-        q, k, v, o, lse, do, dlse, mask = ctx.saved_tensors
+    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, _tmask, _scale, _causal, _dropout_p, _tseed):
+        q, k, v, o, lse, do, dlse, mask, seed = ctx.saved_tensors
         if dlse is None:
             tdlse = None
         tangents = (tq, tk, tv, to, tlse, tdo, tdlse)
         jvp = _backward_jvp_twin if _needs_twin_under_legacy_vmap(*tangents) else AttnBwdJvpFn.apply
-        return jvp(q, k, v, o, lse, do, dlse, *tangents, mask, ctx.scale, ctx.causal)
+        return jvp(q, k, v, o, lse, do, dlse, *tangents, mask, ctx.scale, ctx.causal,
+                   ctx.dropout_p, seed)
 
 
 def run_bob(fold, path, kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
-             scale, causal):
+            scale, causal, dropout_p=0.0, seed=None):
     """The BoB of a first backward (AttnBwdFn's, or the C++ node's second node's), folded
     (reading dq, if given) or in the chain form: `path`'s kernels directly where a call path
     applies (path not None), else through its Function (its closed-form twin where legacy
@@ -463,11 +475,11 @@ def run_bob(fold, path, kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv
     if outs is None:
         bob = twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else function.apply
         outs = kernel_settings.run_with(kernel_choices, bob, q, k, v, o, lse, do, dlse,
-                                        *cotangents, mask, scale, causal)
+                                        *cotangents, mask, scale, causal, dropout_p, seed)
     return outs
 
 
-def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
+def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed):
     """AttnBwdFn.apply from AttnFn.backward. Where its graph is recorded (create_graph) in
     plain autograd (no torch.func transform, no forward-mode AD, plain tensors) and its BoB
     will take the folded form, o and lse enter it detached: the folded BoB returns no
@@ -478,14 +490,15 @@ def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal):
     them from _apply_state) for the BoB of a third order, whose math twin sends cotangents to
     o and lse as well."""
     if torch.is_grad_enabled() and not _functorch_active() and _forward_ad._current_level < 0 \
-            and plain_eager((q, k, v, o, lse, do, dlse, mask)) and kernels.fold_bob(q, k, v):
+            and plain_eager((q, k, v, o, lse, do, dlse, mask, seed)) \
+            and kernels.fold_bob(q, k, v):
         _apply_state.folded_forward_outputs = (o, lse)
         try:
             return AttnBwdFn.apply(q, k, v, o.detach(), lse.detach(), do, dlse, mask, scale,
-                                   causal)
+                                   causal, dropout_p, seed)
         finally:
             _apply_state.folded_forward_outputs = None
-    return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, scale, causal)
+    return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed)
 
 
 # ----------------------------------------------------------------------------- third order
@@ -512,45 +525,47 @@ _backward_jvp_twin = _canonical_twin(ops.call_backward_jvp)
 
 def _twin_inputs(ctx, like):
     """(the saved tensor inputs of a fused op, each None made zeros shaped like its input
-    like[i]; the mask, saved last)."""
-    *saved, mask = ctx.saved_tensors
+    like[i]; the mask and the dropout seed, saved last)."""
+    *saved, mask, seed = ctx.saved_tensors
     return tuple(torch.zeros_like(saved[like[i]]) if t is None else t
-                 for i, t in enumerate(saved)), mask
+                 for i, t in enumerate(saved)), mask, seed
 
 
 def _third_order(twin, ctx, grads, like):
     """Cotangents of a fused op's inputs, by differentiating its closed-form twin; the mask
-    (saved last, a constant) gets None, as do scale and causal.
+    and the seed (saved last, constants) get None, as do scale, causal and dropout_p.
 
     A None (optional) input becomes zeros shaped like input like[i]; its gradient is
     dropped again."""
-    primals, mask = _twin_inputs(ctx, like)
-    outputs, pull = torch.func.vjp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), *primals)
+    primals, mask, seed = _twin_inputs(ctx, like)
+    outputs, pull = torch.func.vjp(
+        lambda *a: twin(*a, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed), *primals)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
     cotangents = pull(tuple(grads))
     return (*(g if present else None for g, present in zip(cotangents, ctx.present)),
-            None, None, None)
+            None, None, None, None, None)
 
 
 def _third_order_jvp(twin, ctx, tangents, like):
     """Tangents of a fused op's outputs (forward mode over a derivative op: jvp of a jvp,
     jacfwd(jacfwd), forward over reverse over reverse), by pushing the tangents of its
-    inputs through its closed-form twin; the mask, scale and causal have none. A None input
-    or tangent is zeros, as in _third_order."""
-    primals, mask = _twin_inputs(ctx, like)
+    inputs through its closed-form twin; the mask, scale, causal, dropout_p and seed have
+    none. A None input or tangent is zeros, as in _third_order."""
+    primals, mask, seed = _twin_inputs(ctx, like)
     pushed = tuple(torch.zeros_like(p) if t is None else t
                    for t, p in zip(tangents[:len(primals)], primals))
-    _, out = torch.func.jvp(lambda *a: twin(*a, mask, ctx.scale, ctx.causal), primals, pushed)
+    _, out = torch.func.jvp(
+        lambda *a: twin(*a, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed), primals, pushed)
     return out
 
 
 def _save_all(ctx, inputs):
-    *tensors, mask, scale, causal = inputs
+    *tensors, mask, scale, causal, dropout_p, seed = inputs
     ctx.present = [t is not None for t in tensors]
-    ctx.save_for_backward(*tensors, mask)
+    ctx.save_for_backward(*tensors, mask, seed)
     if _forward_mode_possible():
-        ctx.save_for_forward(*tensors, mask)
-    ctx.scale, ctx.causal = scale, causal
+        ctx.save_for_forward(*tensors, mask, seed)
+    ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
     ctx.set_materialize_grads(False)
 
 

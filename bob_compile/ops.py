@@ -1,6 +1,6 @@
 """The attention custom ops: the opaque kernel boundary that graphs and AOTAutograd see.
 
-    attn_fwd(q, k, v, mask?, scale, causal)                   -> (o, lse)
+    attn_fwd(q, k, v, mask?, scale, causal, dropout_p, seed?)  -> (o, lse)
     attn_bwd(q, k, v, o, lse, do, dlse?, mask?, scale, causal) -> (dq, dk, dv)
     attn_bob(q, k, v, o, lse, do, dlse?, gdq?, gdk?, gdv?, mask?, scale, causal)
                                    -> (gq, gk, gv, go, glse, gdo, gdlse)   VJP of attn_bwd
@@ -12,6 +12,10 @@
     attn_fwd_jvp(q, k, v, o, lse, tq?, tk?, tv?, mask?, scale, causal) -> (to, tlse)
     attn_bwd_jvp(q, k, v, o, lse, do, dlse?, tq?, tk?, tv?, to?, tlse?, tdo?, tdlse?, mask?,
                  scale, causal)    -> (tdq, tdk, tdv)                       JVP of attn_bwd
+
+Every op ends with (mask?, scale, causal, dropout_p, seed?), dropout_p = 0 and seed None by
+default: attention dropout with SDPA's semantics, its keep mask regenerated from `seed` (an
+int64 tensor of one element) by every op of the call (bob_compile/kernels/dropout.py).
 
 Shapes: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev) with equal leading dims
 and Hkv dividing Hq (rank-2 inputs have one implicit head); lse and other row vectors are
@@ -77,11 +81,27 @@ def flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
     return mask.reshape(-1, *full[-3:]) if mask.dim() > 2 else mask.view(1, 1, *full)
 
 
-def _params(q, k, mask, scale, causal, keep_mask_summary):
+def _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p=0.0, seed=None):
+    if not dropout_p:
+        dropout_p, seed = 0.0, None
+    elif seed is None:
+        raise ValueError("bob_compile attention ops: dropout_p > 0 needs a seed (an int64 tensor "
+                         "of one element: bob_compile.kernels.dropout.draw_seed)")
     if mask is None:
-        return AttentionParams(scale=scale, causal=causal)
+        return AttentionParams(scale=scale, causal=causal, dropout_p=dropout_p,
+                               dropout_seed=seed)
     return AttentionParams(scale=scale, causal=causal, mask=flat_mask(mask, q, k),
-                           keep_mask_summary=keep_mask_summary)
+                           keep_mask_summary=keep_mask_summary, dropout_p=dropout_p,
+                           dropout_seed=seed)
+
+
+def _implementation(pick, qf, kf, vf, params):
+    """pick(qf, kf, vf), or the blockwise path for a dropout the picked kernels lack."""
+    chosen = pick(qf, kf, vf)
+    if params.dropout_p and not getattr(chosen, "HAS_DROPOUT", True):
+        kernels.without_dropout(chosen, qf)
+        return kernels.blockwise
+    return chosen
 
 
 def _unflat(t: Tensor, shape, like: Optional[Tensor]):
@@ -92,108 +112,115 @@ def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     return t.contiguous() if like is None else layout.in_order_of(t, like)
 
 
-def call_path(pick, q, k, v, mask, scale, causal):
+def call_path(pick, q, k, v, mask, scale, causal, dropout_p=0.0):
     """The CallPath of a call of the real implementations (pick is kernels.select) on 4-D
-    inputs without a mask (kernels.call_path): what runs for its signature, decided once, so
-    that such calls skip the flattening and the choice of an implementation."""
-    if pick is kernels.select and mask is None and q.dim() == 4 and k.dim() == 4 \
-            and v.dim() == 4:
+    inputs without a mask or dropout (kernels.call_path): what runs for its signature,
+    decided once, so that such calls skip the flattening and the choice of an
+    implementation."""
+    if pick is kernels.select and mask is None and not dropout_p and q.dim() == 4 \
+            and k.dim() == 4 and v.dim() == 4:
         return kernels.call_path(q, k, v, scale, causal)
     return None
 
 
-def call_forward(pick, q, k, v, mask, scale, causal, keep_mask_summary=False):
+def call_forward(pick, q, k, v, mask, scale, causal, dropout_p=0.0, seed=None,
+                 keep_mask_summary=False):
     """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
     restore the leading dims and the output layout. The call_* functions below do the same
     for each op. keep_mask_summary: see AttentionParams (True only from the plain eager
     path of bob_compile/autograd.py, never from the ops themselves)."""
-    known = call_path(pick, q, k, v, mask, scale, causal)
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
     if known is not None:
         out = known.forward(q, k, v)
         if out is not None:
             return out
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary)
-    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, params)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    o, lse = _implementation(pick, qf, kf, vf, params).forward(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
-def call_forward_output(pick, q, k, v, mask, scale, causal, keep_mask_summary=False):
+def call_forward_output(pick, q, k, v, mask, scale, causal, dropout_p=0.0, seed=None,
+                        keep_mask_summary=False):
     """o of call_forward, from the implementation's forward_output (no lse to compute)."""
-    known = call_path(pick, q, k, v, mask, scale, causal)
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
     if known is not None:
         o = known.forward_output(q, k, v)
         if o is not None:
             return o
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary)
-    o = pick(qf, kf, vf).forward_output(qf, kf, vf, params)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    o = _implementation(pick, qf, kf, vf, params).forward_output(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q)
 
 
-def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal,
-                  keep_mask_summary=False):
-    known = call_path(pick, q, k, v, mask, scale, causal)
+def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0,
+                  seed=None, keep_mask_summary=False):
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
     if known is not None:
         grads = known.backward(q, k, v, o, lse, do, dlse)
         if grads is not None:
             return grads
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    dq, dk, dv = pick(qf, kf, vf).backward(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do),
-                                           _flat_rows(dlse, qf),
-                                           _params(q, k, mask, scale, causal, keep_mask_summary))
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    dq, dk, dv = _implementation(pick, qf, kf, vf, params).backward(
+        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), params)
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
 def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, shaped_like_q_k_v,
-                       mask, scale, causal, keep_mask_summary):
+                       mask, scale, causal, dropout_p, seed, keep_mask_summary):
     """The implementation's `method` (bob or bob_folded); shaped_like_q_k_v: its optional
     arguments after dlse (gdq, gdk, gdv, and bob_folded's dq); likes: the input each output
     is shaped and laid out like (None: a row vector shaped like lse)."""
-    known = call_path(pick, q, k, v, mask, scale, causal)
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
     if known is not None:
         outs = getattr(known, method)(q, k, v, o, lse, do, dlse, *shaped_like_q_k_v)
         if outs is not None:
             return outs
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    outs = getattr(pick(qf, kf, vf), method)(
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    outs = getattr(_implementation(pick, qf, kf, vf, params), method)(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf),
-        *map(_flat, shaped_like_q_k_v), _params(q, k, mask, scale, causal, keep_mask_summary))
+        *map(_flat, shaped_like_q_k_v), params)
     return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                  for t, like in zip(outs, likes))
 
 
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
-             keep_mask_summary=False):
+             dropout_p=0.0, seed=None, keep_mask_summary=False):
     return _call_second_order("bob", (q, k, v, o, None, do, None), pick, q, k, v, o, lse, do,
-                              dlse, (gdq, gdk, gdv), mask, scale, causal, keep_mask_summary)
+                              dlse, (gdq, gdk, gdv), mask, scale, causal, dropout_p, seed,
+                              keep_mask_summary)
 
 
 def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal,
-                    keep_mask_summary=False):
+                    dropout_p=0.0, seed=None, keep_mask_summary=False):
     if dq is not None and dq.shape != q.shape:
         raise ValueError(f"attn_bob_folded: dq must be shaped like q {tuple(q.shape)} (it is "
                          f"attn_bwd's dq for the same inputs), got {tuple(dq.shape)}")
     return _call_second_order("bob_folded", (q, k, v, do, None), pick, q, k, v, o, lse, do,
-                              dlse, (gdq, gdk, gdv, dq), mask, scale, causal, keep_mask_summary)
+                              dlse, (gdq, gdk, gdv, dq), mask, scale, causal, dropout_p, seed,
+                              keep_mask_summary)
 
 
-def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal,
-                     keep_mask_summary=False):
+def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal, dropout_p=0.0,
+                     seed=None, keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    to, tlse = pick(qf, kf, vf).forward_jvp(qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq),
-                                            _flat(tk), _flat(tv),
-                                            _params(q, k, mask, scale, causal, keep_mask_summary))
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    to, tlse = _implementation(pick, qf, kf, vf, params).forward_jvp(
+        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq), _flat(tk), _flat(tv), params)
     return _unflat(to, o.shape, o), _unflat(tlse, lse.shape, None)
 
 
 def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
-                      mask, scale, causal, keep_mask_summary=False):
+                      mask, scale, causal, dropout_p=0.0, seed=None, keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    outs = pick(qf, kf, vf).backward_jvp(
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    outs = _implementation(pick, qf, kf, vf, params).backward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
         _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
-        _params(q, k, mask, scale, causal, keep_mask_summary))
+        params)
     return tuple(_unflat(t, like.shape, like) for t, like in zip(outs, (q, k, v)))
 
 
@@ -210,25 +237,28 @@ def _rows(t: Tensor, dtype=None):
 # ----------------------------------------------------------------------------- forward
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd", mutates_args=(), tags=_TAGS)
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
-             causal: bool) -> tuple[Tensor, Tensor]:
-    return call_forward(kernels.select, q, k, v, mask, scale, causal)
+             causal: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None
+             ) -> tuple[Tensor, Tensor]:
+    return call_forward(kernels.select, q, k, v, mask, scale, causal, dropout_p, seed)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, mask, scale, causal):
+def _(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
     return _like(q, (*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
 # ----------------------------------------------------------------------------- backward
 @torch.library.custom_op(f"{NAMESPACE}::attn_bwd", mutates_args=(), tags=_TAGS)
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-             dlse: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool
+             dlse: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool,
+             dropout_p: float = 0.0, seed: Optional[Tensor] = None
              ) -> tuple[Tensor, Tensor, Tensor]:
-    return call_backward(kernels.select, q, k, v, o, lse, do, dlse, mask, scale, causal)
+    return call_backward(kernels.select, q, k, v, o, lse, do, dlse, mask, scale, causal,
+                         dropout_p, seed)
 
 
 @attn_bwd.register_fake
-def _(q, k, v, o, lse, do, dlse, mask, scale, causal):
+def _(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0, seed=None):
     return _like(q), _like(k), _like(v)
 
 
@@ -236,14 +266,15 @@ def _(q, k, v, o, lse, do, dlse, mask, scale, causal):
 @torch.library.custom_op(f"{NAMESPACE}::attn_bob", mutates_args=(), tags=_TAGS)
 def attn_bob(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
              dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
-             gdv: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool
+             gdv: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool,
+             dropout_p: float = 0.0, seed: Optional[Tensor] = None
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return call_bob(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale,
-                    causal)
+                    causal, dropout_p, seed)
 
 
 @attn_bob.register_fake
-def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal, dropout_p=0.0, seed=None):
     return _like(q), _like(k), _like(v), _like(o), _rows(lse), _like(do), _rows(lse)
 
 
@@ -251,13 +282,16 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal):
 def attn_bob_folded(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                     dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
                     gdv: Optional[Tensor], dq: Optional[Tensor], mask: Optional[Tensor],
-                    scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    scale: float, causal: bool, dropout_p: float = 0.0,
+                    seed: Optional[Tensor] = None
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return call_bob_folded(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
-                           scale, causal)
+                           scale, causal, dropout_p, seed)
 
 
 @attn_bob_folded.register_fake
-def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal):
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal, dropout_p=0.0,
+      seed=None):
     return _like(q), _like(k), _like(v), _like(do), _rows(lse)
 
 
@@ -265,12 +299,14 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal):
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=(), tags=_TAGS)
 def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
                  tk: Optional[Tensor], tv: Optional[Tensor], mask: Optional[Tensor], scale: float,
-                 causal: bool) -> tuple[Tensor, Tensor]:
-    return call_forward_jvp(kernels.select, q, k, v, o, lse, tq, tk, tv, mask, scale, causal)
+                 causal: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Tensor]:
+    return call_forward_jvp(kernels.select, q, k, v, o, lse, tq, tk, tv, mask, scale, causal,
+                            dropout_p, seed)
 
 
 @attn_fwd_jvp.register_fake
-def _(q, k, v, o, lse, tq, tk, tv, mask, scale, causal):
+def _(q, k, v, o, lse, tq, tk, tv, mask, scale, causal, dropout_p=0.0, seed=None):
     return _like(o), _rows(lse)
 
 
@@ -279,13 +315,15 @@ def attn_bwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Te
                  dlse: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
                  tv: Optional[Tensor], to: Optional[Tensor], tlse: Optional[Tensor],
                  tdo: Optional[Tensor], tdlse: Optional[Tensor], mask: Optional[Tensor],
-                 scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 scale: float, causal: bool, dropout_p: float = 0.0,
+                 seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return call_backward_jvp(kernels.select, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse,
-                             tdo, tdlse, mask, scale, causal)
+                             tdo, tdlse, mask, scale, causal, dropout_p, seed)
 
 
 @attn_bwd_jvp.register_fake
-def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale, causal):
+def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale, causal,
+      dropout_p=0.0, seed=None):
     return _like(q), _like(k), _like(v)
 
 
@@ -295,11 +333,19 @@ def _vmap_rule(op, n_out):
 
     Unbatched tensors are expanded (a view) so that every operand has the batch dim; None
     stays None. The mask only broadcasts: unbatched it stays as it is, batched it gets unit
-    dims after the batch dim, so that it lines up with the (now batched) query."""
+    dims after the batch dim, so that it lines up with the (now batched) query.
+
+    With dropout, each vmapped call must draw the mask a call of its own would: the
+    counter of a mask element holds its flattened batch index (kernels/dropout.py), which a
+    moved vmap dim would change. So those calls run one by one: with one seed (vmap's
+    randomness="same") each draws the same mask, with a seed per call ("different") its own."""
     names = [a.name for a in op._opoverload._schema.arguments]
     mask_at, query_at = names.index("mask"), names.index("q")
+    dropout_at, seed_at = names.index("dropout_p"), names.index("seed")
 
     def rule(info, in_dims, *args):
+        if len(args) > dropout_at and args[dropout_at]:       # (defaults may be left out)
+            return _one_by_one(op, info, in_dims, args), (0,) * n_out
         moved = []
         for i, (a, d) in enumerate(zip(args, in_dims)):
             if isinstance(a, Tensor):
@@ -308,6 +354,8 @@ def _vmap_rule(op, n_out):
                         a = a.movedim(d, 0)
                         missing = (args[query_at].dim() - (in_dims[query_at] is not None)) - (a.dim() - 1)
                         a = a.reshape(a.shape[0], *([1] * max(missing, 0)), *a.shape[1:])
+                elif i == seed_at:
+                    pass        # no dropout: the seed is not read
                 elif d is not None:
                     a = a.movedim(d, 0)
                 else:
@@ -315,6 +363,15 @@ def _vmap_rule(op, n_out):
             moved.append(a)
         return op(*moved), (0,) * n_out
     return rule
+
+
+def _one_by_one(op, info, in_dims, args):
+    """op over each vmapped call in turn, its outputs stacked along dim 0."""
+    calls = []
+    for j in range(info.batch_size):
+        calls.append(op(*(a.select(d, j) if isinstance(a, Tensor) and d is not None else a
+                          for a, d in zip(args, in_dims))))
+    return tuple(torch.stack(outputs) for outputs in zip(*calls))
 
 
 for _op, _n_out in ((attn_fwd, 2), (attn_bwd, 3), (attn_bob, 7), (attn_bob_folded, 5),

@@ -89,6 +89,19 @@ def fold_bob(q, k, v):
     return tri is None or tri.folded_bob_pays(q, v)
 
 
+_without_dropout_logged = set()
+
+
+def without_dropout(implementation, q):
+    """Log once per implementation that a dropout call it lacks runs the blockwise path."""
+    name = implementation.__name__.rsplit(".", 1)[-1]
+    if name not in _without_dropout_logged:
+        _without_dropout_logged.add(name)
+        log.warning("bob_compile: attention dropout runs the blockwise PyTorch path on %s "
+                    "(exact, memory-efficient, slower): the %s kernels have no dropout yet",
+                    q.device.type, name)
+
+
 def select(q, k, v):
     """The implementation module for these inputs (see the module docstring)."""
     forced = settings.current().kernels
