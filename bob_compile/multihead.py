@@ -3,8 +3,8 @@
 
 Dynamo records those modules' attention as one `F.multi_head_attention_forward` call; the
 flashbob backend puts `multi_head_attention` in its place where that is exact
-(bob_compile/passes/multi_head_forward.py): the attention weights are not used, dropout is off, there is no
-key_padding_mask, and the attention mask is absent or causal.
+(bob_compile/passes/multi_head_forward.py): the attention weights are not used, there is no
+key_padding_mask, and the attention mask is absent or causal; dropout goes to the op.
 """
 import torch
 import torch.nn.functional as F
@@ -14,9 +14,10 @@ from .attention import attention
 
 def multi_head_attention(query, key, value, num_heads, in_proj_weight, in_proj_bias,
                          out_proj_weight, out_proj_bias, *, separate_proj_weights=None,
-                         bias_k=None, bias_v=None, add_zero_attn=False, is_causal=False):
-    """`F.multi_head_attention_forward(...)` with need_weights=False, no dropout and no
-    key_padding_mask: `(attn_output, None)`.
+                         bias_k=None, bias_v=None, add_zero_attn=False, is_causal=False,
+                         dropout_p=0.0):
+    """`F.multi_head_attention_forward(...)` with need_weights=False and no key_padding_mask:
+    `(attn_output, None)`; dropout_p: the attention dropout in training (the op's).
 
     query (L, N, E), key (S, N, Ek), value (S, N, Ev), or unbatched (L, E), (S, Ek), (S, Ev).
     in_proj_weight (3E, E) packs the q, k, v projections; where kdim or vdim differ from E,
@@ -37,7 +38,8 @@ def multi_head_attention(query, key, value, num_heads, in_proj_weight, in_proj_b
     if add_zero_attn:
         k = torch.cat([k, k.new_zeros(1, batch, embed_dim)])
         v = torch.cat([v, v.new_zeros(1, batch, embed_dim)])
-    out = attention(*(_split_heads(t, num_heads) for t in (q, k, v)), is_causal=is_causal)
+    out = attention(*(_split_heads(t, num_heads) for t in (q, k, v)), is_causal=is_causal,
+                    dropout_p=dropout_p)
     out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed_dim),
                    out_proj_weight, out_proj_bias)
     return (out if batched else out.squeeze(1)), None

@@ -133,6 +133,16 @@ def baddbmm_causal_mask(q, k, v, bias):
 
 
 # name -> (pattern, is_causal)
+def active_dropout(q, k, v, bias):
+    # nanoGPT / HF GPT-2 eager in training: self.attn_dropout(att) between softmax and @ v
+    probs = F.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1)
+    return F.dropout(probs, p=0.1, training=True) @ v
+
+
+# patterns that draw random numbers: replaced by the op with their dropout, which draws its
+# own mask (tests/passes/test_passes.py compares with the op given the same generator state)
+RANDOM_PATTERNS = {"active_dropout": (active_dropout, 0.1)}
+
 PATTERNS = {
     "nanogpt": (nanogpt, True),
     "hf_eager": (hf_eager, True),
@@ -178,9 +188,11 @@ def probabilities_returned(q, k, v, bias):
     return probs @ v, probs
 
 
-def active_dropout(q, k, v, bias):
+def dropout_in_place(q, k, v, bias):
+    # the probabilities overwritten by their dropout (nn.Dropout(inplace=True)): the op would
+    # draw its own mask, but the graph's dropout writes to a tensor the rewrite removes
     probs = F.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1)
-    return F.dropout(probs, p=0.1, training=True) @ v
+    return F.dropout(probs, p=0.1, training=True, inplace=True) @ v
 
 
 def padding_mask(q, k, v, bias):
@@ -254,7 +266,7 @@ MUST_NOT_MATCH = {
     "softmax_over_queries": (softmax_over_queries, "softmax over dim -2"),
     "scale_after_softmax": (scale_after_softmax, "the probabilities go to"),
     "probabilities_returned": (probabilities_returned, "used 2 times"),
-    "active_dropout": (active_dropout, "dropout is active"),
+    "dropout_in_place": (dropout_in_place, "dropout of the probabilities in place"),
     "alibi_baddbmm": (alibi_baddbmm, "not provably causal"),
     "einsum_over_queries": (einsum_over_queries, "does not contract the probabilities' key dim"),
     "learned_position_bias": (learned_position_bias, "requires grad (a learned bias)"),

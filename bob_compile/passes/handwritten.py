@@ -35,7 +35,8 @@ from ..attention import attention
 from . import einsum
 from .causal_mask import NotProven
 from .erase import erase_unused
-from .nodes import (arg, describe, dim_index, example, example_tensor, is_number, is_one, is_op,
+from .nodes import (arg, describe, dim_index, dropout_problem, example, example_tensor, is_number,
+                    is_one, is_op,
                     is_positive, is_symbolic_number, is_zero, mask_problem, same_sizes,
                     shape_text, swaps_last_two_dims, user_code)
 from .report import Site
@@ -57,6 +58,7 @@ class _Chain:
         # einsum layouts: permutations to the op's (batch..., N, E) and back, None = as is
         self.q_perm = self.k_perm = self.v_perm = self.out_perm = None
         self.shared_kv_head = False   # k and v have one head that the matmuls broadcast
+        self.dropout_p = 0.0          # an active dropout of the probabilities
 
 
 def rewrite_handwritten(gm, prover, report):
@@ -105,14 +107,14 @@ def _match_softmax(softmax, chain):
 
 
 def _match_probabilities_to_output(softmax, chain):
-    """softmax -> [casts] -> [inactive dropout] -> [casts] -> matmul(P, v)."""
+    """softmax -> [casts] -> [dropout] -> [casts] -> matmul(P, v)."""
     node = softmax
     while True:
         user = _single_user(node, "attention probabilities")
         if is_op(user, "cast") and user.args[0] is node:
             pass
-        elif is_op(user, "dropout") and user.args[0] is node:
-            _check_dropout_inactive(user)
+        elif is_op(user, "dropout") and user.args[0] is node and not chain.dropout_p:
+            chain.dropout_p = _dropout_probability(user, softmax.args[0])
         elif is_op(user, "matmul") and len(user.args) == 2 and user.args[0] is node:
             chain.output, chain.v = user, user.args[1]
             return
@@ -125,14 +127,19 @@ def _match_probabilities_to_output(softmax, chain):
         node = user
 
 
-def _check_dropout_inactive(node):
+def _dropout_probability(node, scores):
+    """The probability of a dropout of the attention probabilities (0.0 when inactive), which
+    the op draws itself (nodes.dropout_problem says where it cannot)."""
     p = arg(node, 1, "p", 0.5)
     training = arg(node, 2, "train" if node.target is torch.dropout else "training", True)
     if training is False or is_zero(p):
-        return
-    if not isinstance(training, bool):
-        raise _Skip(f"dropout with training={describe(training)} computed at run time")
-    raise _Skip(f"dropout is active (p={describe(p)}, training=True)")
+        return 0.0
+    if arg(node, 3, "inplace", False) is not False:
+        raise _Skip("dropout of the probabilities in place")
+    problem = dropout_problem(p, training, scores)
+    if problem is not None:
+        raise _Skip(problem)
+    return p
 
 
 def _match_scores(x, chain, prover):
@@ -494,6 +501,8 @@ def _replace(gm, chain, site):
         if chain.mask is not None:
             mask, negate, site.mask = chain.mask
             kwargs["attn_mask"] = graph.call_function(torch.logical_not, (mask,)) if negate else mask
+        if chain.dropout_p:
+            kwargs["dropout_p"] = site.dropout = chain.dropout_p
         replacement = graph.call_function(attention, (q, k, v), kwargs)
         result = _permuted(graph, replacement, chain.out_perm)
     replacement.meta = dict(chain.output.meta)

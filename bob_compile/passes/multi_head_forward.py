@@ -15,7 +15,8 @@ cannot see into:
 
 Supported, and replaced by bob_compile.multihead.multi_head_attention: packed, separate
 (kdim/vdim) and bias-free projections, bias_k/bias_v, add_zero_attn, batched and unbatched
-inputs; dropout off (dropout_p 0 or training=False); no key_padding_mask; the attention
+inputs; dropout (passed to the op, which draws its mask, where the device's kernels can:
+nodes.dropout_problem); no key_padding_mask; the attention
 weights unused (need_weights=False, or the weights are dropped); attn_mask absent, proven
 causal (causal_mask.py), or overridden by is_causal=True (PyTorch ignores the mask's values
 when is_causal=True, need_weights=False and there is no key_padding_mask). Anything else
@@ -36,7 +37,8 @@ from torch import fx
 from ..multihead import multi_head_attention
 from .causal_mask import NotProven
 from .erase import erase_unused
-from .nodes import arg, describe, example, example_tensor, is_op, is_zero, shape_text, user_code
+from .nodes import (arg, describe, dropout_problem, example, example_tensor, is_op, is_zero,
+                    shape_text, user_code)
 from .report import Site
 
 MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
@@ -80,6 +82,8 @@ def _rewrite_call(gm, node, prover, report):
         kwargs.update(bias_k=a["bias_k"], bias_v=a["bias_v"])
     if a["add_zero_attn"]:
         kwargs["add_zero_attn"] = True
+    if a["training"] is not False and not is_zero(a["dropout_p"]):
+        kwargs["dropout_p"] = site.dropout = a["dropout_p"]
     with gm.graph.inserting_before(node):
         replacement = gm.graph.call_function(multi_head_attention, (
             a["query"], a["key"], a["value"], a["num_heads"], a["in_proj_weight"],
@@ -110,8 +114,9 @@ def _check_arguments(node, a):
     if a["key_padding_mask"] is not None:
         raise _Skip("key_padding_mask is set: padding masks are not supported")
     if a["training"] is not False and not is_zero(a["dropout_p"]):
-        raise _Skip(f"dropout is active (dropout_p={describe(a['dropout_p'])}, "
-                    f"training={describe(a['training'])})")
+        problem = dropout_problem(a["dropout_p"], a["training"], a["query"])
+        if problem is not None:
+            raise _Skip(problem)
     if a["need_weights"]:
         readers = [u for u in node.users if not is_op(u, "getitem") or (u.args[1] != 0 and u.users)]
         if readers:

@@ -131,6 +131,24 @@ def is_symbolic_number(x):
         example(x), (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(example(x), bool)
 
 
+def dropout_problem(p, training, query):
+    """Why an attention dropout of probability p cannot go to bob_compile.attention (the op
+    draws it itself, with SDPA's semantics), or None: p must be a constant, training a
+    Python bool, and the kernels on the query's device must draw dropout masks."""
+    from .. import kernels
+    if not isinstance(training, bool):
+        return f"dropout with training={describe(training)} computed at run time"
+    if not is_number(p):
+        return f"dropout_p={describe(p)} is computed at run time"
+    value = example_tensor(query)
+    if value is None:
+        return f"dropout is active and the query {describe(query)} has no recorded value"
+    if not kernels.has_dropout(value.device):
+        return (f"dropout is active (p={p}) and the kernels on {value.device.type} draw no "
+                f"dropout mask yet")
+    return None
+
+
 def is_zero(x):
     """Whether x is 0: a constant, or a number computed in the graph. For the latter, Dynamo
     has a hint; relying on it adds a guard (x == 0) to the compiled frame, so that Dynamo

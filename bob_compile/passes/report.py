@@ -51,6 +51,7 @@ class Site:
     enable_gqa: bool = False
     causal_proof: str = ""       # how the mask was proven causal, when there was one
     mask: str = ""               # the mask tensor passed on to attention, when there is one
+    dropout: float = 0.0         # the attention dropout's probability, drawn by the op
 
     def line(self):
         where = f"{self.kind} at {self.node}" + (f" ({self.code})" if self.code else "")
@@ -59,7 +60,8 @@ class Site:
         causal = f"causal=True ({self.causal_proof})" if self.causal_proof else f"causal={self.is_causal}"
         gqa = " enable_gqa=True" if self.enable_gqa else ""
         mask = f" mask={self.mask}" if self.mask else ""
-        return f"replaced {where}: {self.shapes} scale={self.scale} {causal}{gqa}{mask}"
+        dropout = f" dropout_p={self.dropout:g}" if self.dropout else ""
+        return f"replaced {where}: {self.shapes} scale={self.scale} {causal}{gqa}{mask}{dropout}"
 
 
 @dataclasses.dataclass

@@ -12,7 +12,8 @@ Supported: attn_mask None; a mask proven causal (causal_mask.py; the site then b
 is_causal=True, the cheapest kernels); any other bool or floating mask that does not
 require grad (HF padding, sliding windows, ...: passed on as attention's attn_mask, exact
 whatever it holds; with is_causal=True too, both apply, as in PyTorch's fused kernels);
-dropout_p 0 (HF passes 0.0 outside training); is_causal and enable_gqa
+dropout_p a constant (HF passes attn_pdrop in training, 0.0 outside it; the op draws the
+mask itself, where the kernels on the device can: nodes.dropout_problem); is_causal and enable_gqa
 given as Python bools; scale None, a constant, or a number computed in the graph (dynamic
 shapes). Anything else (a mask that requires grad: a learned bias) stays SDPA and the
 report says why.
@@ -23,8 +24,8 @@ import torch.nn.functional as F
 from ..attention import attention
 from .causal_mask import NotProven
 from .erase import erase_unused
-from .nodes import (describe, example_tensor, is_number, is_symbolic_number, is_zero,
-                    mask_problem, shape_text, user_code)
+from .nodes import (describe, dropout_problem, example_tensor, is_number, is_symbolic_number,
+                    is_zero, mask_problem, shape_text, user_code)
 from .report import Site
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -73,6 +74,9 @@ def rewrite_sdpa(gm, prover, report):
         kwargs = {"is_causal": is_causal, "scale": a["scale"], "enable_gqa": a["enable_gqa"]}
         if mask is not None:
             kwargs["attn_mask"] = mask
+        if not is_zero(a["dropout_p"]):
+            kwargs["dropout_p"] = a["dropout_p"]
+            site.dropout = a["dropout_p"]
         with gm.graph.inserting_before(node):
             replacement = gm.graph.call_function(attention, (q, k, v), kwargs)
         replacement.meta = dict(node.meta)
@@ -90,7 +94,9 @@ def rewrite_sdpa(gm, prover, report):
 def _unsupported_argument(a):
     dropout_p = a["dropout_p"]
     if not is_zero(dropout_p):
-        return f"dropout is active (dropout_p={describe(dropout_p)})"
+        problem = dropout_problem(dropout_p, True, a["query"])
+        if problem is not None:
+            return problem
     if not isinstance(a["is_causal"], bool):
         return f"is_causal is computed at run time ({describe(a['is_causal'])}), not a Python bool"
     if not isinstance(a["enable_gqa"], bool):

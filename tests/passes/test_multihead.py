@@ -304,8 +304,6 @@ def test_inference_route():
 UNTOUCHED = {
     "key_padding_mask": (lambda: SelfAttention(key_padding_mask=torch.tensor([[False] * 4 + [True]] * BATCH)),
                          "key_padding_mask is set: padding masks are not supported"),
-    "dropout_in_training": (lambda: SelfAttention(dropout=0.5),
-                            "dropout is active (dropout_p=0.5, training=True)"),
     "weights_used": (UsesWeights, "the attention weights are used (attn_output_weights (getitem))"),
     "non_causal_float_mask": (lambda: SelfAttention(attn_mask=randn(LENGTH, LENGTH, seed=0)),
                               "attn_mask is not provably causal: graph input l_self_fixed_attn_mask_ "
@@ -326,13 +324,45 @@ def test_left_alone_with_reason(name):
         return [out, *torch.autograd.grad(out.square().mean(), list(m.parameters()))]
     expected = forward_and_grads(model, inputs)
     actual, fused_op_ran = compiled_run(forward_and_grads, model, inputs)
-    if name != "dropout_in_training":  # random
-        assert max_error(actual, expected) <= TOLERANCE
+    assert max_error(actual, expected) <= TOLERANCE
     assert not fused_op_ran
     (report,) = recent_reports
     (site,) = report.sites
     assert site.kind == "multihead" and not site.replaced and reason in site.reason, site.reason
     assert (counters["multihead_skipped"], counters["multihead_replaced"]) == (1, 0)
+
+
+def test_dropout_in_training_goes_to_the_op():
+    """nn.MultiheadAttention(dropout=0.5) in training: replaced, its dropout drawn by the op,
+    so the compiled module equals multi_head_attention with that dropout given the same
+    generator state, at every order (a Hessian-vector product)."""
+    from bob_compile.multihead import multi_head_attention
+    model = build(lambda: SelfAttention(dropout=0.5))
+    mha = model.module
+    (x,) = sequence(0)
+
+    def eager(x):
+        return multi_head_attention(x, x, x, HEADS, mha.in_proj_weight, mha.in_proj_bias,
+                                    mha.out_proj.weight, mha.out_proj.bias, dropout_p=0.5)[0]
+
+    def hvp(f):
+        torch.manual_seed(4)
+        params = list(model.parameters())
+        grads = torch.autograd.grad(f(x).square().sum(), params, create_graph=True)
+        return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+    compiled = torch.compile(model, backend=flashbob, options=OPTIONS)
+    assert max_error(hvp(compiled), hvp(eager)) <= TOLERANCE
+    (site,) = recent_reports[-1].sites
+    assert site.replaced and site.dropout == 0.5
+
+
+def test_dropout_stays_where_the_kernels_draw_no_mask(monkeypatch):
+    from bob_compile import kernels
+    monkeypatch.setattr(kernels, "has_dropout", lambda device: False)
+    model = build(lambda: SelfAttention(dropout=0.5))
+    torch.compile(model, backend=flashbob, options=OPTIONS)(*sequence(0))
+    (site,) = recent_reports[-1].sites
+    assert not site.replaced and "draw no dropout mask yet" in site.reason, site.reason
 
 
 @pytest.mark.parametrize("kernel", ["_transformer_encoder_layer_fwd", "_native_multi_head_attention"])

@@ -18,7 +18,7 @@ from bob_compile import _compat
 from bob_compile.attention import attention
 from bob_compile.passes import rewrite_attention
 from bob_compile.passes.causal_mask import CausalTensorGuard, failing_guards
-from attention_patterns import MASKED_PATTERNS, MUST_NOT_MATCH, PATTERNS
+from attention_patterns import MASKED_PATTERNS, MUST_NOT_MATCH, PATTERNS, RANDOM_PATTERNS
 
 B, H, L, E = 2, 2, 8, 4
 
@@ -72,6 +72,39 @@ def test_pattern_is_replaced_and_exact(name):
     torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("name", sorted(RANDOM_PATTERNS))
+def test_dropout_pattern_is_replaced_with_its_dropout(name):
+    """The probabilities' active dropout goes into the op, which draws its own mask: the
+    graph equals the op with that dropout, given the same generator state."""
+    pattern, p = RANDOM_PATTERNS[name]
+    q, k, v = qkv()
+    gm, inputs = capture(pattern, q, k, v, nanogpt_bias())
+    (site,) = rewrite_attention(gm, inputs).sites
+    assert site.replaced and site.dropout == p and f"dropout_p={p:g}" in site.line()
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["dropout_p"] == p
+    assert not any(n.target is F.dropout for n in gm.graph.nodes), "the dropout must be gone"
+    torch.manual_seed(3)
+    ours = run_graph(gm, inputs)
+    torch.manual_seed(3)
+    expected = attention(q, k, v, dropout_p=p, scale=node.kwargs["scale"])
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+
+
+def test_dropout_stays_where_the_kernels_draw_no_mask(monkeypatch):
+    """Where the device's kernels draw no dropout mask (CUDA's Triton kernels, for now), a
+    site with active dropout stays as written, and the report says so."""
+    from bob_compile import kernels
+    monkeypatch.setattr(kernels, "has_dropout", lambda device: False)
+    q, k, v = qkv()
+    for pattern in (RANDOM_PATTERNS["active_dropout"][0], sdpa_with(dropout_p=0.1)):
+        gm, inputs = capture(pattern, q, k, v, nanogpt_bias())
+        before = gm.print_readable(print_output=False)
+        (site,) = rewrite_attention(gm, inputs).sites
+        assert not site.replaced and "draw no dropout mask yet" in site.reason, site.reason
+        assert gm.print_readable(print_output=False) == before
+
+
 @pytest.mark.parametrize("name", sorted(MASKED_PATTERNS))
 def test_masked_pattern_is_replaced_with_its_mask_and_exact(name):
     """Not causal, so passed on as attn_mask: the written code's values and gradients
@@ -116,7 +149,7 @@ def test_must_not_match(name):
     else:
         (site,) = report.sites
         assert reason in site.reason, site.reason
-    if name != "active_dropout":  # random
+    if name != "dropout_in_place":  # random
         torch.testing.assert_close(run_graph(gm, inputs),
                                    expected[0] if isinstance(expected, tuple) else expected)
 
@@ -199,22 +232,23 @@ def test_sdpa_mask_and_is_causal_both_apply():
     torch.testing.assert_close(run_graph(gm, inputs), expected, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("kwargs,reason", [
-    (dict(dropout_p=0.1), "dropout is active"),
-], ids=["dropout"])
-def test_sdpa_unsupported_stays(kwargs, reason):
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_dropout_is_passed_on(causal):
+    """SDPA's dropout_p goes to the op, which draws its own mask: the graph equals the op
+    with that dropout, given the same generator state."""
     q, k, v = qkv()
-    mask = torch.rand(L, L, dtype=torch.float64) > 0.5
-    mask.fill_diagonal_(True)
-    gm, inputs = capture(sdpa_with(**kwargs), q, k, v, mask)
-    before = gm.print_readable(print_output=False)
-    report = rewrite_attention(gm, inputs)
-    (site,) = report.sites
-    assert not site.replaced and reason in site.reason, site.reason
-    assert gm.print_readable(print_output=False) == before
+    gm, inputs = capture(sdpa_with(dropout_p=0.25, is_causal=causal), q, k, v, nanogpt_bias())
+    (site,) = rewrite_attention(gm, inputs).sites
+    assert site.replaced and site.dropout == 0.25
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["dropout_p"] == 0.25 and node.kwargs["is_causal"] is causal
+    torch.manual_seed(5)
+    ours = run_graph(gm, inputs)
+    torch.manual_seed(5)
+    torch.testing.assert_close(ours, attention(q, k, v, dropout_p=0.25, is_causal=causal),
+                               atol=0, rtol=0)
 
 
-# ---------------------------------------------------------------------------- spellings
 def test_torch_2_11_spelling_of_eq():
     """torch 2.11 records `mask == 0` as call_method __eq__ (2.13: operator.eq)."""
     q, k, v = qkv()

@@ -382,26 +382,61 @@ def test_transformer_layers_with_key_padding_masks():
 
 
 class SDPADropout(nn.Module):
-    def __init__(self):
+    """Attention dropout as models train with it: SDPA's dropout_p, and F.dropout on
+    hand-written probabilities (nanoGPT, HF eager). `op=True`: the same model written with
+    bob_compile.attention, which draws the same masks from the same generator state."""
+
+    def __init__(self, op=False):
         super().__init__()
         self.qkv, self.out = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.op = op
 
     def forward(self, x):
         q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
-        return self.out(y.transpose(1, 2).flatten(-2)).tanh()
+        if self.op:
+            y = bob_compile.attention(q, k, v, dropout_p=0.3, is_causal=True)
+            z = bob_compile.attention(q, k, v, dropout_p=0.1, scale=0.5)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+            z = F.dropout((q @ k.transpose(-1, -2) * 0.5).softmax(-1), 0.1, self.training) @ v
+        return self.out((y + z).transpose(1, 2).flatten(-2)).tanh()
 
 
+@pytest.mark.parametrize("scenario", [hessian_vector_product, maml], ids=["hvp", "maml"])
 @pytest.mark.parametrize("options", [AOT_EAGER, pytest.param(INDUCTOR, marks=pytest.mark.slow)],
                          ids=["aot_eager", "inductor"])
-def test_sdpa_with_active_dropout_runs_as_math_with_its_mask_replayed(options):
-    """The site stays SDPA (dropout is active) and runs as SDPA's math in every order, its
-    dropout mask drawn as eager's math path draws it and replayed by the second order: the
-    same seed gives eager's gradient and HVP."""
+def test_attention_dropout_is_fused_and_its_masks_replayed(options, scenario):
+    """Both sites become the op with their dropout; the second order replays the seeds the
+    forward drew (a draw like any other: training/draws.py), so the compiled HVP and MAML
+    meta-gradient equal the op's eager ones given the same generator state."""
+    torch.manual_seed(0)
+    model = SDPADropout().double()
+    reference = SDPADropout(op=True).double()
+    reference.load_state_dict(model.state_dict())
+    x = batch()
+    compiled = torch.compile(model, backend="flashbob", options=options)
+    for run in range(2):
+        torch.manual_seed(10 + run)
+        expected = scenario(reference, x)
+        torch.manual_seed(10 + run)
+        actual = scenario(compiled, x)
+        assert relative_error(actual, expected) <= 1e-9
+    report = recent_reports[-1]
+    assert report.route == "training" and counters["compiled_second_order"] >= 1
+    assert sorted(site.dropout for site in report.replaced) == [0.1, 0.3]
+
+
+def test_sdpa_dropout_without_dropout_kernels_runs_as_math_with_its_mask_replayed(monkeypatch):
+    """Where the device's kernels draw no dropout mask (kernels.has_dropout: CUDA's Triton
+    kernels, for now), the SDPA site stays SDPA and runs as SDPA's math in every order, its
+    mask drawn as eager's math path draws it and replayed by the second order: the same seed
+    gives eager's HVP."""
+    from bob_compile import kernels
+    monkeypatch.setattr(kernels, "has_dropout", lambda device: False)
     torch.manual_seed(0)
     model = SDPADropout().double()
     x = batch()
-    compiled = torch.compile(model, backend="flashbob", options=options)
+    compiled = torch.compile(model, backend="flashbob", options=AOT_EAGER)
     for run in range(2):
         torch.manual_seed(10 + run)
         with sdpa_kernel(SDPBackend.MATH):
@@ -410,7 +445,8 @@ def test_sdpa_with_active_dropout_runs_as_math_with_its_mask_replayed(options):
         actual = hessian_vector_product(compiled, x)
         assert relative_error(actual, expected) <= 1e-9
     assert recent_reports[-1].route == "training" and counters["compiled_second_order"] == 1
-    assert "runs as SDPA's math in every order" in recent_reports[-1].skipped[0].reason
+    reasons = [site.reason for site in recent_reports[-1].skipped]
+    assert any("runs as SDPA's math in every order" in r for r in reasons), reasons
 
 
 # ---------------------------------------------------------------------------- the op itself
