@@ -9,9 +9,10 @@
   in float64, whatever the implementation compiled.
 - BART: the encoder's bidirectional padding, the decoder's padding and causal mask, and
   cross attention (L != S) under the encoder's padding, one compiled graph.
-- GPT-2 as configured by default for training (embedding and residual dropout 0.1; the
-  attention's own dropout off, which the op does not have): under inductor the dropout
-  masks are replayed in the second order, so every order equals eager from the same seed.
+- GPT-2 as configured by default for training (embedding, residual and attention dropout
+  0.1): the attention's dropout goes to the op, and under inductor every draw (dropout's
+  masks, the op's seeds) is replayed in the second order, so every order equals eager from
+  the same seed (eager with SDPA as the op, which draws the same masks).
 Compiled with aot_eager around the rewritten graph, so that what differs from eager is
 attention alone; the loss is computed in float64 from the logits (HF's own loss upcasts
 to float32).
@@ -91,15 +92,25 @@ def test_replaced_and_exact(name, attn_implementation, tol):
         assert ((g - e).norm() / e.norm()).item() < tol
 
 
+def _sdpa_as_the_op(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                    scale=None, enable_gqa=False):
+    import bob_compile
+    return bob_compile.attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                 enable_gqa)
+
+
 @pytest.mark.slow      # 35 s cold; dropout's replay in every order: test_training_route.py
-def test_gpt2_with_dropout_every_order_compiled_and_equal_to_eager():
+@pytest.mark.parametrize("attn_pdrop", [0.0, 0.1])
+def test_gpt2_with_dropout_every_order_compiled_and_equal_to_eager(attn_pdrop, monkeypatch):
     config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1,
-                                     n_head=2, attn_pdrop=0.0)   # resid, embd dropout: 0.1
+                                     n_head=2, attn_pdrop=attn_pdrop)   # resid, embd: 0.1
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).double().train()
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), monkeypatch.context() as patch:
+        if attn_pdrop:
+            patch.setattr(F, "scaled_dot_product_attention", _sdpa_as_the_op)
         expected = _gradient_and_hvp(model, dict(input_ids=ids), ids)
     compiled = torch.compile(model, backend="flashbob", options={"fallback": False})
     torch.manual_seed(5)
