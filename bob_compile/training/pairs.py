@@ -18,6 +18,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import _compat
+from ..static_inputs import uses_cuda_graphs
 from .draws import UnreplayableDraw, find_draws
 
 
@@ -49,6 +50,7 @@ class CompiledPair:
     donates: bool = False                   # backward overwrites saved values (run it once)
     static_inputs: frozenset = frozenset()  # primal indices at fixed addresses (parameters)
     effect_tokens: int = 0                  # forward inputs (and outputs) ahead of the primals
+    cuda_graphs: bool = False               # compiled under CUDA graph trees (see runtime)
     compile_seconds: float = 0.0            # AOTAutograd's tracing and both halves' compiles
 
     def primal_nodes(self):
@@ -120,6 +122,7 @@ def compile_pair(gm, example_inputs, compiler, config_patches=(), what="graph", 
         _clone_outputs(gm, aliased.indices)
         pair = _compile_pair(gm, example_inputs, *args)
     pair.compile_seconds = time.perf_counter() - start
+    pair.cuda_graphs = uses_cuda_graphs(config_patches)
     return pair
 
 
@@ -133,21 +136,38 @@ def _static_input_marks(gm):
 
 
 def _backward_static_inputs(backward_graph, forward_graph, static_inputs, tokens):
-    """The backward's inputs at fixed addresses, as AOTAutograd's inductor backward treats
-    them (every saved value), except primals saved as-is that are not static: ForwardFn
-    hands the backward the caller's tensor itself (a batch, MAML's fast weights), whose
-    address changes between calls; called static, CUDA graph trees would re-record the
-    backward for every new address."""
+    """The backward's inputs at fixed addresses: static primals (parameters) and views of
+    them that the forward saved. Not a saved value the forward computed: under CUDA graphs
+    it is an output of the forward's recording, which the graph tree recognizes as its own
+    and checks by itself; called static as well, any that the tree does not own (a forward
+    replayed on another path, run eagerly) would make it record the backward again for
+    each new address, without limit. Not a primal that is not static either: ForwardFn
+    hands the backward the caller's tensor itself (a batch, MAML's fast weights)."""
     primals = forward_graph.graph.find_nodes(op="placeholder")[tokens:]
     primal_index = {node.name: i for i, node in enumerate(primals)}
+    forward_nodes = {node.name: node for node in forward_graph.graph.nodes}
 
     def is_static(node):
-        if node.name.startswith("tangents"):
-            return False
-        primal = primal_index.get(node.name)
-        return primal is None or primal in static_inputs
+        source = _viewed_base(forward_nodes.get(node.name))
+        return source is not None and primal_index.get(source.name) in static_inputs
     return [j for j, node in enumerate(backward_graph.graph.find_nodes(op="placeholder"))
-            if is_static(node)]
+            if not node.name.startswith("tangents") and is_static(node)]
+
+
+def _viewed_base(node):
+    """The node whose memory `node` views, following view ops (those whose schema says the
+    result aliases an argument, read-only), or `node` itself; None for None."""
+    while node is not None and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        result = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        if result is None or result.is_write:
+            break
+        base = next((arg for a, arg in zip(schema.arguments, node.args)
+                     if a.alias_info is not None and not a.alias_info.is_write), None)
+        if not isinstance(base, fx.Node):
+            break
+        node = base
+    return node
 
 
 class _AliasedOutputs(Exception):

@@ -261,13 +261,14 @@ class ForwardFn(torch.autograd.Function):
                                  if not isinstance(values[i], torch.Tensor)}
         kept = [*outputs, *(values[i] for i in residual_index)]
         tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+        returned = _returned(pair, outputs)
         ctx.mark_non_differentiable(*[
-            t for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and (
+            t for i, t in enumerate(returned) if isinstance(t, torch.Tensor) and (
                 not t.is_floating_point() or not pair.differentiable_outputs[i])])
         ctx.save_for_backward(*tensors, *[p if isinstance(p, torch.Tensor) else None for p in primals])
         ctx.num_kept_tensors = len(tensors)
         ctx.set_materialize_grads(False)
-        return tuple(outputs)
+        return returned
 
     @staticmethod
     @_not_traced
@@ -288,6 +289,19 @@ class ForwardFn(torch.autograd.Function):
         primals, _ = _unpack(ctx, pair)
         return (None, *graph.input_gradients(primals, ctx.draws, output_grads, ctx.output_meta,
                                              ctx.needs_input_grad[1:]))
+
+
+def _returned(pair, outputs):
+    """What a Function returns for a compiled half's outputs. A CUDA graph tree's replay
+    returns the same tensor objects on every step (its cached outputs), and autograd hangs
+    the step's node on the tensor it is given: the node, with the values it saved (which a
+    second order retains), would outlive the step in the tree's cache until the next step
+    replaced it, where the recording step had freed them. The tree, finding them alive,
+    recorded the next graph again on every step (expected-dead outputs alive). A fresh
+    alias of each output takes the node instead and dies with the caller's reference."""
+    if not pair.cuda_graphs:
+        return tuple(outputs)
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in outputs)
 
 
 def _keeps_graph():
@@ -360,7 +374,7 @@ class SecondOrderFn(torch.autograd.Function):
         ctx.non_tensor_inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]
         ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])
         ctx.set_materialize_grads(False)
-        return tuple(values[:pair.num_outputs])
+        return _returned(pair, values[:pair.num_outputs])
 
     @staticmethod
     @_not_traced

@@ -7,11 +7,13 @@ buffers keep the mark. Checked on the graphs the backend hands to its compilers 
 CUDA-graph replay itself is tests/gpu/test_gpu_training.py's)."""
 import functools
 
+import pytest
 import torch
 from torch.func import functional_call
 
 from bob_compile import static_inputs
 from bob_compile.backend import flashbob
+from bob_compile.training import pairs
 
 
 class BufferNet(torch.nn.Module):
@@ -128,3 +130,91 @@ def test_compiled_halves_record_parameters_in_place_and_copy_everything_else():
     # are copied in
     (second_order_names, second_order_static), _ = pairs[1]
     assert [second_order_names.index(n) for n in second_order_static] == support
+
+
+def hvp_and_maml(compiled, x):
+    params = list(compiled.parameters())
+    grads = torch.autograd.grad(compiled(x), params, create_graph=True)
+    hvp = torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+    named = dict(compiled.named_parameters())
+    grads = torch.autograd.grad(functional_call(compiled, named, (x,)), list(named.values()),
+                                create_graph=True)
+    fast = {name: p - 0.1 * g for (name, p), g in zip(named.items(), grads)}
+    meta = torch.autograd.grad(functional_call(compiled, fast, (x,)), list(named.values()))
+    return [*hvp, *meta]
+
+
+def as_if_cuda_graphs(monkeypatch, on=True):
+    """The backend and the pairs act as under a mode with CUDA graphs (aot_eager: none run)."""
+    monkeypatch.setattr(static_inputs, "uses_cuda_graphs", lambda config: on)
+    monkeypatch.setattr(pairs, "uses_cuda_graphs", lambda config: on)
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_compiled_outputs_carry_no_graph_past_the_step(monkeypatch, cuda_graphs):
+    """Under CUDA graphs a replay returns the same output tensors at every step (the tree's
+    cached outputs). The Functions hand back fresh aliases, so no step's autograd node, with
+    the values a second order retains, lives on in that cache: the recording step freed them
+    by then, and a tree finding them alive recorded the next graph again on every step
+    (tests/gpu/test_gpu_training.py replays it). Without CUDA graphs the outputs go back
+    as they are (no alias per output)."""
+    as_if_cuda_graphs(monkeypatch, cuda_graphs)
+    outputs = []
+    real_pair = pairs._pair
+
+    def recording_pair(*args, **kwargs):
+        pair = real_pair(*args, **kwargs)
+        forward = pair.forward
+
+        def recorded(inputs):
+            values = forward(inputs)
+            outputs.extend(v for v in values if isinstance(v, torch.Tensor))
+            return values
+        pair.forward = recorded
+        return pair
+    monkeypatch.setattr(pairs, "_pair", recording_pair)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BufferNet().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    expected = hvp_and_maml(model, x)
+    compiled = torch.compile(model, backend=flashbob, options={"compiler": "aot_eager"})
+    for _ in range(2):
+        actual = hvp_and_maml(compiled, x)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    carrying = [t for t in outputs if t.grad_fn is not None]
+    assert (carrying == []) if cuda_graphs else carrying
+
+
+def test_backward_static_inputs_are_the_parameters_and_their_views(monkeypatch):
+    """Each compiled backward (first and second order) calls static, for CUDA graphs, exactly
+    the inputs that live in a parameter's (or buffer's) memory: the parameter or a view of
+    it (a transposed weight). Not the batch, and not a value the forward computed: under CUDA
+    graphs that is the forward recording's output, which the tree tracks by itself."""
+    as_if_cuda_graphs(monkeypatch)
+    seen = []
+    real_pair = pairs._pair
+
+    def recording_pair(*args, **kwargs):
+        pair = real_pair(*args, **kwargs)
+        backward = pair.backward
+        static = set(pairs._backward_static_inputs(pair.backward_graph, pair.forward_graph,
+                                                   pair.static_inputs, pair.effect_tokens))
+
+        def recorded(inputs):
+            seen.append([(i in static, t.untyped_storage().data_ptr())
+                         for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)])
+            return backward(inputs)
+        pair.backward = recorded
+        return pair
+    monkeypatch.setattr(pairs, "_pair", recording_pair)
+    torch._dynamo.reset()
+    model = BufferNet().double()
+    compiled = torch.compile(model, backend=flashbob, options={"compiler": "aot_eager"})
+    x = torch.randn(3, 4, dtype=torch.float64)
+    hvp_and_maml(compiled, x)
+    compiled(x).backward()
+    fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert len(seen) >= 3 and any(static for inputs in seen for static, _ in inputs)
+    for inputs in seen:
+        assert [static for static, _ in inputs] == [ptr in fixed for _, ptr in inputs]
