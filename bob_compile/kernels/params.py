@@ -55,6 +55,14 @@ class AttentionParams:
             raise ValueError(f"AttentionParams: dropout_p must be in [0, 1], got {dropout_p!r}")
         self.dropout_p, self.dropout_seed = float(dropout_p), dropout_seed
 
+    def without_dropout(self):
+        """The same parameters without dropout (self where it has none)."""
+        if not self.dropout_p:
+            return self
+        return AttentionParams(scale=self.scale, causal=self.causal, mask=self.mask,
+                               keep_mask_summary=self.keep_mask_summary,
+                               mask_summary=self.mask_summary)
+
     def __repr__(self):
         mask = "None" if self.mask is None else f"<{self.mask.dtype} {tuple(self.mask.shape)}>"
         dropout = f", dropout_p={self.dropout_p!r}" if self.dropout_p else ""

@@ -274,6 +274,7 @@ def _keys_out(q, k, params, native=_UNDECIDED):
     native: PyTorch's fused backend for it (a call path's), or decided here where needed."""
     if q.shape[3] <= ACCUMULATE_B_MAX_HEAD_DIM:
         return None
+    params = params.without_dropout()       # B is P k: the keys are not dropped
     if native is _UNDECIDED:
         native = native_sdpa.backend_for(q, k, k, params)
     if native is not None:

@@ -24,6 +24,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
                     row_blocks_of_key_block, row_loops_within_mask, store_tile,
                     unmasked_key_blocks_of_range, unmasked_query_blocks_of_range, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
+from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -85,12 +86,12 @@ def row_dot(do, o, dlse):
 def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
                   sql, sqe, sdl, sde, sql_acc, sml, sme, first, end, structure, m_lo, m_hi, n0,
                   L, S, qk_scale_log2,
-                  scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  scale, seed_ptr, row, drop_threshold, keep_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASK_SOURCE: tl.constexpr):
+                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -110,8 +111,14 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
             s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
                                   structure, MASK_KIND, True, MASK_SOURCE)
         pt = tl.math.exp2(s2t - lse2[None, :])
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:     # Z where P meets V: in dV = (P Z)ᵀ dO and in dP = Z (dO Vᵀ)
+            zt = tl.trans(dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale,
+                                       BLOCK_N))
+            dv += tl.dot((pt * zt).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dpt = dpt * zt
+        else:
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
         dst = (pt * (dpt - d[None, :])).to(q.dtype)
         dk += tl.dot(dst, q, input_precision=DOT_PRECISION)
         if DQ_ATOMICS:
@@ -123,16 +130,16 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
 
 
 @triton.jit
-def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
+def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sdkb, sdkh, sdkn, sdke, sdvb, sdvh, sdvn, sdve,
                    smb, smh, sml, sme, srb, srh, srl, sre,
-                   num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
+                   num_kv_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DQ_ATOMICS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -171,25 +178,30 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE,
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
                 sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0,
-                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
                 BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION,
-                MASK_FROM_INDICES)
+                MASK_FROM_INDICES, DROPOUT)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
                 sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0,
-                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE)
+                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         else:
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
                 sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0,
-                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
+                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ, DROPOUT)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
                 sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0,
-                L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ)
+                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
+                BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ,
+                DROPOUT)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -206,11 +218,11 @@ strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", 
 @triton.jit
 def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
               first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi, gap_lo, gap_len, L, S,
-              qk_scale_log2,
+              qk_scale_log2, seed_ptr, row, drop_threshold, keep_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              MASK_SOURCE: tl.constexpr):
+              MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -226,21 +238,25 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                                  structure, MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dp = dp * dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale,
+                                   BLOCK_N)
         ds = (p * (dp - d[:, None])).to(k.dtype)
         dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
     return dq
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
+def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                sdb, sdh, sdl, sde, sdqb, sdqh, sdql, sdqe, smb, smh, sml, sme,
                srb, srh, srl, sre,
-               num_q_heads, kv_group, L, S, qk_scale_log2, scale,
+               num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -270,22 +286,26 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE,
                                                     structure, BLOCK_N)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, a_end,
-                       b_end, 0, 0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE)
+                       b_end, 0, 0, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi2,
-                       a_end, b_end - a_end, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V,
+                       a_end, b_end - a_end, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
+                       HEAD_DIM, HEAD_DIM_V,
                        BLOCK_N, True, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES)
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
     else:
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0,
-                       0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
+                       0, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0,
-                       0, L, S, qk_scale_log2, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ)
+                       0, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 
@@ -349,24 +369,26 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     dq_acc = (torch.zeros((B, Hq, L, E), device=q.device, dtype=torch.float32)
               if dq_atomics else dk)
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
+    dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
 
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
-                    DOT_PRECISION=dot_precision(q.dtype))
+                    DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout)
 
     def launch_columns(plan):
         plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
-             KEY_RANGE=key_range,
-             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-             scale=scale)
+             KEY_RANGE=key_range, SEED=seed,
+             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
+             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale)
 
     # the plans first (tuning runs the kernels), then the launches: the atomic dq adds
     # into a buffer zeroed once before them, a masked kernel's two launches included
     paths = mask_paths(mask_kind)
     plans = [launch_plan(
-        "bwd_columns", q, k, v, causal, (dq_atomics, *mask_flags(mask_kind, path)),
+        "bwd_columns", q, k, v, causal,
+        (dq_atomics, *mask_flags(mask_kind, path), *dropout_flags(dropout)),
         lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
         lambda: dict(common(path), DQ_ATOMICS=dq_atomics), launch_columns, L * S,
         has_work=mask_path_work(key_range, path, Hq // Hkv)) for path in paths]
@@ -382,11 +404,13 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     def launch_rows(plan):
         plan(_dq_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq, MASK=mask, KEY_RANGE=key_range,
-             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-             scale=scale)
+             SEED=seed, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
+             drop_threshold=drop_threshold, qk_scale_log2=scale * LOG2E, scale=scale,
+             keep_scale=keep_scale)
 
     for path in paths:
-        launch_rows(launch_plan("bwd_dq", q, k, v, causal, mask_flags(mask_kind, path),
+        launch_rows(launch_plan("bwd_dq", q, k, v, causal,
+                                mask_flags(mask_kind, path) + dropout_flags(dropout),
                                 lambda: dq_candidates(q.dtype, E, Ev, read=path == READ_PATH),
                                 lambda: common(path), launch_rows, L * S,
                                 has_work=mask_path_work(key_range, path)))

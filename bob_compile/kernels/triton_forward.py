@@ -18,6 +18,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_P
                     key_loops_within_mask, load_tile, on_mask_path, padded_dim, row_block_program,
                     store_tile, unmasked_key_blocks_of_range, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
+from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -31,11 +32,13 @@ def _max_keeping_nan(a, b):
 @triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo,
-                   n_hi, gap_lo, gap_len, L, S, qk_scale_log2, HEAD_DIM: tl.constexpr,
+                   n_hi, gap_lo, gap_len, L, S, qk_scale_log2, seed_ptr, row,
+                   drop_threshold, keep_scale, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr,
+                   DROPOUT: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -55,20 +58,24 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         rescale = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(s2 - m_ref[:, None])
         l_i = l_i * rescale + tl.sum(p, 1)
+        if DROPOUT:     # the softmax's sum is over every key; only the values see Z
+            p = p * dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale,
+                                 BLOCK_N)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
+def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
                     sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                     sob, soh, sol, soe, smb, smh, sml, sme, srb, srh, srl, sre,
-                    num_q_heads, kv_group, L, S, qk_scale_log2,
+                    num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, keep_scale,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -104,25 +111,27 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE,
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION,
-            NO_MASK_SOURCE)
+            SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
+            0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
-            qk_scale_log2, HEAD_DIM,
+            qk_scale_log2, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_FROM_INDICES)
+            MASK_FROM_INDICES, DROPOUT)
     else:
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
+            SEED, row, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_READ)
+            MASK_READ, DROPOUT)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, HEAD_DIM,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
+            SEED, row, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_READ)
+            MASK_READ, DROPOUT)
 
     # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running
     # max still -inf means all its scores are -inf (infinite inputs, or a mask hiding every
@@ -181,18 +190,20 @@ def attention_forward(q, k, v, params):
     o = empty_like_order((B, Hq, L, Ev), q)
     lse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
+    dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
 
     def launch(plan):
         plan(_forward_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range,
-             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E)
+             Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range, SEED=seed,
+             num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
+             qk_scale_log2=scale * LOG2E, keep_scale=keep_scale)
 
     for path in mask_paths(mask_kind):
         launch(launch_plan(
-            "forward", q, k, v, causal, mask_flags(mask_kind, path),
+            "forward", q, k, v, causal, mask_flags(mask_kind, path) + dropout_flags(dropout),
             lambda: forward_candidates(q.dtype, E, Ev, path),
             lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E),
                          BLOCK_EV=padded_dim(Ev), CAUSAL=causal, MASK_KIND=mask_kind,
-                         MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype)),
+                         MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout),
             launch, L * S, has_work=mask_path_work(key_range, path)))
     return o, lse
