@@ -44,6 +44,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
                     unmasked_key_blocks_of_range, unmasked_query_blocks_of_range, visibility_mask)
 from .tuning import Untimed, interpreting, row_bytes, wide_candidates
 from . import settings
+from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_masks import (NO_MASK, mask_flags, mask_kind_and_tensor, mask_path_work,
                            mask_paths)
 
@@ -88,14 +89,14 @@ def _dot_halves(x, y, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
                mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
-               gap_lo, gap_len,
-               L, S, qk_scale_log2, scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               gap_lo, gap_len, L, S, qk_scale_log2, scale, seed_ptr, row, drop_threshold,
+               keep_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
                SPLIT_SBAR: tl.constexpr, SPLIT_ALL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               MASK_SOURCE: tl.constexpr):
+               MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
     """SPLIT_SBAR: Sbar's GEMM with k in two half-precision parts; SPLIT_ALL: also those of
     dS (with gdk), P (with gdv) and A (with v), the roundings behind gq's and gdo's error."""
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
@@ -113,11 +114,19 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
             s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
                                  structure, MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
-        delta = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - d[:, None]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:     # Z wherever P or its cotangents meet V, gdv or dO (dropout.py)
+            z = dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale, BLOCK_N)
+            dp = dp * z
+        delta = dp - d[:, None]
         if HAS_GDV:
             gdv = load_tile(gdv_base, offs_n, offs_ev, sgvn, sgve, S, HEAD_DIM_V, MASKED, PAD_EV)
             cot_scores = tl.dot(do, tl.trans(gdv), input_precision=DOT_PRECISION)
-            gdo = _dot_halves(p, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
+            if DROPOUT:
+                cot_scores = cot_scores * z
+                gdo = _dot_halves(p * z, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
+            else:
+                gdo = _dot_halves(p, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
         if HAS_GDK or ACCUMULATE_R:
             ds = p * delta
         if HAS_GDK:
@@ -138,7 +147,10 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                 f = tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION) * scale
             a = p * f
             dg += tl.sum(a, 1)
-            gdo = _dot_halves(a, v, gdo, SPLIT_ALL, DOT_PRECISION)
+            if DROPOUT:
+                gdo = _dot_halves(a * z, v, gdo, SPLIT_ALL, DOT_PRECISION)
+            else:
+                gdo = _dot_halves(a, v, gdo, SPLIT_ALL, DOT_PRECISION)
             if HAS_GDV:
                 cot_scores += f * delta
             else:
@@ -151,12 +163,12 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
 
 @triton.jit
 def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, GO, GDO, GLSE,
-                GDLSE, ROW_E, MASK, KEY_RANGE,
+                GDLSE, ROW_E, MASK, KEY_RANGE, SEED,
                 sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                 sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                 sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, sdqb, sdqh, sdql, sdqe,
                 skob, skoh, skol, skoe, smb, smh, sml, sme, srb, srh, srl, sre,
-                num_q_heads, kv_group, L, S, qk_scale_log2, scale,
+                num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -164,7 +176,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
                 HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, SPLIT_EDGES: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
@@ -218,33 +230,33 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            scale,
+            scale, SEED, row, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
             HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            NO_MASK_SOURCE)
+            NO_MASK_SOURCE, DROPOUT)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
-            qk_scale_log2, scale,
+            qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_FROM_INDICES)
+            DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
     else:
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            MASK_READ)
+            MASK_READ, DROPOUT)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_READ)
+            DOT_PRECISION, MASK_READ, DROPOUT)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
     if FOLD:
@@ -281,14 +293,14 @@ strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK=
 def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
                   alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
                   first, end, structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC,
-                  GDO_ACC, DG_ACC, SBAR_ACC,
+                  GDO_ACC, DG_ACC, SBAR_ACC, seed_ptr, drop_threshold, keep_scale,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASK_SOURCE: tl.constexpr):
+                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
@@ -313,9 +325,16 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
             s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
                                   structure, MASK_KIND, True, MASK_SOURCE)
         pt = tl.math.exp2(s2t - lse2[None, :])
-        deltat = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - d[None, :]
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:     # Z wherever P or its cotangents meet V, gdv or dO (dropout.py)
+            zt = tl.trans(dropout_tile(seed_ptr, row_acc, offs_m, n0, S, drop_threshold,
+                                       keep_scale, BLOCK_N))
+            dpt = dpt * zt
+        deltat = dpt - d[None, :]
         if HAS_GDV:
             cot_scores_t = tl.dot(gdv, tl.trans(do), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                cot_scores_t = cot_scores_t * zt
         if HAS_F:
             if HAS_GDQ:
                 gdq = load_tile(gdq_base, offs_m, offs_e, sgql, sgqe, L, HEAD_DIM, True, PAD_E)
@@ -329,7 +348,10 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
             if FOLD:
                 ft -= alpha[None, :]
             at = pt * ft
-            gv += tl.dot(at.to(do.dtype), do, input_precision=DOT_PRECISION)
+            at_v = at       # where A meets V (gv, gdo): dropped
+            if DROPOUT:
+                at_v = at * zt
+            gv += tl.dot(at_v.to(do.dtype), do, input_precision=DOT_PRECISION)
             if HAS_GDV:
                 cot_scores_t += ft * deltat
             else:
@@ -343,6 +365,9 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         if HAS_GDQ:
             gk += tl.dot(dst, gdq, input_precision=DOT_PRECISION)
         if ROW_ATOMICS:
+            pt_v = pt       # where P meets gdv: dropped
+            if DROPOUT:
+                pt_v = pt * zt
             row_ok = offs_m < L
             gq_part = tl.dot(tl.trans(sbart.to(k.dtype)), k, input_precision=DOT_PRECISION)
             if HAS_GDK:
@@ -353,15 +378,15 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
             gdo_ptrs = GDO_ACC + (row_acc + offs_m[:, None]) * HEAD_DIM_V + offs_ev[None, :]
             gdo_mask = row_ok[:, None] & (offs_ev[None, :] < HEAD_DIM_V)
             if HAS_F:
-                gdo_part = tl.dot(tl.trans(at.to(v.dtype)), v, input_precision=DOT_PRECISION)
+                gdo_part = tl.dot(tl.trans(at_v.to(v.dtype)), v, input_precision=DOT_PRECISION)
                 if HAS_GDV:
-                    gdo_part += tl.dot(tl.trans(pt.to(gdv.dtype)), gdv,
+                    gdo_part += tl.dot(tl.trans(pt_v.to(gdv.dtype)), gdv,
                                        input_precision=DOT_PRECISION)
                 tl.atomic_add(gdo_ptrs, gdo_part, mask=gdo_mask, sem="relaxed")
                 tl.atomic_add(DG_ACC + row_acc + offs_m, tl.sum(at, 0), mask=row_ok,
                               sem="relaxed")
             else:
-                gdo_part = tl.dot(tl.trans(pt.to(gdv.dtype)), gdv, input_precision=DOT_PRECISION)
+                gdo_part = tl.dot(tl.trans(pt_v.to(gdv.dtype)), gdv, input_precision=DOT_PRECISION)
                 tl.atomic_add(gdo_ptrs, gdo_part, mask=gdo_mask, sem="relaxed")
             tl.atomic_add(SBAR_ACC + row_acc + offs_m, tl.sum(sbart, 0), mask=row_ok,
                           sem="relaxed")
@@ -370,18 +395,19 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
 
 @triton.jit
 def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
-                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK, KEY_RANGE,
+                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK, KEY_RANGE, SEED,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                    sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
                    srb, srh, srl, sre,
-                   num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
+                   num_kv_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
-                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -429,31 +455,35 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_lo, m_split, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES)
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
-                FOLD, DOT_PRECISION, NO_MASK_SOURCE)
+                FOLD, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         else:
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ)
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
     store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),
@@ -626,24 +656,26 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     keys_out_arg = keys_out if has_b else q
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     paths = mask_paths(mask_kind)
+    dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
 
     def flag_key(path):
         return (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind, path),
-                int(fold))
+                int(fold), *dropout_flags(dropout))
 
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
                     DOT_PRECISION=dot_precision(q.dtype), HAS_GDQ=has_gdq, HAS_GDK=has_gdk,
-                    HAS_GDV=has_gdv, FOLD=fold)
+                    HAS_GDV=has_gdv, FOLD=fold, DROPOUT=dropout)
 
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, DLSE=dlse_arg, GDQ=gdq_arg, GDK=gdk_arg,
              GDV=gdv_arg, DQ=dq_arg, KEYS_OUT=keys_out_arg, GQ=gq, GO=gq if fold else go,
              GDO=gdo, GLSE=row_e if fold else glse, GDLSE=gdlse, ROW_E=row_e, MASK=mask,
-             KEY_RANGE=key_range, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
-             qk_scale_log2=scale * LOG2E, scale=scale)
+             KEY_RANGE=key_range, SEED=seed, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
+             drop_threshold=drop_threshold, qk_scale_log2=scale * LOG2E, scale=scale,
+             keep_scale=keep_scale)
 
     # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_DEV_SBAR_SPLIT); the tuning
     # key grows a flag for each split compiled in, so that the keys of a kernel without
@@ -685,9 +717,9 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
         plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, ALPHA=gdlse, ROW_E=row_e, GDQ=gdq_arg,
              GDK=gdk_arg, GDV=gdv_arg, GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc,
-             DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range,
-             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, qk_scale_log2=scale * LOG2E,
-             scale=scale)
+             DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range, SEED=seed,
+             num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
+             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale)
 
     # the plans first (tuning runs the kernels), then the launches: the atomic row sums add
     # into buffers zeroed once before them, a masked kernel's two launches included
