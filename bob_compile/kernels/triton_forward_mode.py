@@ -33,6 +33,7 @@ from .launching import fixed_plan, launch_plan, strides_of
 from .tiles import (LOG2E, blocks, column_block_program, dot_precision, key_blocks_of_row_block,
                     load_row_vector, load_tile, padded_dim, row_block_program,
                     row_blocks_of_key_block, store_tile, visibility_mask)
+from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .tuning import interpreting, row_bytes, wide_candidates
 
 
@@ -43,11 +44,12 @@ from .tuning import interpreting, row_bytes, wide_candidates
 def _forward_jvp_steps(acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base,
                        skn, ske, svn, sve, stkn, stke, stvn, stve,
                        offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2, scale,
+                       seed_ptr, row, drop_threshold, keep_scale,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                        PAD_E: tl.constexpr, PAD_EV: tl.constexpr, HAS_TQ: tl.constexpr,
                        HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TS: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -55,6 +57,10 @@ def _forward_jvp_steps(acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         p = tl.math.exp2(s2 - lse2[:, None])
+        p_v = p         # where P (and its tangent) meet V or tv: dropped
+        if DROPOUT:
+            z = dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale, BLOCK_N)
+            p_v = p * z
         if HAS_TS:
             ts = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if HAS_TQ:
@@ -62,27 +68,28 @@ def _forward_jvp_steps(acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base,
             if HAS_TK:
                 tk = load_tile(tk_base, offs_n, offs_e, stkn, stke, S, HEAD_DIM, MASKED, PAD_E)
                 ts += tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
-            pts = p * ts * scale
-            tlse += tl.sum(pts, 1)
+            tlse += tl.sum(p * ts * scale, 1)
             v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
-            acc += tl.dot(pts.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc += tl.dot((p_v * ts * scale).to(v.dtype), v, input_precision=DOT_PRECISION)
         if HAS_TV:
             tv = load_tile(tv_base, offs_n, offs_ev, stvn, stve, S, HEAD_DIM_V, MASKED, PAD_EV)
-            acc += tl.dot(p.to(tv.dtype), tv, input_precision=DOT_PRECISION)
+            acc += tl.dot(p_v.to(tv.dtype), tv, input_precision=DOT_PRECISION)
     return acc, tlse
 
 
 @triton.jit
-def _forward_jvp_kernel(Q, K, V, O, LSE, TQ, TK, TV, TO, TLSE,
+def _forward_jvp_kernel(Q, K, V, O, LSE, TQ, TK, TV, TO, TLSE, SEED,
                         sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                         sob, soh, sol, soe, stqb, stqh, stql, stqe, stkb, stkh, stkn, stke,
                         stvb, stvh, stvn, stve, stob, stoh, stol, stoe,
-                        num_q_heads, kv_group, L, S, qk_scale_log2, scale,
+                        num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale,
+                        keep_scale,
                         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
-                        HAS_TS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        HAS_TS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -103,13 +110,15 @@ def _forward_jvp_kernel(Q, K, V, O, LSE, TQ, TK, TV, TO, TLSE,
     acc, tlse = _forward_jvp_steps(
         acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base, skn, ske, svn, sve,
         stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, 0, full_end, S, qk_scale_log2, scale,
+        SEED, row, drop_threshold, keep_scale,
         HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK,
-        HAS_TV, HAS_TS, DOT_PRECISION)
+        HAS_TV, HAS_TS, DOT_PRECISION, DROPOUT)
     acc, tlse = _forward_jvp_steps(
         acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base, skn, ske, svn, sve,
         stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, full_end, visible_end, S,
-        qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, True, CAUSAL, PAD_E,
-        PAD_EV, HAS_TQ, HAS_TK, HAS_TV, HAS_TS, DOT_PRECISION)
+        qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+        BLOCK_M, BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV, HAS_TS,
+        DOT_PRECISION, DROPOUT)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     to = acc - tlse[:, None] * o.to(tl.float32)
     store_tile(TO + b * stob + h * stoh, to.to(TO.dtype.element_ty), offs_m, offs_ev, stol,
@@ -165,12 +174,14 @@ strides_of(_tangent_row_dot_kernel, O="so", DO="sd", TO="sto", TDO="std")
 def _backward_jvp_row_steps(tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_base, tk_base,
                             tv_base, skn, ske, svn, sve, stkn, stke, stvn, stve,
                             offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2, scale,
+                            seed_ptr, row, drop_threshold, keep_scale,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_E: tl.constexpr,
                             PAD_EV: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr,
                             HAS_TV: tl.constexpr, HAS_TLSE: tl.constexpr,
-                            HAS_TDO: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            HAS_TDO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                            DROPOUT: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
@@ -179,7 +190,11 @@ def _backward_jvp_row_steps(tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_ba
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         p = tl.math.exp2(s2 - lse2[:, None])
-        dps = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - d[:, None]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:     # Z on dP = dO Vᵀ and its tangent (dropout.py)
+            z = dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale, BLOCK_N)
+            dp = dp * z
+        dps = dp - d[:, None]
         # tangent of the scores minus that of lse, and of dP - D
         ts = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_TQ:
@@ -189,12 +204,15 @@ def _backward_jvp_row_steps(tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_ba
             ts += tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION) * scale
         if HAS_TLSE:
             ts -= tlse[:, None]
-        tdp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) - td[:, None]
+        tdp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_TDO:
             tdp += tl.dot(tdo, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_TV:
             tv = load_tile(tv_base, offs_n, offs_ev, stvn, stve, S, HEAD_DIM_V, MASKED, PAD_EV)
             tdp += tl.dot(do, tl.trans(tv), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            tdp = tdp * z
+        tdp -= td[:, None]
         tds = p * (ts * dps + tdp)
         tdq += tl.dot(tds.to(k.dtype), k, input_precision=DOT_PRECISION)
         if HAS_TK:
@@ -204,18 +222,20 @@ def _backward_jvp_row_steps(tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_ba
 
 
 @triton.jit
-def _backward_jvp_rows_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO, TDQ,
+def _backward_jvp_rows_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO, TDQ, SEED,
                               sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                               sdb, sdh, sdl, sde, stqb, stqh, stql, stqe,
                               stkb, stkh, stkn, stke, stvb, stvh, stvn, stve,
                               stdb, stdh, stdl, stde, stgb, stgh, stgl, stge,
-                              num_q_heads, kv_group, L, S, qk_scale_log2, scale,
+                              num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale,
+                              keep_scale,
                               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                               BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr,
                               HAS_TV: tl.constexpr, HAS_TLSE: tl.constexpr,
-                              HAS_TDO: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              HAS_TDO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -243,13 +263,15 @@ def _backward_jvp_rows_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO, TD
     tdq = _backward_jvp_row_steps(
         tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_base, tk_base, tv_base,
         skn, ske, svn, sve, stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, 0, full_end, S,
-        qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, False, CAUSAL, PAD_E,
-        PAD_EV, HAS_TQ, HAS_TK, HAS_TV, HAS_TLSE, HAS_TDO, DOT_PRECISION)
+        qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+        BLOCK_M, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV, HAS_TLSE,
+        HAS_TDO, DOT_PRECISION, DROPOUT)
     tdq = _backward_jvp_row_steps(
         tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_base, tk_base, tv_base,
         skn, ske, svn, sve, stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, full_end,
-        visible_end, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, True,
-        CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV, HAS_TLSE, HAS_TDO, DOT_PRECISION)
+        visible_end, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+        HEAD_DIM_V, BLOCK_M, BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV,
+        HAS_TLSE, HAS_TDO, DOT_PRECISION, DROPOUT)
     store_tile(TDQ + b * stgb + h * stgh, (tdq * scale).to(TDQ.dtype.element_ty), offs_m,
                offs_e, stgl, stge, L, HEAD_DIM, PAD_E)
 
@@ -265,13 +287,14 @@ strides_of(_backward_jvp_rows_kernel, Q="sq", K="sk", V="sv", DO="sd", TQ="stq",
 def _backward_jvp_column_steps(tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base, tdo_base,
                                lse_ptr, d_ptr, td_ptr, tlse_ptr, sql, sqe, sdl, sde, stql,
                                stqe, stdl, stde, m_lo, m_hi, n0, L, S, qk_scale_log2, scale,
+                               seed_ptr, row, drop_threshold, keep_scale,
                                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                                HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
                                HAS_TLSE: tl.constexpr, HAS_TDO: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr):
+                               DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -288,7 +311,14 @@ def _backward_jvp_column_steps(tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base,
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         pt = tl.math.exp2(s2t - lse2[None, :])
-        dpst = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - d[None, :]
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        pt_v = pt       # where P and its tangent meet dO or tdO: dropped
+        if DROPOUT:     # Z on dP, its tangent, and where P meets dO (dropout.py)
+            zt = tl.trans(dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold,
+                                       keep_scale, BLOCK_N))
+            dpt = dpt * zt
+            pt_v = pt * zt
+        dpst = dpt - d[None, :]
         tst = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if HAS_TQ:
             tq = load_tile(tq_base, offs_m, offs_e, stql, stqe, L, HEAD_DIM, True, PAD_E)
@@ -297,39 +327,43 @@ def _backward_jvp_column_steps(tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base,
             tst += tl.dot(tk, tl.trans(q), input_precision=DOT_PRECISION) * scale
         if HAS_TLSE:
             tst -= load_row_vector(tlse_ptr, offs_m, L)[None, :]
-        tdpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - td[None, :]
+        tdpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if HAS_TDO:
             tdo = load_tile(tdo_base, offs_m, offs_ev, stdl, stde, L, HEAD_DIM_V, True, PAD_EV)
             tdpt += tl.dot(v, tl.trans(tdo), input_precision=DOT_PRECISION)
         if HAS_TV:
             tdpt += tl.dot(tv, tl.trans(do), input_precision=DOT_PRECISION)
-        tpt = pt * tst
-        tdst = tpt * dpst + pt * tdpt
+        if DROPOUT:
+            tdpt = tdpt * zt
+        tdpt -= td[None, :]
+        tdst = pt * tst * dpst + pt * tdpt
         tdk += tl.dot(tdst.to(q.dtype), q, input_precision=DOT_PRECISION)
-        tdv += tl.dot(tpt.to(do.dtype), do, input_precision=DOT_PRECISION)
+        tdv += tl.dot((pt_v * tst).to(do.dtype), do, input_precision=DOT_PRECISION)
         if HAS_TQ:
             dst = pt * dpst
             tdk += tl.dot(dst.to(tq.dtype), tq, input_precision=DOT_PRECISION)
         if HAS_TDO:
-            tdv += tl.dot(pt.to(tdo.dtype), tdo, input_precision=DOT_PRECISION)
+            tdv += tl.dot(pt_v.to(tdo.dtype), tdo, input_precision=DOT_PRECISION)
     return tdk, tdv
 
 
 @triton.jit
 def _backward_jvp_columns_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO, TDK, TDV,
+                                 SEED,
                                  sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                                  sdb, sdh, sdl, sde, stqb, stqh, stql, stqe,
                                  stkb, stkh, stkn, stke, stvb, stvh, stvn, stve,
                                  stdb, stdh, stdl, stde, sgkb, sgkh, sgkn, sgke,
                                  sgvb, sgvh, sgvn, sgve,
-                                 num_kv_heads, kv_group, L, S, qk_scale_log2, scale,
+                                 num_kv_heads, kv_group, L, S, drop_threshold, qk_scale_log2,
+                                 scale, keep_scale,
                                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                                  BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr,
                                  HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
                                  HAS_TLSE: tl.constexpr, HAS_TDO: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr):
+                                 DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -357,14 +391,15 @@ def _backward_jvp_columns_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO,
         tdk, tdv = _backward_jvp_column_steps(
             tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base, tdo_base, LSE + row, D + row,
             TD + row, TLSE + row, sql, sqe, sdl, sde, stql, stqe, stdl, stde, m_first,
-            m_unmasked, n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
-            BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_TQ, HAS_TK, HAS_TV, HAS_TLSE,
-            HAS_TDO, DOT_PRECISION)
+            m_unmasked, n0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_TQ,
+            HAS_TK, HAS_TV, HAS_TLSE, HAS_TDO, DOT_PRECISION, DROPOUT)
         tdk, tdv = _backward_jvp_column_steps(
             tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base, tdo_base, LSE + row, D + row,
             TD + row, TLSE + row, sql, sqe, sdl, sde, stql, stqe, stdl, stde, m_unmasked, L,
-            n0, L, S, qk_scale_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-            BLOCK_N, False, CAUSAL, HAS_TQ, HAS_TK, HAS_TV, HAS_TLSE, HAS_TDO, DOT_PRECISION)
+            n0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, HAS_TQ, HAS_TK,
+            HAS_TV, HAS_TLSE, HAS_TDO, DOT_PRECISION, DROPOUT)
     store_tile(TDK + b * sgkb + hk * sgkh, (tdk * scale).to(TDK.dtype.element_ty), offs_n,
                offs_e, sgkn, sgke, S, HEAD_DIM, PAD_E)
     store_tile(TDV + b * sgvb + hk * sgvh, tdv.to(TDV.dtype.element_ty), offs_n, offs_ev,
@@ -419,6 +454,13 @@ def backward_jvp_column_candidates(dtype, head_dim, head_dim_v):
                        wide=[(32, 128, 8, 3), (32, 128, 8, 2), (32, 64, 4, 2)])
 
 
+def _flag_key(flags):
+    """A launch plan's flags: the HAS_* flags as they were (their tuning keys unchanged),
+    then dropout's."""
+    return (*(int(v) for k, v in flags.items() if k != "DROPOUT"),
+            *dropout_flags(flags["DROPOUT"]))
+
+
 def _constexprs(q, v, causal, **flags):
     E, Ev = q.shape[3], v.shape[3]
     return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
@@ -434,17 +476,20 @@ def attention_forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     lse = lse.contiguous()
     to = empty_like_order(o.shape, o)
     tlse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
+    dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
     flags = dict(HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
-                 HAS_TS=tq is not None or tk is not None)   # the scores have a tangent
+                 HAS_TS=tq is not None or tk is not None,   # the scores have a tangent
+                 DROPOUT=dropout)
 
     def launch(plan):
         plan(_forward_jvp_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, LSE=lse, TQ=q if tq is None else tq, TK=k if tk is None else tk,
-             TV=v if tv is None else tv, TO=to, TLSE=tlse, num_q_heads=Hq, kv_group=Hq // Hkv,
-             L=L, S=S, qk_scale_log2=scale * LOG2E, scale=scale)
+             TV=v if tv is None else tv, TO=to, TLSE=tlse, SEED=seed, num_q_heads=Hq,
+             kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
+             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale)
 
     launch(launch_plan(
-        "forward_jvp", q, k, v, causal, tuple(int(f) for f in flags.values()),
+        "forward_jvp", q, k, v, causal, _flag_key(flags),
         lambda: forward_jvp_candidates(q.dtype, E, Ev),
         lambda: _constexprs(q, v, causal, **flags), launch, pairs=L * S))
     return to, tlse
@@ -476,22 +521,24 @@ def attention_backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo,
     tdq = empty_like_order(q.shape, q)
     tdk = empty_like_order(k.shape, k)
     tdv = empty_like_order(v.shape, v)
+    dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
     flags = dict(HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
-                 HAS_TLSE=tlse is not None, HAS_TDO=tdo is not None)
+                 HAS_TLSE=tlse is not None, HAS_TDO=tdo is not None, DROPOUT=dropout)
     tensors = dict(Q=q, K=k, V=v, DO=do, LSE=lse, D=d, TD=td, TQ=q if tq is None else tq,
                    TK=k if tk is None else tk, TV=v if tv is None else tv,
-                   TLSE=d if tlse is None else tlse.contiguous(), TDO=do if tdo is None else tdo)
-    flag_key = tuple(int(f) for f in flags.values())
+                   TLSE=d if tlse is None else tlse.contiguous(), TDO=do if tdo is None else tdo,
+                   SEED=seed)
+    scalars = dict(L=L, S=S, drop_threshold=drop_threshold, qk_scale_log2=scale * LOG2E,
+                   scale=scale, keep_scale=keep_scale)
+    flag_key = _flag_key(flags)
 
     def launch_rows(plan):
         plan(_backward_jvp_rows_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
-             **tensors, TDQ=tdq, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
-             qk_scale_log2=scale * LOG2E, scale=scale)
+             **tensors, TDQ=tdq, num_q_heads=Hq, kv_group=Hq // Hkv, **scalars)
 
     def launch_columns(plan):
         plan(_backward_jvp_columns_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
-             **tensors, TDK=tdk, TDV=tdv, num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S,
-             qk_scale_log2=scale * LOG2E, scale=scale)
+             **tensors, TDK=tdk, TDV=tdv, num_kv_heads=Hkv, kv_group=Hq // Hkv, **scalars)
 
     launch_rows(launch_plan(
         "backward_jvp_rows", q, k, v, causal, flag_key,
