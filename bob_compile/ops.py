@@ -95,15 +95,6 @@ def _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p=0.0, seed=No
                            dropout_seed=seed)
 
 
-def _implementation(pick, qf, kf, vf, params):
-    """pick(qf, kf, vf), or the blockwise path for a dropout the picked kernels lack."""
-    chosen = pick(qf, kf, vf)
-    if params.dropout_p and not getattr(chosen, "HAS_DROPOUT", True):
-        kernels.without_dropout(chosen, qf)
-        return kernels.blockwise
-    return chosen
-
-
 def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     """t (from an implementation) in the caller's shape, laid out like `like` (a row vector,
     like=None: contiguous); see bob_compile/kernels/layout.py."""
@@ -136,7 +127,7 @@ def call_forward(pick, q, k, v, mask, scale, causal, dropout_p=0.0, seed=None,
             return out
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
-    o, lse = _implementation(pick, qf, kf, vf, params).forward(qf, kf, vf, params)
+    o, lse = pick(qf, kf, vf).forward(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
@@ -150,7 +141,7 @@ def call_forward_output(pick, q, k, v, mask, scale, causal, dropout_p=0.0, seed=
             return o
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
-    o = _implementation(pick, qf, kf, vf, params).forward_output(qf, kf, vf, params)
+    o = pick(qf, kf, vf).forward_output(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q)
 
 
@@ -163,7 +154,7 @@ def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_
             return grads
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
-    dq, dk, dv = _implementation(pick, qf, kf, vf, params).backward(
+    dq, dk, dv = pick(qf, kf, vf).backward(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), params)
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
@@ -180,7 +171,7 @@ def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, shaped_li
             return outs
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
-    outs = getattr(_implementation(pick, qf, kf, vf, params), method)(
+    outs = getattr(pick(qf, kf, vf), method)(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf),
         *map(_flat, shaped_like_q_k_v), params)
     return tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
@@ -208,7 +199,7 @@ def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal, dro
                      seed=None, keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
-    to, tlse = _implementation(pick, qf, kf, vf, params).forward_jvp(
+    to, tlse = pick(qf, kf, vf).forward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq), _flat(tk), _flat(tv), params)
     return _unflat(to, o.shape, o), _unflat(tlse, lse.shape, None)
 
@@ -217,7 +208,7 @@ def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo
                       mask, scale, causal, dropout_p=0.0, seed=None, keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
-    outs = _implementation(pick, qf, kf, vf, params).backward_jvp(
+    outs = pick(qf, kf, vf).backward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
         _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
         params)

@@ -41,8 +41,6 @@ in-process).
 import importlib
 import logging
 
-import torch
-
 from . import blockwise, reference, settings
 from .params import AttentionParams  # noqa: F401  (the contract's parameter bundle)
 
@@ -89,32 +87,6 @@ def fold_bob(q, k, v):
     on_triton = s.kernels == "triton" or (s.kernels is None and q.is_cuda)
     tri = _triton() if on_triton else None
     return tri is None or tri.folded_bob_pays(q, v)
-
-
-def has_dropout(device):
-    """Whether the kernels that would run on `device` draw dropout masks themselves (the
-    passes then replace attention with active dropout there; elsewhere ops._implementation
-    would hand such calls to the blockwise path, far slower than PyTorch's own kernels)."""
-    forced = settings.current().kernels
-    if forced is not None and forced != "triton":
-        return True
-    if forced is None and torch.device(device).type != "cuda":
-        return True
-    tri = _triton()
-    return tri is None or tri.HAS_DROPOUT
-
-
-_without_dropout_logged = set()
-
-
-def without_dropout(implementation, q):
-    """Log once per implementation that a dropout call it lacks runs the blockwise path."""
-    name = implementation.__name__.rsplit(".", 1)[-1]
-    if name not in _without_dropout_logged:
-        _without_dropout_logged.add(name)
-        log.warning("bob_compile: attention dropout runs the blockwise PyTorch path on %s "
-                    "(exact, memory-efficient, slower): the %s kernels have no dropout yet",
-                    q.device.type, name)
 
 
 def select(q, k, v):

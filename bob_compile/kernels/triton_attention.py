@@ -36,9 +36,6 @@ from .triton_forward_mode import attention_backward_jvp, attention_forward_jvp
 log = logging.getLogger("bob_compile.kernels")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The kernels draw no dropout mask yet: a call with dropout runs the blockwise path
-# (ops._implementation, logged once), exact at every order.
-HAS_DROPOUT = False
 # Widest head dim at which the folded BoB was measured to beat the chain form's BoB + second
 # backward on the H200 (docs/measurements.md, "The folded form": 1.15-1.27x faster steps at
 # 64 and 128); wider heads (256: not measured) keep the chain form.

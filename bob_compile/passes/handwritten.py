@@ -129,14 +129,14 @@ def _match_probabilities_to_output(softmax, chain):
 
 def _dropout_probability(node, scores):
     """The probability of a dropout of the attention probabilities (0.0 when inactive), which
-    the op draws itself (nodes.dropout_problem says where it cannot)."""
+    the op draws itself (nodes.dropout_problem says when it cannot)."""
     p = arg(node, 1, "p", 0.5)
     training = arg(node, 2, "train" if node.target is torch.dropout else "training", True)
     if training is False or is_zero(p):
         return 0.0
     if arg(node, 3, "inplace", False) is not False:
         raise _Skip("dropout of the probabilities in place")
-    problem = dropout_problem(p, training, scores)
+    problem = dropout_problem(p, training)
     if problem is not None:
         raise _Skip(problem)
     return p

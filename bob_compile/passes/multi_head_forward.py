@@ -15,9 +15,8 @@ cannot see into:
 
 Supported, and replaced by bob_compile.multihead.multi_head_attention: packed, separate
 (kdim/vdim) and bias-free projections, bias_k/bias_v, add_zero_attn, batched and unbatched
-inputs; dropout (passed to the op, which draws its mask, where the device's kernels can:
-nodes.dropout_problem); no key_padding_mask; the attention
-weights unused (need_weights=False, or the weights are dropped); attn_mask absent, proven
+inputs; dropout (passed to the op, which draws its mask: nodes.dropout_problem); no
+key_padding_mask; the attention weights unused (need_weights=False, or the weights are dropped); attn_mask absent, proven
 causal (causal_mask.py), or overridden by is_causal=True (PyTorch ignores the mask's values
 when is_causal=True, need_weights=False and there is no key_padding_mask). Anything else
 stays as written and the report says why. The modules' inference fast paths
@@ -114,7 +113,7 @@ def _check_arguments(node, a):
     if a["key_padding_mask"] is not None:
         raise _Skip("key_padding_mask is set: padding masks are not supported")
     if a["training"] is not False and not is_zero(a["dropout_p"]):
-        problem = dropout_problem(a["dropout_p"], a["training"], a["query"])
+        problem = dropout_problem(a["dropout_p"], a["training"])
         if problem is not None:
             raise _Skip(problem)
     if a["need_weights"]:

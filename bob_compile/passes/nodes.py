@@ -131,21 +131,14 @@ def is_symbolic_number(x):
         example(x), (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(example(x), bool)
 
 
-def dropout_problem(p, training, query):
+def dropout_problem(p, training):
     """Why an attention dropout of probability p cannot go to bob_compile.attention (the op
-    draws it itself, with SDPA's semantics), or None: p must be a constant, training a
-    Python bool, and the kernels on the query's device must draw dropout masks."""
-    from .. import kernels
+    draws it itself, with SDPA's semantics), or None: p must be a constant and training a
+    Python bool."""
     if not isinstance(training, bool):
         return f"dropout with training={describe(training)} computed at run time"
     if not is_number(p):
         return f"dropout_p={describe(p)} is computed at run time"
-    value = example_tensor(query)
-    if value is None:
-        return f"dropout is active and the query {describe(query)} has no recorded value"
-    if not kernels.has_dropout(value.device):
-        return (f"dropout is active (p={p}) and the kernels on {value.device.type} draw no "
-                f"dropout mask yet")
     return None
 
 

@@ -114,6 +114,24 @@ def padding_mask(kind, B, Hq, L, S, dtype):
 
 
 @pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("dtype,B,Hq,Hkv,L,S,E,Ev,causal,masked", [
+    pytest.param(torch.bfloat16, 1, 4, 4, 2048, 2048, 64, 64, True, False, id="bf16-causal-d64"),
+    pytest.param(torch.bfloat16, 2, 4, 2, 777, 1000, 128, 128, False, True,
+                 id="bf16-gqa-L<S-d128-masked"),
+    pytest.param(torch.float16, 1, 3, 3, 777, 777, 64, 64, True, False, id="fp16-777-causal"),
+])
+def test_dropout_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, L, S, E, Ev, causal,
+                                 masked):
+    """Every kernel regenerates the call's dropout mask (p = 0.1, HF's default): each
+    output within the same factor of math's own error in the same dtype as without dropout."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    mask = padding_mask("bool", B, Hq, L, S, dtype) if masked else None
+    check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=mask, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 @pytest.mark.parametrize("dtype,B,Hq,Hkv,L,S,E,Ev,causal", [
     pytest.param(torch.bfloat16, 3, 4, 4, 1024, 1024, 64, 64, True, id="bf16-1024-causal-d64"),
@@ -143,7 +161,7 @@ def test_hf_causal_folded_masks_against_float64(monkeypatch, schedule):
                        (padded & causal).expand(B, Hq, L, L))
 
 
-def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
+def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None, dropout_p=0.0):
     dev = "cuda"
     scale = 1.0 / math.sqrt(E)
     q = torch.randn(B, Hq, L, E, device=dev, dtype=dtype)
@@ -153,7 +171,9 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
     report = []
 
     # first order: forward
-    params = AttentionParams(scale=scale, causal=causal, mask=mask)
+    seed = torch.tensor(2 ** 40 + 7, device=dev) if dropout_p else None
+    params = AttentionParams(scale=scale, causal=causal, mask=mask, dropout_p=dropout_p,
+                             dropout_seed=seed)
     o, lse = triton_attention.forward(q, k, v, params)
     ro, rlse = reference.forward(*f64(q, k, v), params)
     mo, mlse = reference.forward(q, k, v, params, upcast=False)   # precision baseline
@@ -190,8 +210,9 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None):
             assert a.dtype == m.dtype and a.is_contiguous()
             check_against("folded." + name + tag, a, m, e, report)
 
-    # the full second-order step (what a user's double backward computes)
-    if Hq == Hkv and E == Ev:
+    # the full second-order step (what a user's double backward computes; SDPA's own
+    # dropout would draw another mask)
+    if Hq == Hkv and E == Ev and not dropout_p:
         ours = chain_step(q, k, v, do, *cot, scale, causal, triton_attention, mask)
         exact = chain_step(*f64(q, k, v, do, *cot), scale, causal, reference, mask)
         sdpa_mask, sdpa_causal = mask, causal

@@ -106,10 +106,11 @@ def cast_like(expected, actual):
     return [e.to(a.dtype) if e.dtype != a.dtype else e for e, a in zip(expected, actual)]
 
 
-def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None):
+def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None, dropout_p=0.0):
     scale = 1.0 / math.sqrt(q.shape[-1])
     # forward
-    params = AttentionParams(scale=scale, causal=causal, mask=mask)
+    params = AttentionParams(scale=scale, causal=causal, mask=mask, dropout_p=dropout_p,
+                             dropout_seed=torch.tensor(1234567890123) if dropout_p else None)
     o, lse = triton_attention.forward(q, k, v, params)
     ro, rlse = reference.forward(*f64(q, k, v), params)
     assert o.dtype == q.dtype and lse.dtype == torch.float32
@@ -448,11 +449,12 @@ def test_empty_lengths(L, S, causal):
 TANGENTS_OF_BACKWARD = ("tq", "tk", "tv", "to", "tlse", "tdo", "tdlse")
 
 
-def run_forward_mode(q, k, v, causal, present, dtype, with_dlse=True):
+def run_forward_mode(q, k, v, causal, present, dtype, with_dlse=True, dropout_p=0.0):
     """Both forward-mode ops against the float64 reference; present: which of the seven
     tangents (TANGENTS_OF_BACKWARD) are given, the first three also for the forward's."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    params = AttentionParams(scale=scale, causal=causal)
+    params = AttentionParams(scale=scale, causal=causal, dropout_p=dropout_p,
+                             dropout_seed=torch.tensor(987654321) if dropout_p else None)
     o, lse = triton_attention.forward(q, k, v, params)
     do = torch.randn_like(o)
     dlse = torch.randn_like(lse) if with_dlse else None
@@ -605,3 +607,85 @@ def test_folded_row_pass_reading_b_from_a_forward(monkeypatch, causal):
         outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, given, params)
         for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
             check(name, a, e.to(a.dtype), torch.float32)
+
+
+# ----------------------------------------------------------------------------- dropout
+if INTERPRETED:
+    import triton.language as tl  # noqa: E402
+    from bob_compile.kernels.triton_dropout import dropout_tile  # noqa: E402
+
+    @triton.jit
+    def _dropout_tiles(SEED, Z, L, S, drop_threshold, keep_scale, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        """Z of every (batch x head, query, key), one tile per program."""
+        bh = tl.program_id(2)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n0 = tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        z = dropout_tile(SEED, bh.to(tl.int64) * L, offs_m, n0, S, drop_threshold, keep_scale,
+                         BLOCK_N)
+        tl.store(Z + bh * L * S + offs_m[:, None] * S + offs_n[None, :], z,
+                 mask=(offs_m[:, None] < L) & (offs_n[None, :] < S))
+
+@in_interpreter
+def test_dropout_tile_is_the_mask_the_cpu_path_draws():
+    """triton_dropout.dropout_tile, at two tile widths, draws bit for bit the Z that
+    dropout.keep_scale (the blockwise path and the oracle) draws: L and S not multiples of
+    the tiles or of the 8 keys one Philox call decides, several heads, a seed above 2**32."""
+    from bob_compile.kernels import dropout
+    B, H, L, S = 2, 3, 19, 37
+    for p in (0.1, 0.5):
+        params = AttentionParams(scale=1.0, causal=False, dropout_p=p,
+                                 dropout_seed=torch.tensor(2 ** 40 + 12345))
+        want = dropout.keep_scale(params, (B, H, L, S), slice(0, L), slice(0, S),
+                                  torch.float32, "cpu")
+        for block_m, block_n in ((16, 16), (16, 32)):
+            z = torch.full((B, H, L, S), -1.0)
+            _dropout_tiles[(triton.cdiv(L, block_m), triton.cdiv(S, block_n), B * H)](
+                params.dropout_seed, z, L, S, dropout.threshold(p), dropout.kept_scale(p),
+                BLOCK_M=block_m, BLOCK_N=block_n)
+            assert torch.equal(z, want), (p, block_m, block_n)
+
+
+DROPOUT_CASES = [
+    pytest.param(1, 2, 1, 29, 41, 16, 16, True, id="causal-L<S-gqa2"),
+    pytest.param(1, 2, 2, 37, 29, 16, 32, False, id="noncausal-L>S-E<Ev"),
+]
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", DROPOUT_CASES)
+def test_dropout_every_output(monkeypatch, schedule, B, Hq, Hkv, L, S, E, Ev, causal):
+    """Every kernel regenerates the call's mask (forward, backward, chain and folded BoB,
+    both schedules) and equals the float64 closed forms with that mask."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32, dropout_p=0.3)
+
+
+@in_interpreter
+def test_dropout_with_a_mask_fp16_and_the_folded_pass_reading_b(monkeypatch):
+    """Dropout beside a mask tensor, in half precision; and B = P k read from a forward
+    (wide heads, forced here), which must not drop the keys."""
+    q, k, v = make_inputs(2, 4, 2, 37, 45, 16, 16, torch.float16)
+    run_all_orders(q, k, v, True, (True, True, True), True, torch.float16,
+                   mask=make_mask("bool", 2, 4, 37, 45), dropout_p=0.2)
+    monkeypatch.setattr(triton_attention, "ACCUMULATE_B_MAX_HEAD_DIM", 0)
+    q, k, v = make_inputs(1, 2, 1, 21, 21, 16, 8, torch.float32)
+    params = AttentionParams(scale=0.3, causal=True, dropout_p=0.4, dropout_seed=torch.tensor(5))
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, cot = torch.randn_like(o), [torch.randn_like(t) for t in (q, k, v)]
+    outs = triton_attention.bob_folded(q, k, v, o, lse, do, None, *cot, None, params)
+    expected = reference.bob_folded(*f64(q, k, v, o, lse, do, None, *cot, None), params)
+    for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+        check(name, a, e.to(a.dtype), torch.float32)
+
+
+@in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_forward_mode(causal):
+    q, k, v = make_inputs(1, 2, 1, 29, 41, 16, 16, torch.float32)
+    run_forward_mode(q, k, v, causal, (True,) * 7, torch.float32, dropout_p=0.3)

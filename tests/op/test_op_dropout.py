@@ -1,14 +1,12 @@
 """bob_compile.attention(..., dropout_p=p): SDPA's dropout, exact at every order against
 autograd through math attention given the same keep mask, in float64; the mask regenerated
 from a per-call seed drawn from PyTorch's generator (torch.manual_seed reproduces a call)."""
-import logging
-
 import pytest
 import torch
 from torch.func import grad, jvp, vmap
 
 from bob_compile import attention
-from bob_compile.kernels import blockwise, dropout
+from bob_compile.kernels import dropout
 from bob_compile.kernels.params import AttentionParams
 from bob_compile.kernels.reference import sdpa_math
 
@@ -140,21 +138,3 @@ def test_vmap_randomness_as_for_other_random_ops():
     close((same[0],), (ours(4, *(t[:1] for t in same_inputs), p=0.5)[0],))
     different = vmap(call, randomness="different")(*same_inputs)
     assert not torch.equal(different[0], different[1])
-
-
-def test_kernels_without_dropout_hand_the_call_to_the_blockwise_path(monkeypatch, caplog):
-    """An implementation whose kernels draw no dropout mask (HAS_DROPOUT False: the Triton
-    kernels today) is not asked: the blockwise path runs, with one warning."""
-    import types
-    from bob_compile import kernels, ops
-
-    NoDropout = types.ModuleType("bob_compile.kernels.no_dropout")
-    NoDropout.HAS_DROPOUT = False
-    monkeypatch.setattr(kernels, "_without_dropout_logged", set())
-    params = AttentionParams(scale=1.0, causal=False, dropout_p=0.1, dropout_seed=1)
-    with caplog.at_level(logging.WARNING, logger="bob_compile.kernels"):
-        for _ in range(2):
-            assert ops._implementation(lambda *a: NoDropout, *inputs(), params) is blockwise
-    assert caplog.text.count("no_dropout kernels have no dropout yet") == 1
-    plain = AttentionParams(scale=1.0, causal=False)
-    assert ops._implementation(lambda *a: NoDropout, *inputs(), plain) is NoDropout

@@ -356,15 +356,6 @@ def test_dropout_in_training_goes_to_the_op():
     assert site.replaced and site.dropout == 0.5
 
 
-def test_dropout_stays_where_the_kernels_draw_no_mask(monkeypatch):
-    from bob_compile import kernels
-    monkeypatch.setattr(kernels, "has_dropout", lambda device: False)
-    model = build(lambda: SelfAttention(dropout=0.5))
-    torch.compile(model, backend=flashbob, options=OPTIONS)(*sequence(0))
-    (site,) = recent_reports[-1].sites
-    assert not site.replaced and "draw no dropout mask yet" in site.reason, site.reason
-
-
 @pytest.mark.parametrize("kernel", ["_transformer_encoder_layer_fwd", "_native_multi_head_attention"])
 def test_inference_fast_paths_are_reported(kernel):
     """An eval() TransformerEncoderLayer without grad runs PyTorch's fused inference kernel.

@@ -91,20 +91,6 @@ def test_dropout_pattern_is_replaced_with_its_dropout(name):
     torch.testing.assert_close(ours, expected, atol=0, rtol=0)
 
 
-def test_dropout_stays_where_the_kernels_draw_no_mask(monkeypatch):
-    """Where the device's kernels draw no dropout mask (CUDA's Triton kernels, for now), a
-    site with active dropout stays as written, and the report says so."""
-    from bob_compile import kernels
-    monkeypatch.setattr(kernels, "has_dropout", lambda device: False)
-    q, k, v = qkv()
-    for pattern in (RANDOM_PATTERNS["active_dropout"][0], sdpa_with(dropout_p=0.1)):
-        gm, inputs = capture(pattern, q, k, v, nanogpt_bias())
-        before = gm.print_readable(print_output=False)
-        (site,) = rewrite_attention(gm, inputs).sites
-        assert not site.replaced and "draw no dropout mask yet" in site.reason, site.reason
-        assert gm.print_readable(print_output=False) == before
-
-
 @pytest.mark.parametrize("name", sorted(MASKED_PATTERNS))
 def test_masked_pattern_is_replaced_with_its_mask_and_exact(name):
     """Not causal, so passed on as attn_mask: the written code's values and gradients

@@ -426,13 +426,14 @@ def test_attention_dropout_is_fused_and_its_masks_replayed(options, scenario):
     assert sorted(site.dropout for site in report.replaced) == [0.1, 0.3]
 
 
-def test_sdpa_dropout_without_dropout_kernels_runs_as_math_with_its_mask_replayed(monkeypatch):
-    """Where the device's kernels draw no dropout mask (kernels.has_dropout: CUDA's Triton
-    kernels, for now), the SDPA site stays SDPA and runs as SDPA's math in every order, its
-    mask drawn as eager's math path draws it and replayed by the second order: the same seed
-    gives eager's HVP."""
-    from bob_compile import kernels
-    monkeypatch.setattr(kernels, "has_dropout", lambda device: False)
+def test_sdpa_dropout_left_as_written_runs_as_math_with_its_mask_replayed(monkeypatch):
+    """Sites with active dropout left as written (nodes.dropout_problem: a dropout_p or
+    training flag computed at run time; forced here): the SDPA call runs as SDPA's math in
+    every order, its mask drawn as eager's math path draws it and, like the hand-written
+    site's F.dropout, replayed by the second order: the same seed gives eager's HVP."""
+    from bob_compile.passes import handwritten, sdpa
+    for module in (sdpa, handwritten):
+        monkeypatch.setattr(module, "dropout_problem", lambda p, training: "left (test)")
     torch.manual_seed(0)
     model = SDPADropout().double()
     x = batch()
