@@ -31,6 +31,8 @@ Providers
   op_autograd_no_edge_split: with BOB_COMPILE_DEV_EDGE_SPLIT=0 (no GEMM split on the masked
   tiles either; its accuracy is always measured, as no_edge_split_*);
   op_autograd_calling_thread: op_autograd with its backwards on the calling thread;
+  op_autograd_dropout: op_autograd with attention dropout p = 0.1 (every kernel regenerates
+  the mask; issue 39: <= 1.15x op_autograd at 16K causal);
   op_autograd_python_node / op_autograd_first_order_python_node: with BOB_COMPILE_CPP_NODE=off
   (the op's Python autograd node where PyTorch's fused kernels run the first order; the
   script builds the C++ node, or loads it, before it times anything)
@@ -173,12 +175,20 @@ def bob_first_order(q, k, v, do, gq, gk, gv, scale, causal):
     return tri.backward(q, k, v, o, lse, do, None, params)
 
 
-def op_autograd(q, k, v, do, gq, gk, gv, scale, causal):
+def op_autograd(q, k, v, do, gq, gk, gv, scale, causal, dropout_p=0.0):
     import bob_compile
     q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
-    o = bob_compile.attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa(q, k))
+    o = bob_compile.attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                              enable_gqa=gqa(q, k))
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
+
+
+DROPOUT_P = 0.1     # Hugging Face's default attn_pdrop / attention_dropout
+
+
+def op_autograd_dropout(q, k, v, do, gq, gk, gv, scale, causal):
+    return op_autograd(q, k, v, do, gq, gk, gv, scale, causal, dropout_p=DROPOUT_P)
 
 
 def op_autograd_calling_thread(q, k, v, do, gq, gk, gv, scale, causal):
@@ -210,6 +220,7 @@ PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
              "op_autograd_folded": op_autograd, "op_autograd_chain": op_autograd,
              "op_autograd_sbar_split": op_autograd, "op_autograd_no_edge_split": op_autograd,
              "op_autograd_calling_thread": op_autograd_calling_thread,
+             "op_autograd_dropout": op_autograd_dropout,
              "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order,
              "op_autograd_python_node": op_autograd,
