@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch import fx
 
-from . import _compat, dump, static_inputs, training
+from . import _compat, checkpointing, dump, static_inputs, training
 from . import options as options_module
 from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
@@ -47,6 +47,8 @@ from .passes.report import compiled_text, compiled_text_name, count, counters  #
 from .passes.report import restore as restore_counts, snapshot as snapshot_counts
 
 log = logging.getLogger(__name__)
+# checkpointed layers traced even where their forward sets Python state (checkpointing.py)
+checkpointing.trace_checkpointed_side_effects()
 
 # Reports of the last graphs compiled in this process, newest last.
 recent_reports = collections.deque(maxlen=100)

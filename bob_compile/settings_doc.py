@@ -32,6 +32,11 @@ def settings_markdown():
         "| variable | values | default | option | what it does |", "|---|---|---|---|---|",
         *rows(s for s in settings.SWITCHES if not s.developer),
         "| `TRITON_INTERPRET` | `1` | unset | | Triton's interpreter (CPU); set before Triton is imported |",
+        "| `BOB_COMPILE_CHECKPOINT_SIDE_EFFECTS` | `skip`, `replay` | `skip` | | read when the "
+        "backend is loaded: `skip` sets Dynamo's `skip_fwd_side_effects_in_bwd_under_checkpoint`, "
+        "so that checkpointed layers whose forward sets Python state (transformers' hub "
+        "kernels) are traced, not run eagerly; `replay` keeps PyTorch's default "
+        "(bob_compile/checkpointing.py) |",
         "",
         "## Developer switches", "",
         "One schedule or rounding against another, for measurements; the defaults are what the",
