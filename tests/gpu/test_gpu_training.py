@@ -145,3 +145,27 @@ def test_padding_masks_that_change_every_step(mode):
         actual = [g.clone() for g in step(compiled)]
         assert relative_error(actual, expected) <= 1e-4, lengths
     assert all(len(r.replaced) == 1 for r in recent_reports)
+
+
+@pytest.mark.parametrize("scenario", ["hvp", "maml"])
+def test_attention_dropout_on_cuda(scenario):
+    """Attention dropout on CUDA: both sites (SDPA's dropout_p, F.dropout on hand-written
+    probabilities) become the op, whose Triton kernels draw the mask in every order; the
+    compiled HVP and MAML meta-gradient (inductor) equal the op's eager ones given the same
+    generator state (float32: the same kernels, so up to the compiled graph's roundings)."""
+    from training.test_second_order_ops import SDPADropout, hessian_vector_product
+    from training.test_second_order_ops import maml as maml_of
+    torch.manual_seed(0)
+    model = SDPADropout().cuda()
+    reference = SDPADropout(op=True).cuda()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    run = {"hvp": hessian_vector_product, "maml": maml_of}[scenario]
+    compiled = torch.compile(model, backend=flashbob, options=OPTIONS)
+    for seed in (10, 11):
+        torch.manual_seed(seed)
+        expected = run(reference, x)
+        torch.manual_seed(seed)
+        actual = run(compiled, x)
+        assert relative_error(actual, expected) <= 1e-4
+    assert sorted(site.dropout for site in recent_reports[-1].replaced) == [0.1, 0.3]

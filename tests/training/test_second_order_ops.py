@@ -148,7 +148,7 @@ def hessian_vector_product(model, x):
     params = list(model.parameters())
     grads = torch.autograd.grad(loss_of(model(x)), params, create_graph=True)
     g = torch.Generator().manual_seed(5)
-    vectors = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    vectors = [torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device) for p in params]
     return torch.autograd.grad(grads, params, vectors)
 
 
