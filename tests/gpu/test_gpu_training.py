@@ -169,3 +169,29 @@ def test_attention_dropout_on_cuda(scenario):
         actual = run(compiled, x)
         assert relative_error(actual, expected) <= 1e-4
     assert sorted(site.dropout for site in recent_reports[-1].replaced) == [0.1, 0.3]
+
+
+def test_attention_dropout_under_cuda_graphs():
+    """mode="reduce-overhead" with attention dropout: each replay draws fresh seeds from the
+    CUDA generator (the draw is recorded in the graph), so steps differ, each equals the op's
+    eager step from the same generator state, and nothing is recorded again."""
+    from training.test_second_order_ops import SDPADropout, hessian_vector_product
+    torch.manual_seed(0)
+    model = SDPADropout().cuda()
+    reference = SDPADropout(op=True).cuda()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    compiled = torch.compile(model, backend=flashbob, mode="reduce-overhead")
+    for seed in (1, 2, 3):              # warm-up, record, replay
+        torch.manual_seed(seed)
+        hessian_vector_product(compiled, x)
+    recorded = recorded_graphs()
+    results = []
+    for seed in (10, 11):
+        torch.manual_seed(seed)
+        expected = hessian_vector_product(reference, x)
+        torch.manual_seed(seed)
+        results.append([h.clone() for h in hessian_vector_product(compiled, x)])
+        assert relative_error(results[-1], expected) <= 1e-4
+    assert relative_error(results[0], results[1]) > 1e-3      # other seeds, other masks
+    assert recorded_graphs() == recorded
