@@ -157,17 +157,25 @@ CASES = [
     pytest.param(1, 1, 1, 1, 1, 16, 16, True, id="causal-one-query-one-key"),
     pytest.param(1, 2, 2, 3, 70, 80, 8, False, id="noncausal-L3-S70-E80-Ev8"),
 ]
+# attention dropout (p = 0.3): every kernel regenerates the call's mask
+DROPOUT_CASES = [
+    pytest.param(1, 2, 1, 29, 41, 16, 16, True, 0.3, id="dropout-causal-L<S-gqa2"),
+    pytest.param(1, 2, 2, 37, 29, 16, 32, False, 0.3, id="dropout-noncausal-L>S-E<Ev"),
+]
 
 
 @in_interpreter
 @pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
-@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", CASES)
-def test_every_output_fp32(monkeypatch, schedule, B, Hq, Hkv, L, S, E, Ev, causal):
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal,dropout_p",
+                         [pytest.param(*case.values, 0.0, id=case.id) for case in CASES]
+                         + DROPOUT_CASES)
+def test_every_output_fp32(monkeypatch, schedule, B, Hq, Hkv, L, S, E, Ev, causal, dropout_p):
     monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
     monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
     settings.reload()
     q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
-    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32,
+                   dropout_p=dropout_p)
 
 
 @in_interpreter
@@ -645,25 +653,6 @@ def test_dropout_tile_is_the_mask_the_cpu_path_draws():
                 params.dropout_seed, z, L, S, dropout.threshold(p), dropout.kept_scale(p),
                 BLOCK_M=block_m, BLOCK_N=block_n)
             assert torch.equal(z, want), (p, block_m, block_n)
-
-
-DROPOUT_CASES = [
-    pytest.param(1, 2, 1, 29, 41, 16, 16, True, id="causal-L<S-gqa2"),
-    pytest.param(1, 2, 2, 37, 29, 16, 32, False, id="noncausal-L>S-E<Ev"),
-]
-
-
-@in_interpreter
-@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
-@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", DROPOUT_CASES)
-def test_dropout_every_output(monkeypatch, schedule, B, Hq, Hkv, L, S, E, Ev, causal):
-    """Every kernel regenerates the call's mask (forward, backward, chain and folded BoB,
-    both schedules) and equals the float64 closed forms with that mask."""
-    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
-    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
-    settings.reload()
-    q, k, v = make_inputs(B, Hq, Hkv, L, S, E, Ev, torch.float32)
-    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32, dropout_p=0.3)
 
 
 @in_interpreter
