@@ -1,0 +1,102 @@
+"""Activation checkpointing at every order: what the compiled orders keep, and exactness.
+
+Four SDPA blocks, each checkpointed (torch.utils.checkpoint with use_reentrant False and
+True; selective checkpointing that saves the matmuls and recomputes the rest), compiled by
+flashbob: the bytes each compiled order keeps for its backward (the report's "keeping"
+lines, checked against autograd's packed tensors in test_training_route.py) must drop below
+the unchecked model's at the first order (to a few per cent) and at the second (the VJP
+pair's forward half: today ~0.7x, since the first-order backward inside it is not
+checkpointed), and the Hessian-vector product and MAML meta-gradient must equal eager
+math's on the same weights without checkpointing (eager PyTorch cannot be the reference with
+it: selective checkpointing refuses a second backward, reentrant checkpointing refuses
+autograd.grad, and under functional_call checkpointing recomputes with the module's own
+weights instead of MAML's fast ones: docs/routing.md, "Known limits").
+"""
+import functools
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from bob_compile.backend import flashbob, recent_reports
+from models import SDPABlock, float_batch
+from test_training_route import AOT_EAGER, TOLERANCE, hessian_vector_product, maml, max_error
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+FIRST = "forward and backward"
+SECOND = r"the VJP as a differentiable function \(second order\)"
+UNITS = {"bytes": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
+
+
+def save_matmuls(ctx, op, *args, **kwargs):
+    """A selective-checkpointing policy: keep the projections' outputs, recompute the rest."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Stack(nn.Module):
+    def __init__(self, checkpointing):
+        super().__init__()
+        self.blocks = nn.ModuleList([SDPABlock() for _ in range(4)])
+        self.checkpointing = checkpointing
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpointing is None:
+                x = block(x)
+            elif self.checkpointing == "selective":
+                x = checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(
+                    create_selective_checkpoint_contexts, save_matmuls))
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
+        return x
+
+
+def kept_bytes(order):
+    """The bytes the compiled `order` keeps for its backward, over every graph reported."""
+    return sum(float(number) * UNITS[unit] for report in recent_reports
+               for number, unit in re.findall(rf"{order}: forward half \d+ ops, backward half "
+                                              r"\d+ ops, keeping ([\d.]+) (bytes|KiB|MiB|GiB)",
+                                              report.text()))
+
+
+def stack(checkpointing):
+    """The same weights whatever the checkpointing."""
+    torch.manual_seed(0)
+    return Stack(checkpointing).double()
+
+
+def compiled_and_kept(checkpointing, x):
+    torch._dynamo.reset()
+    recent_reports.clear()
+    compiled = torch.compile(stack(checkpointing), backend=flashbob, options=AOT_EAGER)
+    return hessian_vector_product(compiled, x), kept_bytes(FIRST), kept_bytes(SECOND)
+
+
+@pytest.mark.parametrize("checkpointing", [
+    "non_reentrant", pytest.param("reentrant", marks=pytest.mark.slow),
+    pytest.param("selective", marks=pytest.mark.slow)])
+def test_checkpointing_lowers_what_every_order_keeps_and_stays_exact(checkpointing):
+    x, = float_batch(0, seq=64)
+    _, plain_first, plain_second = compiled_and_kept(None, x)
+    hvp, first, second = compiled_and_kept(checkpointing, x)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = hessian_vector_product(stack(None), x)
+    assert max_error(hvp, expected) <= TOLERANCE
+    assert all(site.replaced for report in recent_reports for site in report.sites)
+    bound = 0.6 if checkpointing == "selective" else 0.1     # the matmuls' outputs stay
+    assert 0 < first < bound * plain_first, (first, plain_first)
+    assert 0 < second < plain_second, (second, plain_second)
+
+
+def test_maml_through_checkpointed_blocks():
+    x, = float_batch(1, seq=16)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = maml(stack(None), x)
+    compiled = torch.compile(stack("non_reentrant"), backend=flashbob, options=AOT_EAGER)
+    assert max_error(maml(compiled, x), expected) <= TOLERANCE
