@@ -12,6 +12,7 @@ skip_fwd_side_effects_in_bwd_under_checkpoint, which flashbob sets (bob_compile/
 without it those layers ran eagerly, on PyTorch's fused SDPA, and the second order failed.
 """
 import copy
+import functools
 import os
 import subprocess
 import sys
@@ -66,6 +67,18 @@ def test_attention_inside_checkpointed_layers_is_replaced_and_exact():
 import test_hf_masks as hf  # noqa: E402
 
 
+@functools.lru_cache(maxsize=None)
+def eager_reference(name, padded):
+    """(ids, mask, gradient, HVP) of the unchecked model, eager SDPA math: once per model
+    and batch for all the implementations and checkpoint kinds."""
+    ids, mask = hf.batch()
+    if not padded:
+        mask = torch.ones_like(mask)
+    with sdpa_kernel(SDPBackend.MATH):
+        grads, hvp = hf.gradients_and_hvp(hf.build(name).train(), ids, mask)
+    return ids, mask, grads, hvp
+
+
 def checkpointed(name, implementation, reentrant):
     model = hf.build(name, implementation)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -79,11 +92,7 @@ def test_checkpointed_models_are_replaced_and_exact(name, implementation, reentr
     """Every architecture, both attention implementations, both checkpoint kinds, with and
     without padding: both layers' sites replaced, gradient and HVP equal to the same weights
     run eagerly through SDPA's math, without checkpointing."""
-    ids, mask = hf.batch()
-    if not padded:
-        mask = torch.ones_like(mask)
-    with sdpa_kernel(SDPBackend.MATH):
-        grads, hvp = hf.gradients_and_hvp(hf.build(name).train(), ids, mask)
+    ids, mask, grads, hvp = eager_reference(name, padded)
     compiled = torch.compile(checkpointed(name, implementation, reentrant), backend=flashbob,
                              options={"compiler": "aot_eager", "fallback": False})
     actual_grads, actual_hvp = hf.gradients_and_hvp(compiled, ids, mask)
