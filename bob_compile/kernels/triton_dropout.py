@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dropout
+from . import dropout, philox
 
-PHILOX_ROUNDS = tl.constexpr(10)     # philox.ROUNDS: tl.randint4x's default
+PHILOX_ROUNDS = tl.constexpr(philox.ROUNDS)   # the CPU path's rounds: the same bits
 GROUP = tl.constexpr(dropout.PER_CALL)   # keys of a row decided by one Philox call
 
 
