@@ -25,8 +25,9 @@ def test_keep_rate_is_one_minus_p(p):
 
 
 def test_no_correlation_across_rows_heads_batches_and_calls():
-    """The keep indicators of neighbouring rows, heads, batch entries and two calls' seeds
-    are uncorrelated (|corr| < 4 / sqrt(n)), and no two rows are equal."""
+    """The keep indicators of neighbouring rows, keys (within one Philox call's 8 and across
+    calls), heads, batch entries and two calls' seeds are uncorrelated (|corr| < 4 / sqrt(n)),
+    and no two rows are equal."""
     mask = keep(0.5, (2, 2, 64, 512), seed=11).double()
     other_call = keep(0.5, (2, 2, 64, 512), seed=12).double()
     n = mask[0, 0].numel()
@@ -36,6 +37,8 @@ def test_no_correlation_across_rows_heads_batches_and_calls():
         return ((a * b).mean() / (a.std() * b.std())).item()
     bound = 4 / n ** 0.5
     assert abs(corr(mask[0, 0, :-1], mask[0, 0, 1:])) < bound          # rows
+    for shift in (1, 4, 8):      # keys of one Philox call, and of the next one
+        assert abs(corr(mask[0, 0, :, :-shift], mask[0, 0, :, shift:])) < bound
     assert abs(corr(mask[0, 0], mask[0, 1])) < bound                    # heads
     assert abs(corr(mask[0, 0], mask[1, 0])) < bound                    # batch entries
     assert abs(corr(mask[0, 0], other_call[0, 0])) < bound              # calls
