@@ -24,7 +24,7 @@ def test_keep_rate_is_one_minus_p(p):
     assert abs(mask.double().mean().item() - (1 - p)) < 4 * sigma
 
 
-def test_no_correlation_across_rows_heads_batches_and_calls():
+def test_no_correlation_across_rows_keys_heads_batches_and_calls():
     """The keep indicators of neighbouring rows, keys (within one Philox call's 8 and across
     calls), heads, batch entries and two calls' seeds are uncorrelated (|corr| < 4 / sqrt(n)),
     and no two rows are equal."""
