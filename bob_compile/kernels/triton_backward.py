@@ -86,7 +86,8 @@ def row_dot(do, o, dlse):
 def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
                   sql, sqe, sdl, sde, sql_acc, sml, sme, first, end, structure, m_lo, m_hi, n0,
                   L, S, qk_scale_log2,
-                  scale, seed_ptr, row, drop_threshold, keep_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  scale, seed_ptr, row, drop_threshold, keep_scale,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -176,32 +177,30 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
             m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
                                                      structure, L, BLOCK_M, BLOCK_N)
             dk, dv = _column_steps(
-                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0,
-                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION,
-                MASK_FROM_INDICES, DROPOUT)
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
+                sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0, L, S,
+                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
+                DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
             dk, dv = _column_steps(
-                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0,
-                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
+                sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0, L, S,
+                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION,
+                NO_MASK_SOURCE, DROPOUT)
         else:
             dk, dv = _column_steps(
-                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0,
-                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ, DROPOUT)
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
+                sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0, L, S,
+                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
+                DOT_PRECISION, MASK_READ, DROPOUT)
             dk, dv = _column_steps(
-                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql,
-                sqe, sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0,
-                L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M,
-                BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS, DOT_PRECISION, MASK_READ,
-                DROPOUT)
+                dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
+                sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0, L, S,
+                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
+                DOT_PRECISION, MASK_READ, DROPOUT)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -291,10 +290,9 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                        CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi2,
-                       a_end, b_end - a_end, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
-                       HEAD_DIM, HEAD_DIM_V,
-                       BLOCK_N, True, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
+                       a_end, b_end - a_end, L, S, qk_scale_log2, SEED, row, drop_threshold,
+                       keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND,
+                       PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
     else:
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0,

@@ -115,18 +115,18 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                                  structure, MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        p_v = p         # where P meets gdv: dropped
         if DROPOUT:     # Z wherever P or its cotangents meet V, gdv or dO (dropout.py)
             z = dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale, BLOCK_N)
             dp = dp * z
+            p_v = p * z
         delta = dp - d[:, None]
         if HAS_GDV:
             gdv = load_tile(gdv_base, offs_n, offs_ev, sgvn, sgve, S, HEAD_DIM_V, MASKED, PAD_EV)
             cot_scores = tl.dot(do, tl.trans(gdv), input_precision=DOT_PRECISION)
             if DROPOUT:
                 cot_scores = cot_scores * z
-                gdo = _dot_halves(p * z, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
-            else:
-                gdo = _dot_halves(p, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
+            gdo = _dot_halves(p_v, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
         if HAS_GDK or ACCUMULATE_R:
             ds = p * delta
         if HAS_GDK:
@@ -147,10 +147,10 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                 f = tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION) * scale
             a = p * f
             dg += tl.sum(a, 1)
+            a_v = a     # where A meets V: dropped
             if DROPOUT:
-                gdo = _dot_halves(a * z, v, gdo, SPLIT_ALL, DOT_PRECISION)
-            else:
-                gdo = _dot_halves(a, v, gdo, SPLIT_ALL, DOT_PRECISION)
+                a_v = a * z
+            gdo = _dot_halves(a_v, v, gdo, SPLIT_ALL, DOT_PRECISION)
             if HAS_GDV:
                 cot_scores += f * delta
             else:
@@ -246,14 +246,16 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
+            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
+            SEED, row, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
             MASK_READ, DROPOUT)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
+            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
+            SEED, row, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
             DOT_PRECISION, MASK_READ, DROPOUT)

@@ -16,9 +16,10 @@ cannot see into:
 Supported, and replaced by bob_compile.multihead.multi_head_attention: packed, separate
 (kdim/vdim) and bias-free projections, bias_k/bias_v, add_zero_attn, batched and unbatched
 inputs; dropout (passed to the op, which draws its mask: nodes.dropout_problem); no
-key_padding_mask; the attention weights unused (need_weights=False, or the weights are dropped); attn_mask absent, proven
-causal (causal_mask.py), or overridden by is_causal=True (PyTorch ignores the mask's values
-when is_causal=True, need_weights=False and there is no key_padding_mask). Anything else
+key_padding_mask; the attention weights unused (need_weights=False, or the weights are
+dropped); attn_mask absent, proven causal (causal_mask.py), or overridden by is_causal=True
+(PyTorch ignores the mask's values when is_causal=True, need_weights=False and there is no
+key_padding_mask). Anything else
 stays as written and the report says why. The modules' inference fast paths
 (torch._native_multi_head_attention, torch._transformer_encoder_layer_fwd) run only
 without autograd; they are reported and left alone.
