@@ -6,16 +6,25 @@ expectation is unchanged). Z is a constant of the call: every order sees the sam
 each kernel regenerates it, per (batch, head, query, key), from the call's seed.
 
 One Philox call (Triton's `tl.randint4x`, 10 rounds: philox.py, the same bits here) gives
-128 random bits, which decide 8 neighbouring keys of a row, 16 bits each:
+four 32-bit words, which decide a 2 x 2 group of elements: rows i and i + 8 and keys j and
+j + 8 of one head, 32 bits each. Rows and keys are numbered in blocks of 16, i = 16 I + 8 a + r
+and j = 16 J + 8 c + s (a, c in {0, 1}; r, s in 0 .. 7), and
 
-    words = randint4x(seed, ((b H + h) L + i) G + j // 8)        G = ceil(S / 8) per row
-    u(b, h, i, j) = 16 bits number j % 8 of words (word (j % 8) // 2, low half first)
-    keep(b, h, i, j) = u >= t,     t = round(p 2**16)
+    words = randint4x(seed, ((n L16 + I) 8 + r) S8 + 8 J + s)     n = b H + h, the head
+    u(b, h, i, j) = words[2 a + c]                                 L16 = ceil(L / 16)
+    keep(b, h, i, j) = u >= t,     t = round(p 2**32)              S8 = 8 ceil(S / 16)
 
 with H the query heads and L, S the lengths. An element is dropped with probability
-p' = t / 2**16 (p to within 2**-17; PyTorch's CUDA flash kernel rounds p to 2**-8), and a kept
-one is scaled by 1 / (1 - p'), so that E[Z] = 1 exactly. Philox is the kernels' cost per
-element: 16 bits per element instead of a whole call per element makes it 8 times cheaper.
+p' = t / 2**32 (p to within 2**-33; PyTorch's CUDA flash kernel rounds p to 2**-8), and a kept
+one is scaled by 1 / (1 - p'), so that E[Z] = 1 exactly.
+
+Why this grouping: Philox is the kernels' cost per element, and a call must serve several
+elements that one GPU thread holds, or the tile's words travel between threads (through
+shared memory, every tile, every pass). The matrix units' accumulator gives each thread rows
+i and i + 8 of a 16-row slab, and columns j and j + 8 among others, whichever way round a
+kernel computes its tile ([queries, keys] in the row passes, [keys, queries] in the column
+passes). A group of rows {i, i + 8} x keys {j, j + 8} is held by one thread in both
+orientations, so Triton lays the Philox words out where the tile needs them and moves none.
 The seed is an int64 tensor of one element drawn from PyTorch's generator on the inputs'
 device per call (`draw_seed`), so that torch.manual_seed reproduces a run, and a CUDA graph
 records the draw and replays a fresh seed each time.
@@ -28,19 +37,20 @@ import torch
 
 from . import philox
 
-BITS = 16                       # random bits per element
-PER_CALL = 128 // BITS          # elements of a row decided by one Philox call (4 words)
+BITS = 32                       # random bits per element: a whole word
+GROUP = 16                      # rows and keys come in blocks of 16: two 8-apart pairs
 _LEVELS = 2 ** BITS
 
 
 def threshold(p):
-    """t: an element is kept where its 16 random bits, as an integer, are >= t."""
-    return min(round(p * _LEVELS), _LEVELS)
+    """t: an element is kept where its random word, unsigned, is >= t (t < 2**32: at p = 1
+    kept_scale is 0, so what the word decides no longer matters)."""
+    return min(round(p * _LEVELS), _LEVELS - 1)
 
 
 def dropped_fraction(p):
-    """p', the probability that an element is dropped: p rounded to a multiple of 2**-16."""
-    return threshold(p) / _LEVELS
+    """p', the probability that an element is dropped: p rounded to a multiple of 2**-32."""
+    return 1.0 if p >= 1 else threshold(p) / _LEVELS
 
 
 def draw_seed(device):
@@ -70,16 +80,17 @@ def kept_scale(p):
 
 def keep_mask(params, shape, rows, cols, device):
     """The bool keep mask of the tile (see keep_scale), as the kernels draw it: one Philox
-    call per PER_CALL columns, its words cut into 16-bit numbers in column order."""
+    call per group of rows {i, i + 8} and keys {j, j + 8} (16-blocks), one word each."""
     B, H, L, S = shape
-    groups_per_row = -(-S // PER_CALL)
-    first, last = cols.start // PER_CALL, -(-cols.stop // PER_CALL)
-    index = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1, 1)
+    heads = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1, 1)
     i = torch.arange(rows.start, rows.stop, device=device, dtype=torch.int64).view(-1, 1)
-    group = torch.arange(first, last, device=device, dtype=torch.int64)
-    words = philox.randint4x(seed_value(params.dropout_seed),
-                             (index * L + i) * groups_per_row + group)
-    halves = [part for word in words for part in (word & 0xFFFF, word >> BITS)]
-    numbers = torch.stack(halves, -1).flatten(-2)        # (B, H, rows, groups * PER_CALL)
-    start = cols.start - first * PER_CALL
-    return numbers[..., start:start + cols.stop - cols.start] >= threshold(params.dropout_p)
+    j = torch.arange(cols.start, cols.stop, device=device, dtype=torch.int64)
+    group_rows = (heads * -(-L // GROUP) + i // GROUP) * 8 + i % 8
+    group_cols = j // GROUP * 8 + j % 8
+    word = (i // 8 % 2) * 2 + j // 8 % 2          # which of the group's words is the element's
+    counters = group_rows * (-(-S // GROUP) * 8) + group_cols
+    # the four words of every element's group: 4x the Philox work of one call per group, but
+    # only where the CPU path and the tests draw a tile (no GPU thread layout to serve here)
+    words = torch.stack(philox.randint4x(seed_value(params.dropout_seed), counters), -1)
+    u = words.gather(-1, word.expand(counters.shape).unsqueeze(-1)).squeeze(-1)
+    return u >= threshold(params.dropout_p)

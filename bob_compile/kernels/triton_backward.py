@@ -86,7 +86,7 @@ def row_dot(do, o, dlse):
 def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
                   sql, sqe, sdl, sde, sql_acc, sml, sme, first, end, structure, m_lo, m_hi, n0,
                   L, S, qk_scale_log2,
-                  scale, seed_ptr, row, drop_threshold, keep_scale,
+                  scale, seed_ptr, head, drop_threshold, keep_scale,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,8 +114,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:     # Z where P meets V: in dV = (P Z)ᵀ dO and in dP = Z (dO Vᵀ)
-            zt = tl.trans(dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale,
-                                       BLOCK_N))
+            zt = tl.trans(dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale,
+                                       BLOCK_M, BLOCK_N))
             dv += tl.dot((pt * zt).to(do.dtype), do, input_precision=DOT_PRECISION)
             dpt = dpt * zt
         else:
@@ -161,7 +161,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
     num_q_heads = num_kv_heads * kv_group
     for g in range(0, kv_group):
         h = hk * kv_group + g
-        row = (b * num_q_heads + h) * L
+        head = b * num_q_heads + h
+        row = head * L
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
         dq_base = DQ_ACC + row * HEAD_DIM
@@ -179,26 +180,30 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0, L, S,
-                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
                 DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0, L, S,
-                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION,
                 NO_MASK_SOURCE, DROPOUT)
         else:
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0, L, S,
-                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
                 DOT_PRECISION, MASK_READ, DROPOUT)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0, L, S,
-                qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
+                HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
                 DOT_PRECISION, MASK_READ, DROPOUT)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
@@ -217,7 +222,7 @@ strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", 
 @triton.jit
 def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
               first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi, gap_lo, gap_len, L, S,
-              qk_scale_log2, seed_ptr, row, drop_threshold, keep_scale,
+              qk_scale_log2, seed_ptr, head, m0, drop_threshold, keep_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -238,8 +243,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            dp = dp * dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale,
-                                   BLOCK_N)
+            dp = dp * dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale,
+                                   offs_m.shape[0], BLOCK_N)
         ds = (p * (dp - d[:, None])).to(k.dtype)
         dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
     return dq
@@ -260,6 +265,7 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    head = b * num_q_heads + h
     if MASK_KIND != 0:      # only this launch's (batch, head)s (MASK_PATH)
         if on_mask_path(tl.load(KEY_RANGE + b * srb + h * srh + 2 * sre),
                         MASK_PATH) == 0:
@@ -285,23 +291,23 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                                                     structure, BLOCK_N)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, a_end,
-                       b_end, 0, 0, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
+                       b_end, 0, 0, L, S, qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
                        CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi2,
-                       a_end, b_end - a_end, L, S, qk_scale_log2, SEED, row, drop_threshold,
+                       a_end, b_end - a_end, L, S, qk_scale_log2, SEED, head, m0, drop_threshold,
                        keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND,
                        PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
     else:
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0,
-                       0, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
+                       0, L, S, qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
                        MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, first, end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0,
-                       0, L, S, qk_scale_log2, SEED, row, drop_threshold, keep_scale,
+                       0, L, S, qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
                        MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,

@@ -89,7 +89,7 @@ def _dot_halves(x, y, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
                mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
-               gap_lo, gap_len, L, S, qk_scale_log2, scale, seed_ptr, row, drop_threshold,
+               gap_lo, gap_len, L, S, qk_scale_log2, scale, seed_ptr, head, m0, drop_threshold,
                keep_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
@@ -117,7 +117,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p_v = p         # where P meets gdv: dropped
         if DROPOUT:     # Z wherever P or its cotangents meet V, gdv or dO (dropout.py)
-            z = dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale, BLOCK_N)
+            z = dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale,
+                             offs_m.shape[0], BLOCK_N)
             dp = dp * z
             p_v = p * z
         delta = dp - d[:, None]
@@ -186,6 +187,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     READ_R: tl.constexpr = FOLD and HAS_F and HAS_DQ
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    head = b * num_q_heads + h
     if MASK_KIND != 0:      # only this launch's (batch, head)s (MASK_PATH)
         if on_mask_path(tl.load(KEY_RANGE + b * srb + h * srh + 2 * sre),
                         MASK_PATH) == 0:
@@ -230,7 +232,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            scale, SEED, row, drop_threshold, keep_scale,
+            scale, SEED, head, m0, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
             HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
             NO_MASK_SOURCE, DROPOUT)
@@ -238,7 +240,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
-            qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
+            qk_scale_log2, scale, SEED, head, m0, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
             DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
@@ -247,7 +249,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
-            SEED, row, drop_threshold, keep_scale,
+            SEED, head, m0, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
             MASK_READ, DROPOUT)
@@ -255,7 +257,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
-            SEED, row, drop_threshold, keep_scale,
+            SEED, head, m0, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
             DOT_PRECISION, MASK_READ, DROPOUT)
@@ -295,7 +297,7 @@ strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK=
 def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
                   alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
                   first, end, structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC,
-                  GDO_ACC, DG_ACC, SBAR_ACC, seed_ptr, drop_threshold, keep_scale,
+                  GDO_ACC, DG_ACC, SBAR_ACC, seed_ptr, head, drop_threshold, keep_scale,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -329,8 +331,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:     # Z wherever P or its cotangents meet V, gdv or dO (dropout.py)
-            zt = tl.trans(dropout_tile(seed_ptr, row_acc, offs_m, n0, S, drop_threshold,
-                                       keep_scale, BLOCK_N))
+            zt = tl.trans(dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold,
+                                       keep_scale, BLOCK_M, BLOCK_N))
             dpt = dpt * zt
         deltat = dpt - d[None, :]
         if HAS_GDV:
@@ -438,7 +440,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
     num_q_heads = num_kv_heads * kv_group
     for g in range(0, kv_group):
         h = hk * kv_group + g
-        row = (b * num_q_heads + h) * L
+        head = b * num_q_heads + h
+        row = head * L
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
         gdq_base = GDQ + b * sgqb + h * sgqh
@@ -457,7 +460,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_lo, m_split, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
                 HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
                 ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
@@ -465,7 +468,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
                 HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
                 FOLD, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
@@ -474,7 +477,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
                 HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
                 ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT)
@@ -482,7 +485,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, drop_threshold, keep_scale, HEAD_DIM,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
                 HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
                 ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT)

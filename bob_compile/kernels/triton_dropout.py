@@ -13,36 +13,31 @@ import triton.language as tl
 from . import dropout, philox
 
 PHILOX_ROUNDS = tl.constexpr(philox.ROUNDS)   # the CPU path's rounds: the same bits
-GROUP = tl.constexpr(dropout.PER_CALL)   # keys of a row decided by one Philox call
+GROUP = tl.constexpr(dropout.GROUP)   # rows and keys in blocks of 16: 2 x 2 elements a call
 
 
 @triton.jit
-def _halves(word):
-    """A uint32 word's low and high 16 bits, as int32."""
-    return (word & 0xFFFF).to(tl.int32), (word >> 16).to(tl.int32)
-
-
-@triton.jit
-def dropout_tile(seed_ptr, row0, offs_m, n0, S, drop_threshold, keep_scale,
-                 BLOCK_N: tl.constexpr):
-    """Z (float32, [BLOCK_M, BLOCK_N]) of the query rows offs_m and the keys n0 .. n0 + BLOCK_N
-    of one (batch, query head) whose rows start at row0 = (b H + h) L. n0 is a multiple of
-    GROUP; rows and keys past the ends get values the caller masks."""
+def dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Z (float32, [BLOCK_M, BLOCK_N]) of the query rows m0 .. m0 + BLOCK_M and the keys
+    n0 .. n0 + BLOCK_N of query head `head` (b Hq + h). m0 and n0 are multiples of GROUP;
+    rows and keys past the ends get values the caller masks."""
     seed = tl.load(seed_ptr)
-    groups_per_row = (S + GROUP - 1) // GROUP
-    offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
-    counters = (row0 + offs_m.to(tl.int64))[:, None] * groups_per_row + offs_g[None, :]
+    # one counter per group (rows {i, i + 8}, keys {j, j + 8}): the group grid is
+    # [BLOCK_M / 2, BLOCK_N / 2], numbered 8 I + r down and 8 J + s across (dropout.py)
+    group_rows = (head.to(tl.int64) * ((L + GROUP - 1) // GROUP) + m0 // GROUP) * 8 \
+        + tl.arange(0, BLOCK_M // 2)
+    group_cols = n0 // GROUP * 8 + tl.arange(0, BLOCK_N // 2)
+    counters = group_rows[:, None] * ((S + GROUP - 1) // GROUP * 8) + group_cols[None, :]
     w0, w1, w2, w3 = tl.randint4x(seed, counters, PHILOX_ROUNDS)
-    u0, u1 = _halves(w0)
-    u2, u3 = _halves(w1)
-    u4, u5 = _halves(w2)
-    u6, u7 = _halves(w3)
-    # [M, N/8, 2, 2, 2] whose last three indices (x, y, z) hold number 4x + 2y + z: a join
-    # adds its index last, so the outermost join is z, the innermost x
-    numbers = tl.join(tl.join(tl.join(u0, u4), tl.join(u2, u6)),
-                      tl.join(tl.join(u1, u5), tl.join(u3, u7)))
-    numbers = tl.reshape(numbers, (offs_m.shape[0], BLOCK_N))
-    return tl.where(numbers >= drop_threshold, keep_scale, 0.0)
+    # word 2a + c is row i + 8a, key j + 8c: stack them as [I, r, J, s, c, a], then move a and
+    # c in front of r and s. Only indices move: each thread already holds its group's words
+    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))
+    words = tl.reshape(words, (BLOCK_M // GROUP, 8, BLOCK_N // GROUP, 8, 2, 2))
+    words = tl.reshape(tl.permute(words, (0, 5, 1, 2, 4, 3)), (BLOCK_M, BLOCK_N))
+    # t as the int32 of its bits (t < 2**32; an argument above 2**31 would be an int64)
+    threshold = tl.full((), drop_threshold, tl.int32).to(tl.uint32, bitcast=True)
+    return tl.where(words >= threshold, keep_scale, 0.0)
 
 
 def dropout_arguments(params, fallback):
@@ -53,7 +48,8 @@ def dropout_arguments(params, fallback):
     seed = params.dropout_seed
     if not isinstance(seed, torch.Tensor):
         seed = torch.tensor(seed, dtype=torch.int64, device=fallback.device)
-    return (True, seed, dropout.threshold(params.dropout_p),
+    threshold = dropout.threshold(params.dropout_p)
+    return (True, seed, threshold - (threshold >> 31 << 32),    # t's bits as an int32
             float(dropout.kept_scale(params.dropout_p)))
 
 

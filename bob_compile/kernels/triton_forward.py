@@ -32,7 +32,7 @@ def _max_keeping_nan(a, b):
 @triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo,
-                   n_hi, gap_lo, gap_len, L, S, qk_scale_log2, seed_ptr, row,
+                   n_hi, gap_lo, gap_len, L, S, qk_scale_log2, seed_ptr, head, m0,
                    drop_threshold, keep_scale, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -59,8 +59,8 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         p = tl.math.exp2(s2 - m_ref[:, None])
         l_i = l_i * rescale + tl.sum(p, 1)
         if DROPOUT:     # the softmax's sum is over every key; only the values see Z
-            p = p * dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale,
-                                 BLOCK_N)
+            p = p * dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale,
+                                 offs_m.shape[0], BLOCK_N)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -80,6 +80,7 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    head = b * num_q_heads + h
     if MASK_KIND != 0:      # only this launch's (batch, head)s (MASK_PATH)
         if on_mask_path(tl.load(KEY_RANGE + b * srb + h * srh + 2 * sre),
                         MASK_PATH) == 0:
@@ -111,25 +112,25 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
+            SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
             0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
-            qk_scale_log2, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+            qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_FROM_INDICES, DROPOUT)
     else:
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
-            SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+            SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_READ, DROPOUT)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
-            SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+            SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_READ, DROPOUT)
 

@@ -44,7 +44,7 @@ from .tuning import interpreting, row_bytes, wide_candidates
 def _forward_jvp_steps(acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base,
                        skn, ske, svn, sve, stkn, stke, stvn, stve,
                        offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2, scale,
-                       seed_ptr, row, drop_threshold, keep_scale,
+                       seed_ptr, head, L, m0, drop_threshold, keep_scale,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                        PAD_E: tl.constexpr, PAD_EV: tl.constexpr, HAS_TQ: tl.constexpr,
@@ -59,7 +59,8 @@ def _forward_jvp_steps(acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base,
         p = tl.math.exp2(s2 - lse2[:, None])
         p_v = p         # where P (and its tangent) meet V or tv: dropped
         if DROPOUT:
-            z = dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale, BLOCK_N)
+            z = dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale, BLOCK_M,
+                             BLOCK_N)
             p_v = p * z
         if HAS_TS:
             ts = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -94,6 +95,7 @@ def _forward_jvp_kernel(Q, K, V, O, LSE, TQ, TK, TV, TO, TLSE, SEED,
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    head = b * num_q_heads + h
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     tq = q
     if HAS_TQ:
@@ -110,13 +112,13 @@ def _forward_jvp_kernel(Q, K, V, O, LSE, TQ, TK, TV, TO, TLSE, SEED,
     acc, tlse = _forward_jvp_steps(
         acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base, skn, ske, svn, sve,
         stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, 0, full_end, S, qk_scale_log2, scale,
-        SEED, row, drop_threshold, keep_scale,
+        SEED, head, L, m0, drop_threshold, keep_scale,
         HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK,
         HAS_TV, HAS_TS, DOT_PRECISION, DROPOUT)
     acc, tlse = _forward_jvp_steps(
         acc, tlse, q, tq, lse2, k_base, v_base, tk_base, tv_base, skn, ske, svn, sve,
         stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, full_end, visible_end, S,
-        qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+        qk_scale_log2, scale, SEED, head, L, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_M, BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV, HAS_TS,
         DOT_PRECISION, DROPOUT)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
@@ -174,7 +176,7 @@ strides_of(_tangent_row_dot_kernel, O="so", DO="sd", TO="sto", TDO="std")
 def _backward_jvp_row_steps(tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_base, tk_base,
                             tv_base, skn, ske, svn, sve, stkn, stke, stvn, stve,
                             offs_m, offs_e, offs_ev, n_lo, n_hi, S, qk_scale_log2, scale,
-                            seed_ptr, row, drop_threshold, keep_scale,
+                            seed_ptr, head, L, m0, drop_threshold, keep_scale,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAD_E: tl.constexpr,
@@ -192,7 +194,8 @@ def _backward_jvp_row_steps(tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_ba
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:     # Z on dP = dO Vᵀ and its tangent (dropout.py)
-            z = dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold, keep_scale, BLOCK_N)
+            z = dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale, BLOCK_M,
+                             BLOCK_N)
             dp = dp * z
         dps = dp - d[:, None]
         # tangent of the scores minus that of lse, and of dP - D
@@ -240,6 +243,7 @@ def _backward_jvp_rows_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO, TD
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
         num_q_heads, kv_group, L, BLOCK_M, BLOCK_E, BLOCK_EV, CAUSAL)
+    head = b * num_q_heads + h
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
     do = load_tile(DO + b * sdb + h * sdh, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
     tq, tdo, tlse = q, do, load_row_vector(D + row, offs_m, L)    # stand-ins, never read
@@ -263,13 +267,13 @@ def _backward_jvp_rows_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO, TD
     tdq = _backward_jvp_row_steps(
         tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_base, tk_base, tv_base,
         skn, ske, svn, sve, stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, 0, full_end, S,
-        qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
+        qk_scale_log2, scale, SEED, head, L, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V,
         BLOCK_M, BLOCK_N, False, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV, HAS_TLSE,
         HAS_TDO, DOT_PRECISION, DROPOUT)
     tdq = _backward_jvp_row_steps(
         tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_base, tk_base, tv_base,
         skn, ske, svn, sve, stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, full_end,
-        visible_end, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+        visible_end, S, qk_scale_log2, scale, SEED, head, L, m0, drop_threshold, keep_scale, HEAD_DIM,
         HEAD_DIM_V, BLOCK_M, BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV,
         HAS_TLSE, HAS_TDO, DOT_PRECISION, DROPOUT)
     store_tile(TDQ + b * stgb + h * stgh, (tdq * scale).to(TDQ.dtype.element_ty), offs_m,
@@ -287,7 +291,7 @@ strides_of(_backward_jvp_rows_kernel, Q="sq", K="sk", V="sv", DO="sd", TQ="stq",
 def _backward_jvp_column_steps(tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base, tdo_base,
                                lse_ptr, d_ptr, td_ptr, tlse_ptr, sql, sqe, sdl, sde, stql,
                                stqe, stdl, stde, m_lo, m_hi, n0, L, S, qk_scale_log2, scale,
-                               seed_ptr, row, drop_threshold, keep_scale,
+                               seed_ptr, head, drop_threshold, keep_scale,
                                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -314,8 +318,8 @@ def _backward_jvp_column_steps(tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base,
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         pt_v = pt       # where P and its tangent meet dO or tdO: dropped
         if DROPOUT:     # Z on dP, its tangent, and where P meets dO (dropout.py)
-            zt = tl.trans(dropout_tile(seed_ptr, row, offs_m, n0, S, drop_threshold,
-                                       keep_scale, BLOCK_N))
+            zt = tl.trans(dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold,
+                                       keep_scale, BLOCK_M, BLOCK_N))
             dpt = dpt * zt
             pt_v = pt * zt
         dpst = dpt - d[None, :]
@@ -383,7 +387,8 @@ def _backward_jvp_columns_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO,
     num_q_heads = num_kv_heads * kv_group
     for g in range(0, kv_group):
         h = hk * kv_group + g
-        row = (b * num_q_heads + h) * L
+        head = b * num_q_heads + h
+        row = head * L
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
         tq_base = TQ + b * stqb + h * stqh
@@ -391,13 +396,13 @@ def _backward_jvp_columns_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO,
         tdk, tdv = _backward_jvp_column_steps(
             tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base, tdo_base, LSE + row, D + row,
             TD + row, TLSE + row, sql, sqe, sdl, sde, stql, stqe, stdl, stde, m_first,
-            m_unmasked, n0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale,
+            m_unmasked, n0, L, S, qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_TQ,
             HAS_TK, HAS_TV, HAS_TLSE, HAS_TDO, DOT_PRECISION, DROPOUT)
         tdk, tdv = _backward_jvp_column_steps(
             tdk, tdv, k, v, tk, tv, q_base, do_base, tq_base, tdo_base, LSE + row, D + row,
             TD + row, TLSE + row, sql, sqe, sdl, sde, stql, stqe, stdl, stde, m_unmasked, L,
-            n0, L, S, qk_scale_log2, scale, SEED, row, drop_threshold, keep_scale, HEAD_DIM,
+            n0, L, S, qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, HAS_TQ, HAS_TK,
             HAS_TV, HAS_TLSE, HAS_TDO, DOT_PRECISION, DROPOUT)
     store_tile(TDK + b * sgkb + hk * sgkh, (tdk * scale).to(TDK.dtype.element_ty), offs_n,

@@ -25,9 +25,9 @@ def test_keep_rate_is_one_minus_p(p):
 
 
 def test_no_correlation_across_rows_keys_heads_batches_and_calls():
-    """The keep indicators of neighbouring rows, keys (within one Philox call's 8 and across
-    calls), heads, batch entries and two calls' seeds are uncorrelated (|corr| < 4 / sqrt(n)),
-    and no two rows are equal."""
+    """The keep indicators of neighbouring rows and keys (1 and 8 apart: within one Philox
+    call's 2 x 2 group; 4 and 16 apart: across groups), heads, batch entries and two calls'
+    seeds are uncorrelated (|corr| < 4 / sqrt(n)), and no two rows are equal."""
     mask = keep(0.5, (2, 2, 64, 512), seed=11).double()
     other_call = keep(0.5, (2, 2, 64, 512), seed=12).double()
     n = mask[0, 0].numel()
@@ -36,8 +36,8 @@ def test_no_correlation_across_rows_keys_heads_batches_and_calls():
         a, b = a - a.mean(), b - b.mean()
         return ((a * b).mean() / (a.std() * b.std())).item()
     bound = 4 / n ** 0.5
-    assert abs(corr(mask[0, 0, :-1], mask[0, 0, 1:])) < bound          # rows
-    for shift in (1, 4, 8):      # keys of one Philox call, and of the next one
+    for shift in (1, 4, 8, 16):      # rows and keys of one Philox call (8), and of others
+        assert abs(corr(mask[0, 0, :-shift], mask[0, 0, shift:])) < bound
         assert abs(corr(mask[0, 0, :, :-shift], mask[0, 0, :, shift:])) < bound
     assert abs(corr(mask[0, 0], mask[0, 1])) < bound                    # heads
     assert abs(corr(mask[0, 0], mask[1, 0])) < bound                    # batch entries
@@ -52,6 +52,20 @@ def test_same_seed_same_mask_and_tiles_agree_with_the_whole():
     params = AttentionParams(scale=1.0, causal=False, dropout_p=0.3, dropout_seed=5)
     tile = dropout.keep_mask(params, (1, 3, 20, 30), slice(4, 11), slice(17, 30), "cpu")
     assert torch.equal(tile, whole[:, :, 4:11, 17:30])
+
+
+def test_mask_follows_its_definition_element_by_element():
+    """Each element's word, computed one at a time from dropout.py's definition: the group
+    of rows {i, i + 8} and keys {j, j + 8} of a 16-block shares one call, word 2a + c."""
+    B, H, L, S, p, seed = 2, 3, 35, 21, 0.45, 2 ** 33 + 7
+    mask = keep(p, (B, H, L, S), seed)
+    threshold = dropout.threshold(p)
+    for b, h, i, j in [(0, 0, 0, 0), (0, 0, 8, 8), (1, 2, 34, 20), (1, 1, 17, 9), (0, 2, 23, 15)]:
+        head, (big_i, a, r), (big_j, c, s_) = b * H + h, (i // 16, i // 8 % 2, i % 8), \
+            (j // 16, j // 8 % 2, j % 8)
+        counter = ((head * -(-L // 16) + big_i) * 8 + r) * (8 * -(-S // 16)) + 8 * big_j + s_
+        word = philox.randint4x(seed, torch.tensor([counter]))[2 * a + c].item()
+        assert mask[b, h, i, j].item() == (word >= threshold), (b, h, i, j)
 
 
 def test_philox_matches_known_words():

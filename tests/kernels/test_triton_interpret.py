@@ -620,38 +620,39 @@ def test_folded_row_pass_reading_b_from_a_forward(monkeypatch, causal):
 # ----------------------------------------------------------------------------- dropout
 if INTERPRETED:
     import triton.language as tl  # noqa: E402
-    from bob_compile.kernels.triton_dropout import dropout_tile  # noqa: E402
+    from bob_compile.kernels.triton_dropout import dropout_arguments, dropout_tile  # noqa: E402
 
     @triton.jit
     def _dropout_tiles(SEED, Z, L, S, drop_threshold, keep_scale, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr):
         """Z of every (batch x head, query, key), one tile per program."""
         bh = tl.program_id(2)
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m0 = tl.program_id(0) * BLOCK_M
+        offs_m = m0 + tl.arange(0, BLOCK_M)
         n0 = tl.program_id(1) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        z = dropout_tile(SEED, bh.to(tl.int64) * L, offs_m, n0, S, drop_threshold, keep_scale,
-                         BLOCK_N)
+        z = dropout_tile(SEED, bh, L, m0, n0, S, drop_threshold, keep_scale, BLOCK_M, BLOCK_N)
         tl.store(Z + bh * L * S + offs_m[:, None] * S + offs_n[None, :], z,
                  mask=(offs_m[:, None] < L) & (offs_n[None, :] < S))
 
 @in_interpreter
 def test_dropout_tile_is_the_mask_the_cpu_path_draws():
-    """triton_dropout.dropout_tile, at two tile widths, draws bit for bit the Z that
+    """triton_dropout.dropout_tile, at three tile shapes, draws bit for bit the Z that
     dropout.keep_scale (the blockwise path and the oracle) draws: L and S not multiples of
-    the tiles or of the 8 keys one Philox call decides, several heads, a seed above 2**32."""
+    the tiles or of the 16-blocks one Philox call's group spans, several heads, a seed above
+    2**32, and thresholds below and above 2**31 (passed as an int32's bits)."""
     from bob_compile.kernels import dropout
     B, H, L, S = 2, 3, 19, 37
-    for p in (0.1, 0.5):
+    for p in (0.1, 0.5, 0.9):
         params = AttentionParams(scale=1.0, causal=False, dropout_p=p,
                                  dropout_seed=torch.tensor(2 ** 40 + 12345))
         want = dropout.keep_scale(params, (B, H, L, S), slice(0, L), slice(0, S),
                                   torch.float32, "cpu")
-        for block_m, block_n in ((16, 16), (16, 32)):
+        _, seed, threshold, keep_scale = dropout_arguments(params, want)
+        for block_m, block_n in ((16, 16), (16, 32), (32, 16)):
             z = torch.full((B, H, L, S), -1.0)
             _dropout_tiles[(triton.cdiv(L, block_m), triton.cdiv(S, block_n), B * H)](
-                params.dropout_seed, z, L, S, dropout.threshold(p), dropout.kept_scale(p),
-                BLOCK_M=block_m, BLOCK_N=block_n)
+                seed, z, L, S, threshold, keep_scale, BLOCK_M=block_m, BLOCK_N=block_n)
             assert torch.equal(z, want), (p, block_m, block_n)
 
 
