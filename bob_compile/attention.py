@@ -90,7 +90,7 @@ def _scale_value(scale, head_dim):
 
 def _checked_mask(attn_mask, query, key, value):
     """attn_mask as SDPA takes it (bool: True = visible; floating: added to the scaled
-    scores), checked: a mask that requires grad is refused, as its gradient would be lost."""
+    scores), checked."""
     if attn_mask is None:
         return None
     if not isinstance(attn_mask, torch.Tensor):
@@ -99,12 +99,6 @@ def _checked_mask(attn_mask, query, key, value):
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise RuntimeError(f"bob_compile.attention: attn_mask must be bool (True: attend) or "
                            f"floating (added to the scores), got {attn_mask.dtype}")
-    if attn_mask.requires_grad:
-        raise TypeError(
-            "bob_compile.attention: attn_mask requires grad; a learned additive bias (ALiBi "
-            "slopes, relative positions) is not supported, its gradient would be lost. Pass "
-            "attn_mask.detach() if it is a constant, or compute that attention without "
-            "bob_compile.")
     if attn_mask.device != query.device:
         raise RuntimeError(f"bob_compile.attention: attn_mask is on {attn_mask.device}, query "
                            f"on {query.device}")
@@ -173,8 +167,11 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         query: (..., Hq, L, E); key: (..., Hkv, S, E); value: (..., Hkv, S, Ev).
         attn_mask: None, or a tensor broadcastable to (..., Hq, L, S), as in SDPA: bool
             (True: the query attends to the key) or floating (added to the scaled scores;
-            -inf hides a key). Never differentiated: a mask that requires grad is refused.
-            Unlike SDPA it may be combined with is_causal (both apply).
+            -inf hides a key). Unlike SDPA it may be combined with is_causal (both apply).
+            A floating mask that requires grad (a learned bias: T5's relative positions,
+            ALiBi slopes as parameters) is differentiated at every order by the closed-form
+            math (unfused: O(L·S) memory, as SDPA's math), logged once; the fused kernels do
+            not yet return a bias gradient.
         dropout_p: attention dropout, as in SDPA: each probability is dropped with
             probability dropout_p and the kept ones scaled by 1 / (1 - dropout_p), whenever
             dropout_p > 0 (pass 0.0 outside training, as nn modules do). The keep mask is
@@ -206,8 +203,11 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     query, key, value = _broadcast_leading(query, key, value, enable_gqa)
     mask = _checked_mask(attn_mask, query, key, value)
     dropout_p = _dropout_value(dropout_p)
+    seed = dropout.draw_seed(query.device) if dropout_p else None
+    if mask is not None and mask.requires_grad:
+        return autograd.learned_bias_output(query, key, value, mask, scale, is_causal, dropout_p,
+                                            seed)
     if dropout_p:
-        seed = dropout.draw_seed(query.device)
         if autograd.plain_call((query, key, value, mask)) and autograd.no_graph_needed(
                 (query, key, value)):
             return autograd.forward_output(query, key, value, mask, scale, is_causal, dropout_p,

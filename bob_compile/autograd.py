@@ -303,6 +303,22 @@ def attention_with_lse(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
     return AttnFn.apply(q, k, v, mask, scale, causal, dropout_p, seed)
 
 
+def learned_bias_output(q, k, v, bias, scale, causal, dropout_p=0.0, seed=None):
+    """o of a call whose additive mask requires grad (a learned bias), differentiable to any
+    order in every input, the bias included: the closed-form twin, whose builtin ops autograd
+    and torch.func differentiate (unfused, O(L·S) memory). The fused ops take their mask as
+    a constant, so they would lose the bias's gradient."""
+    if not _learned_bias_logged:
+        _learned_bias_logged.append(True)
+        log.warning("bob_compile.attention: attn_mask requires grad (a learned bias); such "
+                    "calls run the closed-form math, unfused (O(L*S) memory), exact at every "
+                    "order, until the fused kernels return a bias gradient")
+    return _forward_twin(q, k, v, bias, scale, causal, dropout_p, seed)[0]
+
+
+_learned_bias_logged = []
+
+
 def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal,
                                   dropout_p=0.0, seed=None, kernel_choices=None):
     """(dq, dk, dv) of the forward's (o, lse) by the general path, differentiable again

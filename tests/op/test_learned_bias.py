@@ -1,0 +1,120 @@
+"""A learned additive bias (attn_mask that requires grad) through bob_compile.attention: every
+order exact in float64 against autograd through math attention, the bias's own derivatives
+included (first order, HVP, a MAML meta-gradient, forward over reverse), and the fallback
+said once in the log. The fused kernels take masks as constants; until they return a bias
+gradient such calls run the closed-form math (bob_compile/autograd.py, learned_bias_output)."""
+import logging
+
+import pytest
+import torch
+from torch.func import grad, jvp
+
+import bob_compile
+from bob_compile import autograd as bob_autograd
+from bob_compile.kernels import dropout
+from bob_compile.kernels.reference import sdpa_math
+
+F64 = dict(dtype=torch.float64)
+# (bias shape, causal, enable_gqa): T5's (1, H, L, S) from a bucket embedding, a learned
+# (H, L, S) table, a per-query-row (L, 1) bias, a (B, 1, L, S) bias beside GQA
+CASES = [((1, 4, 7, 9), False, False), ((4, 7, 9), True, False), ((7, 1), False, False),
+         ((2, 1, 7, 9), True, True)]
+
+
+def inputs(bias_shape, gqa, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hkv = 2 if gqa else 4
+    q = torch.randn(2, 4, 7, 8, generator=g, **F64)
+    k, v = (torch.randn(2, hkv, 9, 8, generator=g, **F64) for _ in range(2))
+    bias = torch.randn(*bias_shape, generator=g, **F64)
+    return q, k, v, bias
+
+
+def hvp(f, primals, tangents):
+    """Reverse over reverse: the Hessian of sum(f(...) * w) along `tangents`."""
+    primals = [t.detach().requires_grad_() for t in primals]
+    w = torch.randn_like(f(*primals), generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad((f(*primals) * w).sum(), primals, create_graph=True)
+    return torch.autograd.grad(grads, primals, tangents)
+
+
+@pytest.mark.parametrize("bias_shape,causal,gqa", CASES)
+def test_every_order_matches_math_with_the_bias_differentiated(bias_shape, causal, gqa):
+    q, k, v, bias = inputs(bias_shape, gqa)
+
+    def ours(q, k, v, bias):
+        return bob_compile.attention(q, k, v, attn_mask=bias, is_causal=causal, enable_gqa=gqa)
+
+    def math(q, k, v, bias):
+        return sdpa_math(q, k, v, attn_mask=bias, is_causal=causal, enable_gqa=gqa)
+    primals = (q, k, v, bias)
+    tangents = [torch.randn_like(t, generator=torch.Generator().manual_seed(i))
+                for i, t in enumerate(primals)]
+    for a, b in zip(hvp(ours, primals, tangents), hvp(math, primals, tangents), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+    # first order, and forward over reverse (torch.func), w.r.t. the bias too
+    def loss(f):
+        return lambda *args: (f(*args) ** 2).sum()
+    for a, b in zip(grad(loss(ours), argnums=(0, 1, 2, 3))(*primals),
+                    grad(loss(math), argnums=(0, 1, 2, 3))(*primals), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+    _, ours_fr = jvp(grad(loss(ours), argnums=3), primals, tuple(tangents))
+    _, math_fr = jvp(grad(loss(math), argnums=3), primals, tuple(tangents))
+    torch.testing.assert_close(ours_fr, math_fr, atol=1e-10, rtol=1e-9)
+
+
+def test_maml_meta_gradient_of_a_bias_parameter():
+    """One inner SGD step on (a projection, a learned (H, L, S) bias), the meta-gradient of the
+    query loss w.r.t. both initial values: the second order through the bias."""
+    q, k, v, bias0 = inputs((4, 7, 9), False)
+    w0 = torch.eye(8, **F64) + 0.1 * torch.randn(8, 8, generator=torch.Generator().manual_seed(5),
+                                                 **F64)
+
+    def meta_grads(attend):
+        w, bias = w0.clone().requires_grad_(), bias0.clone().requires_grad_()
+        inner = (attend(q @ w, k, v, bias) ** 2).sum()
+        gw, gb = torch.autograd.grad(inner, (w, bias), create_graph=True)
+        w1, b1 = w - 0.1 * gw, bias - 0.1 * gb
+        outer = (attend(q @ w1, k, v, b1) * v[..., :7, :]).sum()
+        return torch.autograd.grad(outer, (w, bias))
+    ours = meta_grads(lambda q, k, v, b: bob_compile.attention(q, k, v, attn_mask=b))
+    math = meta_grads(lambda q, k, v, b: sdpa_math(q, k, v, attn_mask=b))
+    for a, b in zip(ours, math, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+
+
+def test_with_dropout_the_bias_sees_the_calls_mask():
+    """Dropout beside a learned bias: the bias's gradient is math's with the call's mask."""
+    q, k, v, bias = inputs((4, 7, 9), False)
+    bias.requires_grad_()
+    torch.manual_seed(11)
+    out = bob_compile.attention(q, k, v, attn_mask=bias, dropout_p=0.3)
+    (ours,) = torch.autograd.grad(out.sum(), bias)
+    torch.manual_seed(11)
+    seed = dropout.draw_seed(q.device)
+    params = bob_autograd.kernels.params.AttentionParams(scale=8 ** -0.5, causal=False,
+                                                         dropout_p=0.3, dropout_seed=seed)
+    z = dropout.keep_scale(params, (2, 4, 7, 9), slice(0, 7), slice(0, 9), torch.float64, "cpu")
+    (want,) = torch.autograd.grad(sdpa_math(q, k, v, attn_mask=bias, dropout_scale=z).sum(),
+                                  bias)
+    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-9)
+
+
+def test_the_fallback_is_logged_once(caplog, monkeypatch):
+    monkeypatch.setattr(bob_autograd, "_learned_bias_logged", [])
+    q, k, v, bias = inputs((7, 9), False)
+    bias.requires_grad_()
+    with caplog.at_level(logging.WARNING, logger="bob_compile.autograd"):
+        bob_compile.attention(q, k, v, attn_mask=bias)
+        bob_compile.attention(q, k, v, attn_mask=bias)
+    said = [r for r in caplog.records if "learned bias" in r.getMessage()]
+    assert len(said) == 1 and "unfused" in said[0].getMessage()
+
+
+def test_a_constant_mask_still_runs_the_fused_path(monkeypatch):
+    """Must not take the closed form: the same float mask without grad."""
+    monkeypatch.setattr(bob_autograd, "learned_bias_output",
+                        lambda *a: pytest.fail("a constant mask took the learned-bias route"))
+    q, k, v, bias = inputs((7, 9), False)
+    torch.testing.assert_close(bob_compile.attention(q, k, v, attn_mask=bias),
+                               sdpa_math(q, k, v, attn_mask=bias))
