@@ -80,17 +80,20 @@ def kept_scale(p):
 
 def keep_mask(params, shape, rows, cols, device):
     """The bool keep mask of the tile (see keep_scale), as the kernels draw it: one Philox
-    call per group of rows {i, i + 8} and keys {j, j + 8} (16-blocks), one word each."""
+    call per group of rows {i, i + 8} and keys {j, j + 8} (16-blocks), one word each. Drawn
+    for the 16-blocks around the tile, as a kernel's tile draws them, then cut to it."""
     B, H, L, S = shape
+    r0, r1 = rows.start // GROUP * GROUP, -(-rows.stop // GROUP) * GROUP
+    c0, c1 = cols.start // GROUP * GROUP, -(-cols.stop // GROUP) * GROUP
     heads = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1, 1)
-    i = torch.arange(rows.start, rows.stop, device=device, dtype=torch.int64).view(-1, 1)
-    j = torch.arange(cols.start, cols.stop, device=device, dtype=torch.int64)
-    group_rows = (heads * -(-L // GROUP) + i // GROUP) * 8 + i % 8
-    group_cols = j // GROUP * 8 + j % 8
-    word = (i // 8 % 2) * 2 + j // 8 % 2          # which of the group's words is the element's
+    # the groups of the blocks: 8 I + r down, 8 J + s across (consecutive over the blocks)
+    group_rows = (heads * -(-L // GROUP) + r0 // GROUP) * 8 + torch.arange(
+        (r1 - r0) // 2, device=device, dtype=torch.int64).view(-1, 1)
+    group_cols = c0 // GROUP * 8 + torch.arange((c1 - c0) // 2, device=device, dtype=torch.int64)
     counters = group_rows * (-(-S // GROUP) * 8) + group_cols
-    # the four words of every element's group: 4x the Philox work of one call per group, but
-    # only where the CPU path and the tests draw a tile (no GPU thread layout to serve here)
     words = torch.stack(philox.randint4x(seed_value(params.dropout_seed), counters), -1)
-    u = words.gather(-1, word.expand(counters.shape).unsqueeze(-1)).squeeze(-1)
-    return u >= threshold(params.dropout_p)
+    # word 2a + c is row i + 8a, key j + 8c: (I, r, J, s, a, c) -> (I, a, r, J, c, s)
+    words = words.view(B, H, (r1 - r0) // GROUP, 8, (c1 - c0) // GROUP, 8, 2, 2)
+    words = words.permute(0, 1, 2, 6, 3, 4, 7, 5).reshape(B, H, r1 - r0, c1 - c0)
+    tile = words[:, :, rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
+    return tile >= threshold(params.dropout_p)

@@ -5,8 +5,9 @@ draws, from a seed and a counter, without storing it.
 
 `tl.randint4x(seed, counter)` splits the 64-bit seed into the key (low word, high word) and
 runs Philox on the counter (its low word, its high word, 0, 0), returning all four words. A
-product of two 32-bit words needs 64 unsigned bits; int64 arithmetic gives its low word as it
-is (wrapping keeps the low bits) and its high word from 16-bit halves.
+product of two 32-bit words needs 64 unsigned bits: int64 multiplication wraps modulo 2**64,
+so its bit pattern is that product's, and both words are read from the one multiplication
+(an arithmetic shift then a mask gives the high word).
 """
 import torch
 
@@ -25,8 +26,9 @@ def randint4x(seed, counters):
     c3 = torch.zeros_like(counters)
     k0, k1 = seed & _WORD, (seed >> 32) & _WORD
     for _ in range(ROUNDS):
-        c0, c1, c2, c3 = (_high(_ROUND_B, c2) ^ c1 ^ k0, (_ROUND_B * c2) & _WORD,
-                          _high(_ROUND_A, c0) ^ c3 ^ k1, (_ROUND_A * c0) & _WORD)
+        product_b, product_a = _ROUND_B * c2, _ROUND_A * c0
+        c0, c1, c2, c3 = (((product_b >> 32) & _WORD) ^ c1 ^ k0, product_b & _WORD,
+                          ((product_a >> 32) & _WORD) ^ c3 ^ k1, product_a & _WORD)
         k0, k1 = (k0 + _KEY_A) & _WORD, (k1 + _KEY_B) & _WORD
     return c0, c1, c2, c3
 
@@ -34,8 +36,3 @@ def randint4x(seed, counters):
 def randint(seed, counters):
     """tl.randint(seed, counters): randint4x's first word."""
     return randint4x(seed, counters)[0]
-
-
-def _high(a, c):
-    """The high word of the 64-bit product of the 32-bit words a (an int) and c."""
-    return (a * (c >> 16) + ((a * (c & 0xFFFF)) >> 16)) >> 16
