@@ -112,8 +112,8 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
-            0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
+            SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+            CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,

@@ -273,8 +273,8 @@ def _backward_jvp_rows_kernel(Q, K, V, DO, LSE, D, TD, TQ, TK, TV, TLSE, TDO, TD
     tdq = _backward_jvp_row_steps(
         tdq, q, do, tq, tdo, lse2, d, td, tlse, k_base, v_base, tk_base, tv_base,
         skn, ske, svn, sve, stkn, stke, stvn, stve, offs_m, offs_e, offs_ev, full_end,
-        visible_end, S, qk_scale_log2, scale, SEED, head, L, m0, drop_threshold, keep_scale, HEAD_DIM,
-        HEAD_DIM_V, BLOCK_M, BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV,
+        visible_end, S, qk_scale_log2, scale, SEED, head, L, m0, drop_threshold, keep_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, True, CAUSAL, PAD_E, PAD_EV, HAS_TQ, HAS_TK, HAS_TV,
         HAS_TLSE, HAS_TDO, DOT_PRECISION, DROPOUT)
     store_tile(TDQ + b * stgb + h * stgh, (tdq * scale).to(TDQ.dtype.element_ty), offs_m,
                offs_e, stgl, stge, L, HEAD_DIM, PAD_E)
