@@ -145,6 +145,16 @@ def forward_output(q, k, v, params):
 
 # ----------------------------------------------------------------------------- backward
 def backward(q, k, v, o, lse, do, dlse, params):
+    return _backward(q, k, v, o, lse, do, dlse, params, None)
+
+
+def backward_bias(q, k, v, o, lse, do, dlse, params):
+    """backward, and the cotangent of an additive mask, dS (summed over its broadcast dims)."""
+    dmask = _mask_accumulator(params.mask, acc_dtype(q.dtype))
+    return (*_backward(q, k, v, o, lse, do, dlse, params, dmask), dmask.to(params.mask.dtype))
+
+
+def _backward(q, k, v, o, lse, do, dlse, params, dmask):
     scale, causal = params.scale, params.causal
     dts, hkv = (q.dtype, k.dtype, v.dtype), k.shape[1]
     q, k, v = _prepare(q, k, v)
@@ -161,7 +171,28 @@ def backward(q, k, v, o, lse, do, dlse, params):
         dq[:, :, rows] += scale * ds @ k_j
         dk[:, :, cols] += scale * ds.transpose(-2, -1) @ q_i
         dv[:, :, cols] += dropped(p, z).transpose(-2, -1) @ do_i
+        if dmask is not None:
+            _accumulate_on_mask(dmask, ds, rows, cols)
     return dq.to(dts[0]), reduce_kv(dk, hkv).to(dts[1]), reduce_kv(dv, hkv).to(dts[2])
+
+
+# ----------------------------------------------------------------------------- a mask's cotangent
+def _mask_accumulator(mask, dtype):
+    """Zeros shaped like the mask without its broadcast dims (stride 0: size 1 here)."""
+    shape = [1 if mask.stride(d) == 0 else n for d, n in enumerate(mask.shape)]
+    return torch.zeros(shape, dtype=dtype, device=mask.device)
+
+
+def _on_mask(acc, rows, cols):
+    """The index of a (rows, cols) tile in a mask-shaped tensor (all of a broadcast dim)."""
+    return (slice(None), slice(None), rows if acc.shape[2] > 1 else slice(None),
+            cols if acc.shape[3] > 1 else slice(None))
+
+
+def _accumulate_on_mask(acc, t, rows, cols):
+    """acc[tile] += t (B, H, rows, cols) summed over acc's broadcast dims."""
+    dims = [d for d in range(4) if acc.shape[d] == 1 and t.shape[d] > 1]
+    acc[_on_mask(acc, rows, cols)] += t.sum(dims, keepdim=True) if dims else t
 
 
 # ----------------------------------------------------------------------------- backward-over-backward
@@ -216,6 +247,21 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
 
 
 def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
+    return _bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, None, None)
+
+
+def bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params):
+    """bob_folded where an additive mask is an input too (the first backward returned its
+    cotangent dS, whose cotangent gdmask, shaped like the mask, may be None): the mask's
+    cotangent Sbar is returned last (summed over its broadcast dims). dS's cotangent F
+    gains gdmask; nothing else changes (docs/second-order.md, "A learned bias")."""
+    gmask = _mask_accumulator(params.mask, acc_dtype(q.dtype))
+    outs = _bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params,
+                       None if gdmask is None else gdmask.to(gmask.dtype), gmask)
+    return (*outs, gmask.to(params.mask.dtype))
+
+
+def _bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, gdmask, gmask):
     """The folded form (docs/second-order.md): per query tile, a first sweep over its key
     tiles gathers the row scalars alpha = rowsum(P F) and E = rowsum(P (C + F (dP - D))) -
     alpha dlse with the row outputs' alpha-free sums; a second sweep adds the column
@@ -229,7 +275,8 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
     L, S = q.shape[2], k.shape[2]
     gq, gk, gv, gdo = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
     alpha = torch.zeros_like(D)
-    has_f = gdq is not None or gdk is not None      # F = 0 (so alpha = 0) when both are None
+    # F = 0 (so alpha = 0) when every cotangent of dS is None
+    has_f = gdq is not None or gdk is not None or gdmask is not None
 
     def tile(rows, cols, masked):
         """P, Z, dP - D, F (None when zero) and C + F (dP - D), the alpha-free cotangent of
@@ -245,6 +292,8 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
                 F = F + scale * gdq[:, :, rows] @ k_j.transpose(-2, -1)
             if gdk is not None:
                 F = F + scale * q_i @ gdk[:, :, cols].transpose(-2, -1)
+            if gdmask is not None:
+                F = F + gdmask[_on_mask(gdmask, rows, cols)]
         p_bar = torch.zeros_like(p) if F is None else F * dp_shifted
         if gdv is not None:
             p_bar = p_bar + dropped(do_i @ gdv[:, :, cols].transpose(-2, -1), z)
@@ -284,6 +333,8 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params):
             # Sbar = P (C + (F - alpha)(dP - D) - E)
             s_bar = p * (p_bar - a_i.unsqueeze(-1) * dp_shifted - e_i.unsqueeze(-1))
             gk[:, :, cols] += scale * s_bar.transpose(-2, -1) @ q_i
+            if gmask is not None:
+                _accumulate_on_mask(gmask, s_bar, rows, cols)
             if gdq is not None:
                 gk[:, :, cols] += scale * (p * dp_shifted).transpose(-2, -1) @ gdq[:, :, rows]
             if F is not None:

@@ -174,9 +174,28 @@ def forward_output(q, k, v, params):
 
 def backward(q, k, v, o, lse, do, dlse, params, upcast=True):
     """FA2 backward with an incoming lse cotangent: D = rowsum(dO * O) - dlse."""
-    scale = params.scale
     if not upcast:
         return _backward_in_dtype(q, k, v, o, lse, do, dlse, params)
+    return _backward(q, k, v, o, lse, do, dlse, params)[:3]
+
+
+def backward_bias(q, k, v, o, lse, do, dlse, params):
+    """backward, and the cotangent of the additive mask: dS, summed over the mask's
+    broadcast dims (reduce_to_mask), in the mask's dtype."""
+    *grads, ds = _backward(q, k, v, o, lse, do, dlse, params)
+    return (*grads, reduce_to_mask(ds, params.mask).to(params.mask.dtype))
+
+
+def reduce_to_mask(t, mask):
+    """A (B, Hq, L, S) cotangent summed over the dims the (B, Hq, L, S) mask broadcasts
+    (stride 0), kept as size 1: the mask's own shape."""
+    dims = [d for d in range(4) if mask.stride(d) == 0 and mask.shape[d] > 1]
+    return t.sum(dims, keepdim=True) if dims else t
+
+
+def _backward(q, k, v, o, lse, do, dlse, params):
+    """(dq, dk, dv) in their primals' dtypes and dS (the scores' cotangent, upcast)."""
+    scale = params.scale
     dts = (q.dtype, k.dtype, v.dtype)
     hkv = k.shape[-3]
     q, k, v, o, lse, do, dlse = _upcast(q, k, v, o, lse, do, dlse)
@@ -191,7 +210,7 @@ def backward(q, k, v, o, lse, do, dlse, params, upcast=True):
     dq = scale * ds @ k
     dk = reduce_kv(scale * ds.transpose(-2, -1) @ q, hkv)
     dv = reduce_kv(dropped(p, z).transpose(-2, -1) @ do, hkv)
-    return dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2])
+    return dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2]), ds
 
 
 def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
@@ -200,9 +219,15 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
     gdq/gdk/gdv are the cotangents of dq/dk/dv; any may be None (zero). Returns the seven
     cotangents named in BOB_OUTPUTS, each in its primal's dtype (gdlse like lse).
     """
-    scale = params.scale
     if not upcast:
         return _bob_in_dtype(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params)
+    return _bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, None, params)[:7]
+
+
+def _bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, params):
+    """bob's seven cotangents, and Sbar, the scores' cotangent (upcast): with an additive
+    mask's cotangent gdmask (the cotangent of backward_bias's dS), dS's cotangent F gains it."""
+    scale = params.scale
     dts = [t.dtype for t in (q, k, v, o, lse, do)]
     hkv = k.shape[-3]
     q, k, v, o, lse, do, dlse, gdq, gdk, gdv = _upcast(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
@@ -224,6 +249,8 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
         F = F + scale * gdq @ k.transpose(-2, -1)
     if gdk is not None:
         F = F + scale * q @ gdk.transpose(-2, -1)
+    if gdmask is not None:
+        F = F + gdmask.to(F.dtype)
     A = p * F                                   # cotangent of dP
     Dg = A.sum(-1)                              # = -(cotangent of D)
     C = dropped(do @ gdv.transpose(-2, -1), z) if gdv is not None else zero
@@ -241,7 +268,7 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
     if gdv is not None:
         gdo = gdo + dropped(p, z) @ gdv
     outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), go, glse, gdo, Dg)
-    return tuple(t.to(dt) for t, dt in zip(outs, dts + [dts[4]]))
+    return (*(t.to(dt) for t, dt in zip(outs, dts + [dts[4]])), Sbar)
 
 
 def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, upcast=True):
@@ -262,6 +289,22 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, upcast=True
     dq, dk, dv = backward(q, k, v, o, lse, go, glse, params, upcast=upcast)
     outs = (gq + dq, gk + dk, gv + dv, gdo, gdlse)
     return tuple(t.to(dt) for t, dt in zip(outs, dts))
+
+
+def bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params):
+    """bob_folded where the additive mask is an input too: gdmask (may be None) is the
+    cotangent of backward_bias's mask cotangent; returns BOB_FOLDED_OUTPUTS and the mask's
+    cotangent last (summed over its broadcast dims, in its dtype). By the chain rule, as
+    bob_folded: the chain form's scores cotangent plus the scores cotangent of the second
+    backward that sends (go, glse) through the forward."""
+    dts = [t.dtype for t in (q, k, v, do, lse)]
+    q, k, v, o, lse, do, dlse, gdq, gdk, gdv = _upcast(q, k, v, o, lse, do, dlse, gdq, gdk, gdv)
+    gq, gk, gv, go, glse, gdo, gdlse, s_bar = _bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
+                                                    gdmask, params)
+    dq, dk, dv, ds = _backward(q, k, v, o, lse, go, glse, params)
+    outs = (gq + dq, gk + dk, gv + dv, gdo, gdlse)
+    gmask = reduce_to_mask(s_bar + ds, params.mask).to(params.mask.dtype)
+    return (*(t.to(dt) for t, dt in zip(outs, dts)), gmask)
 
 
 def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
