@@ -305,14 +305,22 @@ def attention_with_lse(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
 
 def learned_bias_output(q, k, v, bias, scale, causal, dropout_p=0.0, seed=None):
     """o of a call whose additive mask requires grad (a learned bias), differentiable to any
-    order in every input, the bias included: the closed-form twin, whose builtin ops autograd
-    and torch.func differentiate (unfused, O(L·S) memory). The fused ops take their mask as
-    a constant, so they would lose the bias's gradient."""
+    order in every input, the bias included. Where the learned-bias derivatives have a
+    memory-efficient implementation (blockwise: not on CUDA yet, where the Triton kernels
+    take masks as constants) BiasAttnFn runs them; elsewhere, and for inputs other than
+    4-D, the closed-form twin, whose builtin ops autograd and torch.func differentiate
+    (unfused, O(L·S) memory), said once in the log."""
+    if q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and bias.dim() <= 4 and not q.is_cuda \
+            and not _needs_twin_under_legacy_vmap(q, k, v, bias):
+        if any(stride == 0 and n > 1 for stride, n in zip(bias.stride(), bias.shape)):
+            bias = bias.contiguous()    # its broadcast dims must be the ones the op adds
+        return BiasAttnFn.apply(q, k, v, bias, scale, causal, dropout_p, seed)[0]
     if not _learned_bias_logged:
         _learned_bias_logged.append(True)
-        log.warning("bob_compile.attention: attn_mask requires grad (a learned bias); such "
-                    "calls run the closed-form math, unfused (O(L*S) memory), exact at every "
-                    "order, until the fused kernels return a bias gradient")
+        log.warning("bob_compile.attention: attn_mask requires grad (a learned bias); on %s "
+                    "such calls run the closed-form math, unfused (O(L*S) memory), exact at "
+                    "every order, until the fused kernels return a bias gradient",
+                    "CUDA" if q.is_cuda else "inputs other than 4-D")
     return _forward_twin(q, k, v, bias, scale, causal, dropout_p, seed)[0]
 
 
@@ -634,3 +642,101 @@ AttnBwdJvpFn = _derivative_op_function(
     _like_positions(op.attn_bwd_jvp.default, dlse="lse", tq="q", tk="k", tv="v", to="o",
                     tlse="lse", tdo="do", tdlse="lse"),
     "attn_bwd_jvp, the first backward's tangents.")
+
+
+# ----------------------------------------------------------------------------- a learned bias
+# An additive mask that requires grad is an input of every derivative: the first backward
+# returns its cotangent dS (attn_bwd_bias), the second order takes that cotangent's
+# cotangent and returns the mask's (attn_bob_folded_bias, the folded form: o and lse reach
+# the backward detached in effect, their cotangents folded into those of q, k, v and the
+# bias). Forward mode and third order run the closed-form twins.
+def _bias_twin_jvp(twin, primals, tangents, constants):
+    pushed = tuple(torch.zeros_like(p) if t is None else t for t, p in zip(tangents, primals))
+    return torch.func.jvp(lambda *a: twin(*a, *constants), primals, pushed)[1]
+
+
+class BiasAttnFn(torch.autograd.Function):
+    """attn_fwd with a learned bias as its mask; outputs (o, lse). Its backward returns the
+    bias's cotangent too (BiasAttnBwdFn)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, bias, scale, causal, dropout_p, seed):
+        return op.attn_fwd(q, k, v, bias, scale, causal, dropout_p, seed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, bias, scale, causal, dropout_p, seed = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, bias, seed)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, bias, seed)
+        ctx.constants = (scale, causal, dropout_p)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        if do is None and dlse is None:
+            return (None,) * 8
+        q, k, v, o, lse, bias, seed = ctx.saved_tensors
+        grads = BiasAttnBwdFn.apply(q, k, v, o, lse, _zeros_if_none(do, o), dlse, bias,
+                                    *ctx.constants, seed)
+        return (*grads, None, None, None, None)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tbias, _scale, _causal, _dropout_p, _tseed):
+        q, k, v, bias, seed = ctx.saved_tensors
+        return _bias_twin_jvp(_forward_twin, (q, k, v, bias), (tq, tk, tv, tbias),
+                              (*ctx.constants, seed))
+
+
+class BiasAttnBwdFn(torch.autograd.Function):
+    """attn_bwd_bias: (dq, dk, dv, dbias). Its backward is attn_bob_folded_bias, which
+    returns nothing for o and lse (their cotangents are folded into the others: o and lse
+    are always BiasAttnFn's outputs for the same inputs); a backward that may itself be
+    differentiated (third order) runs the closed form on o and lse recomputed from the
+    inputs instead."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed):
+        return op.attn_bwd_bias(q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed = inputs
+        ctx.has_dlse = dlse is not None
+        ctx.save_for_backward(q, k, v, o, lse, do, dlse, bias, seed)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse, do, dlse, bias, seed)
+        ctx.constants = (scale, causal, dropout_p)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, gdq, gdk, gdv, gdbias):
+        if gdq is None and gdk is None and gdv is None and gdbias is None:
+            return (None,) * 12
+        q, k, v, o, lse, do, dlse, bias, seed = ctx.saved_tensors
+        constants = (*ctx.constants, seed)
+        if torch.is_grad_enabled():
+            o, lse = _forward_twin(q, k, v, bias, *constants)
+            outs = _bob_folded_bias_twin(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdbias, bias,
+                                         *constants)
+        else:
+            outs = op.attn_bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdbias,
+                                           bias, *constants)
+        gq, gk, gv, gdo, gdlse, gbias = outs
+        return (gq, gk, gv, None, None, gdo, gdlse if ctx.has_dlse else None, gbias,
+                None, None, None, None)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, tbias, _scale, _causal, _dropout_p,
+            _tseed):
+        q, k, v, o, lse, do, dlse, bias, seed = ctx.saved_tensors
+        dlse = _zeros_if_none(dlse, lse)
+        return _bias_twin_jvp(_backward_bias_twin, (q, k, v, o, lse, do, dlse, bias),
+                              (tq, tk, tv, to, tlse, tdo, tdlse, tbias), (*ctx.constants, seed))
+
+
+_backward_bias_twin = _canonical_twin(ops.call_backward_bias)
+_bob_folded_bias_twin = _canonical_twin(ops.call_bob_folded_bias)

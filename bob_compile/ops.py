@@ -195,6 +195,43 @@ def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, sc
                               keep_mask_summary)
 
 
+def _flat_mask_cotangent(t: Optional[Tensor], flat: Tensor):
+    """A cotangent shaped like the caller's mask as the implementations take it: the flat
+    mask's shape with 1 on its broadcast dims."""
+    if t is None:
+        return None
+    return t.reshape([1 if flat.stride(d) == 0 else n for d, n in enumerate(flat.shape)])
+
+
+def call_backward_bias(pick, q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0,
+                       seed=None):
+    """call_backward, and the additive mask's cotangent, shaped like the mask. The
+    implementations return it with 1 on the flat mask's broadcast (stride-0) dims, which
+    are the mask's missing or size-1 dims: a mask with a stride-0 dim of its own comes in
+    contiguous (autograd.learned_bias_output), and the inputs are 4-D."""
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    params = _params(q, k, mask, scale, causal, False, dropout_p, seed)
+    dq, dk, dv, dmask = pick(qf, kf, vf).backward_bias(
+        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), params)
+    return (_unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v),
+            dmask.reshape(mask.shape))
+
+
+def call_bob_folded_bias(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, mask, scale,
+                         causal, dropout_p=0.0, seed=None):
+    """call_bob_folded where the additive mask is an input too: gdmask (shaped like the
+    mask, or None) is the cotangent of call_backward_bias's mask cotangent; the mask's own
+    cotangent comes last."""
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    params = _params(q, k, mask, scale, causal, False, dropout_p, seed)
+    outs = pick(qf, kf, vf).bob_folded_bias(
+        qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(gdq),
+        _flat(gdk), _flat(gdv), _flat_mask_cotangent(gdmask, params.mask), None, params)
+    shaped = tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
+                   for t, like in zip(outs[:5], (q, k, v, do, None)))
+    return (*shaped, outs[5].reshape(mask.shape))
+
+
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal, dropout_p=0.0,
                      seed=None, keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
@@ -286,6 +323,40 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal, dropout
     return _like(q), _like(k), _like(v), _like(do), _rows(lse)
 
 
+# ----------------------------------------------------------------------------- a learned bias
+# The additive mask is an input of the derivatives here: attn_bwd_bias returns its
+# cotangent dS; attn_bob_folded_bias takes that cotangent's cotangent and returns the mask's.
+@torch.library.custom_op(f"{NAMESPACE}::attn_bwd_bias", mutates_args=(), tags=_TAGS)
+def attn_bwd_bias(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                  dlse: Optional[Tensor], mask: Tensor, scale: float, causal: bool,
+                  dropout_p: float = 0.0, seed: Optional[Tensor] = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return call_backward_bias(kernels.select_bias, q, k, v, o, lse, do, dlse, mask, scale,
+                              causal, dropout_p, seed)
+
+
+@attn_bwd_bias.register_fake
+def _(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0, seed=None):
+    return _like(q), _like(k), _like(v), _like(mask)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attn_bob_folded_bias", mutates_args=(), tags=_TAGS)
+def attn_bob_folded_bias(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                         dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
+                         gdv: Optional[Tensor], gdmask: Optional[Tensor], mask: Tensor,
+                         scale: float, causal: bool, dropout_p: float = 0.0,
+                         seed: Optional[Tensor] = None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return call_bob_folded_bias(kernels.select_bias, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
+                                gdmask, mask, scale, causal, dropout_p, seed)
+
+
+@attn_bob_folded_bias.register_fake
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, mask, scale, causal, dropout_p=0.0,
+      seed=None):
+    return _like(q), _like(k), _like(v), _like(do), _rows(lse), _like(mask)
+
+
 # ----------------------------------------------------------------------------- forward mode
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=(), tags=_TAGS)
 def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
@@ -368,3 +439,16 @@ def _one_by_one(op, info, in_dims, args):
 for _op, _n_out in ((attn_fwd, 2), (attn_bwd, 3), (attn_bob, 7), (attn_bob_folded, 5),
                     (attn_fwd_jvp, 2), (attn_bwd_jvp, 3)):
     torch.library.register_vmap(_op, _vmap_rule(_op, _n_out))
+
+
+def _one_by_one_rule(op, n_out):
+    """The learned-bias ops under vmap: one call per vmapped call. Batched together, a mask
+    shared by the calls would broadcast over their batch, and its cotangent would come back
+    summed over them instead of one per call."""
+    def rule(info, in_dims, *args):
+        return _one_by_one(op, info, in_dims, args), (0,) * n_out
+    return rule
+
+
+for _op, _n_out in ((attn_bwd_bias, 4), (attn_bob_folded_bias, 6)):
+    torch.library.register_vmap(_op, _one_by_one_rule(_op, _n_out))

@@ -24,6 +24,12 @@ differentiated, that every function applies where it forms the scores):
     forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
+and, in reference and blockwise only (`select_bias`), for a mask that the derivatives take
+as an input (a learned bias), its cotangents shaped like params.mask with 1 on its
+broadcast (stride-0) dims:
+    backward_bias(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv, dmask)
+    bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params)
+        -> (gq, gk, gv, gdo, gdlse, gmask)
 
 Adding an attention parameter (a sliding window, say; the mask went this way): a field of
 AttentionParams (params.py); its read in each implementation's six functions (reference,
@@ -87,6 +93,12 @@ def fold_bob(q, k, v):
     on_triton = s.kernels == "triton" or (s.kernels is None and q.is_cuda)
     tri = _triton() if on_triton else None
     return tri is None or tri.folded_bob_pays(q, v)
+
+
+def select_bias(q, k, v):
+    """The implementation of the learned-bias functions (backward_bias, bob_folded_bias):
+    blockwise, or the reference where it is forced; the Triton kernels have none yet."""
+    return reference if settings.current().kernels == "reference" else blockwise
 
 
 def select(q, k, v):

@@ -1,8 +1,9 @@
 """A learned additive bias (attn_mask that requires grad) through bob_compile.attention: every
 order exact in float64 against autograd through math attention, the bias's own derivatives
-included (first order, HVP, a MAML meta-gradient, forward over reverse), and the fallback
-said once in the log. The fused kernels take masks as constants; until they return a bias
-gradient such calls run the closed-form math (bob_compile/autograd.py, learned_bias_output)."""
+included (first order, HVP, a MAML meta-gradient, forward over reverse, third order, vmap).
+4-D inputs off CUDA run the memory-efficient learned-bias derivatives (BiasAttnFn: the
+blockwise attn_bwd_bias and attn_bob_folded_bias); other inputs run the closed-form math,
+said once in the log (bob_compile/autograd.py, learned_bias_output)."""
 import logging
 
 import pytest
@@ -101,14 +102,60 @@ def test_with_dropout_the_bias_sees_the_calls_mask():
 
 
 def test_the_fallback_is_logged_once(caplog, monkeypatch):
+    """Inputs without a batch dim (3-D) take the closed form, and say so once."""
     monkeypatch.setattr(bob_autograd, "_learned_bias_logged", [])
     q, k, v, bias = inputs((7, 9), False)
     bias.requires_grad_()
     with caplog.at_level(logging.WARNING, logger="bob_compile.autograd"):
-        bob_compile.attention(q, k, v, attn_mask=bias)
-        bob_compile.attention(q, k, v, attn_mask=bias)
+        for _ in range(2):
+            out = bob_compile.attention(q[0], k[0], v[0], attn_mask=bias)
     said = [r for r in caplog.records if "learned bias" in r.getMessage()]
     assert len(said) == 1 and "unfused" in said[0].getMessage()
+    (got,) = torch.autograd.grad(out.sum(), bias)
+    (want,) = torch.autograd.grad(sdpa_math(q[0], k[0], v[0], attn_mask=bias).sum(), bias)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-9)
+
+
+def test_4d_inputs_run_the_learned_bias_ops(monkeypatch):
+    """The first and second order of a 4-D CPU call are attn_bwd_bias and
+    attn_bob_folded_bias (blockwise), not the closed form."""
+    from bob_compile.kernels import blockwise
+    calls = []
+    for name in ("backward_bias", "bob_folded_bias"):
+        original = getattr(blockwise, name)
+        monkeypatch.setattr(blockwise, name, lambda *a, _f=original, _n=name: (
+            calls.append(_n), _f(*a))[1])
+    q, k, v, bias = inputs((4, 7, 9), False)
+    hvp(lambda q, k, v, b: bob_compile.attention(q, k, v, attn_mask=b), (q, k, v, bias),
+        [torch.ones_like(t) for t in (q, k, v, bias)])
+    assert calls == ["backward_bias", "bob_folded_bias"]
+
+
+def test_third_order_and_vmap_over_the_bias():
+    """A third order (the gradient of an HVP's bias component) and torch.func.vmap of
+    per-example bias gradients, against math."""
+    q, k, v, bias = inputs((1, 4, 7, 9), True)
+
+    def third(attend):
+        b = bias.clone().requires_grad_()
+        qq = q.clone().requires_grad_()
+        (gb,) = torch.autograd.grad((attend(qq, k, v, b) ** 2).sum(), b, create_graph=True)
+        (hb,) = torch.autograd.grad((gb ** 2).sum(), b, create_graph=True)
+        return torch.autograd.grad(hb.sum(), (qq, b))
+    ours = third(lambda q, k, v, b: bob_compile.attention(q, k, v, attn_mask=b, enable_gqa=True))
+    math = third(lambda q, k, v, b: sdpa_math(q, k, v, attn_mask=b, enable_gqa=True))
+    for a, b in zip(ours, math, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-8)
+
+    def per_example(attend):
+        def loss(b, q):
+            return (attend(q[None], k[:1], v[:1], b) ** 2).sum()
+        return torch.func.vmap(grad(loss), in_dims=(None, 0))(bias, q)
+    torch.testing.assert_close(
+        per_example(lambda q, k, v, b: bob_compile.attention(q, k, v, attn_mask=b,
+                                                             enable_gqa=True)),
+        per_example(lambda q, k, v, b: sdpa_math(q, k, v, attn_mask=b, enable_gqa=True)),
+        atol=1e-10, rtol=1e-9)
 
 
 def test_a_constant_mask_still_runs_the_fused_path(monkeypatch):
@@ -118,3 +165,32 @@ def test_a_constant_mask_still_runs_the_fused_path(monkeypatch):
     q, k, v, bias = inputs((7, 9), False)
     torch.testing.assert_close(bob_compile.attention(q, k, v, attn_mask=bias),
                                sdpa_math(q, k, v, attn_mask=bias))
+
+
+def test_compiled_hvp_through_the_op_with_a_bias_parameter():
+    """torch.compile(backend="flashbob") of a module that calls the op with a learned
+    (H, L, L) bias parameter: the HVP w.r.t. the projection and the bias equals math's."""
+    q, k, v, bias = inputs((4, 7, 7), False)
+    k, v = k[..., :7, :], v[..., :7, :]
+
+    class Biased(torch.nn.Module):
+        def __init__(self, attend):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.eye(8, **F64) + 0.1)
+            self.bias = torch.nn.Parameter(bias.clone())
+            self.attend = attend
+
+        def forward(self, x):
+            return self.attend(x @ self.w, k, v, self.bias)
+
+    def hvp_of(model):
+        params = list(model.parameters())
+        grads = torch.autograd.grad((model(q) ** 2).sum(), params, create_graph=True)
+        return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+    torch._dynamo.reset()
+    compiled = torch.compile(Biased(lambda q, k, v, b: bob_compile.attention(
+        q, k, v, attn_mask=b, is_causal=True)), backend="flashbob",
+        options={"compiler": "aot_eager", "fallback": False})
+    want = hvp_of(Biased(lambda q, k, v, b: sdpa_math(q, k, v, attn_mask=b, is_causal=True)))
+    for a, b in zip(hvp_of(compiled), want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)

@@ -70,6 +70,15 @@ def test_opcheck_every_op_with_permuted_inputs(causal, gqa, mask_kind):
         (op.attn_bwd_jvp, (q, k, v, o, lse, do, None, None, t[1], None, None, t[4], None, None,
                            mask, 0.5, causal)),
     ]
+    if mask_kind == "additive":     # a learned bias: the derivatives take the mask as an input
+        gmask = torch.randn_like(mask)
+        calls += [
+            (op.attn_bwd_bias, (q, k, v, o, lse, do, dlse, mask, 0.5, causal)),
+            (op.attn_bob_folded_bias, (q, k, v, o, lse, do, dlse, *g, gmask, mask, 0.5,
+                                       causal)),
+            (op.attn_bob_folded_bias, (q, k, v, o, lse, do, None, g[0], None, None, None,
+                                       mask, 0.5, causal)),
+        ]
     for fn, args in calls:
         result = torch.library.opcheck(fn, args)
         assert set(result.values()) == {"SUCCESS"}, (fn, result)
