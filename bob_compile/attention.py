@@ -169,10 +169,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             (True: the query attends to the key) or floating (added to the scaled scores;
             -inf hides a key). Unlike SDPA it may be combined with is_causal (both apply).
             A floating mask that requires grad (a learned bias: T5's relative positions,
-            ALiBi slopes as parameters) is differentiated too, at every order: off CUDA, for
-            4-D inputs, by the memory-efficient learned-bias derivatives; elsewhere by the
-            closed-form math (unfused: O(L·S) memory, as SDPA's math), logged once (the
-            Triton kernels do not yet return a bias gradient).
+            ALiBi slopes as parameters) is differentiated too, at every order, its first
+            and second order fused (4-D inputs; others by the closed-form math, logged).
         dropout_p: attention dropout, as in SDPA: each probability is dropped with
             probability dropout_p and the kept ones scaled by 1 / (1 - dropout_p), whenever
             dropout_p > 0 (pass 0.0 outside training, as nn modules do). The keep mask is

@@ -305,22 +305,20 @@ def attention_with_lse(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
 
 def learned_bias_output(q, k, v, bias, scale, causal, dropout_p=0.0, seed=None):
     """o of a call whose additive mask requires grad (a learned bias), differentiable to any
-    order in every input, the bias included. Where the learned-bias derivatives have a
-    memory-efficient implementation (blockwise: not on CUDA yet, where the Triton kernels
-    take masks as constants) BiasAttnFn runs them; elsewhere, and for inputs other than
-    4-D, the closed-form twin, whose builtin ops autograd and torch.func differentiate
-    (unfused, O(L·S) memory), said once in the log."""
-    if q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and bias.dim() <= 4 and not q.is_cuda \
+    order in every input, the bias included: BiasAttnFn (the fused first and second order
+    of the bias) for 4-D inputs; for others, and under legacy vmap, the closed-form twin,
+    whose builtin ops autograd and torch.func differentiate (unfused, O(L·S) memory), said
+    once in the log."""
+    if q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and bias.dim() <= 4 \
             and not _needs_twin_under_legacy_vmap(q, k, v, bias):
         if any(stride == 0 and n > 1 for stride, n in zip(bias.stride(), bias.shape)):
             bias = bias.contiguous()    # its broadcast dims must be the ones the op adds
         return BiasAttnFn.apply(q, k, v, bias, scale, causal, dropout_p, seed)[0]
     if not _learned_bias_logged:
         _learned_bias_logged.append(True)
-        log.warning("bob_compile.attention: attn_mask requires grad (a learned bias); on %s "
-                    "such calls run the closed-form math, unfused (O(L*S) memory), exact at "
-                    "every order, until the fused kernels return a bias gradient",
-                    "CUDA" if q.is_cuda else "inputs other than 4-D")
+        log.warning("bob_compile.attention: attn_mask requires grad (a learned bias) with "
+                    "inputs other than 4-D (or under legacy vmap): such calls run the "
+                    "closed-form math, unfused (O(L*S) memory), exact at every order")
     return _forward_twin(q, k, v, bias, scale, causal, dropout_p, seed)[0]
 
 

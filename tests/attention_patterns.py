@@ -7,7 +7,7 @@ with n >= L (patterns that build their mask in the graph ignore it). The tests c
 every entry of PATTERNS with flashbob and check that it is replaced and matches SDPA;
 MASKED_PATTERNS are replaced with their (not causal) mask passed on, and match the written
 code at every order; the MUST_NOT_MATCH entries look similar but are not softmax attention
-(or have a learned bias), and must stay untouched.
+and must stay untouched.
 """
 import math
 
@@ -254,6 +254,7 @@ def learned_position_bias(q, k, v, bias):
 # Spellings whose mask is not causal but is passed on as attention's attn_mask (exact
 # whatever it holds): what the written code computes, at every order.
 MASKED_PATTERNS = {
+    "learned_position_bias": learned_position_bias,
     "padding_mask": padding_mask,
     "soft_additive_mask": soft_additive_mask,
     "bottom_right_causal": bottom_right_causal,
@@ -269,5 +270,4 @@ MUST_NOT_MATCH = {
     "dropout_in_place": (dropout_in_place, "dropout of the probabilities in place"),
     "alibi_baddbmm": (alibi_baddbmm, "not provably causal"),
     "einsum_over_queries": (einsum_over_queries, "does not contract the probabilities' key dim"),
-    "learned_position_bias": (learned_position_bias, "requires grad (a learned bias)"),
 }

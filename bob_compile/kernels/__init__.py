@@ -24,9 +24,8 @@ differentiated, that every function applies where it forms the scores):
     forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
-and, in reference and blockwise only (`select_bias`), for a mask that the derivatives take
-as an input (a learned bias), its cotangents shaped like params.mask with 1 on its
-broadcast (stride-0) dims:
+and, for a mask that the derivatives take as an input (a learned bias), its cotangents
+shaped like params.mask with 1 on its broadcast (stride-0) dims (`select_bias`):
     backward_bias(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv, dmask)
     bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params)
         -> (gq, gk, gv, gdo, gdlse, gmask)
@@ -97,8 +96,8 @@ def fold_bob(q, k, v):
 
 def select_bias(q, k, v):
     """The implementation of the learned-bias functions (backward_bias, bob_folded_bias):
-    blockwise, or the reference where it is forced; the Triton kernels have none yet."""
-    return reference if settings.current().kernels == "reference" else blockwise
+    select's choice (the Triton kernels write and read the bias's cotangents as N² tiles)."""
+    return select(q, k, v)
 
 
 def select(q, k, v):

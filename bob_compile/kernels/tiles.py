@@ -71,6 +71,17 @@ def store_tile(base, value, offs_rows, offs_cols, stride_rows, stride_cols, num_
 
 
 @triton.jit
+def add_score_tile(base, value, offs_rows, offs_cols, stride_rows, stride_cols, num_rows,
+                   num_cols):
+    """Add a score-shaped tile (a learned bias's cotangent, fp32) into an (L, S) buffer by
+    atomics: the buffer's broadcast dims have stride 0, so programs of several (batch,
+    head)s add into the same elements."""
+    ptrs = base + offs_rows[:, None] * stride_rows + offs_cols[None, :] * stride_cols
+    tl.atomic_add(ptrs, value, mask=(offs_rows[:, None] < num_rows)
+                  & (offs_cols[None, :] < num_cols), sem="relaxed")
+
+
+@triton.jit
 def row_block_program(num_q_heads, kv_group, L, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_EV: tl.constexpr, CAUSAL: tl.constexpr):
     """Where a program of a query-block-major grid (row blocks, B·Hq) works: batch b, query

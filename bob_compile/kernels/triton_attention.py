@@ -262,6 +262,38 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, keys_out=No
                          keys_out=keys_out)
 
 
+def _bias_accumulator(params):
+    """Zeros in fp32 shaped like the mask with 1 on its broadcast (stride-0) dims: where the
+    kernels add a learned bias's cotangent."""
+    mask = params.mask
+    return torch.zeros([1 if mask.stride(d) == 0 else n for d, n in enumerate(mask.shape)],
+                       dtype=torch.float32, device=mask.device)
+
+
+def backward_bias(q, k, v, o, lse, do, dlse, params):
+    """backward, and a learned bias's cotangent dS (the Triton backward; PyTorch's fused
+    kernels return no dS)."""
+    dmask = _bias_accumulator(params)
+    if k.shape[2] == 0 or q.shape[2] == 0:
+        return (*backward(q, k, v, o, lse, do, dlse, params), dmask.to(params.mask.dtype))
+    grads = attention_backward(q, k, v, o, lse, do, dlse, params,
+                               dq_atomics=settings.current().bwd_dq_atomics, dmask=dmask)
+    return (*grads, dmask.to(params.mask.dtype))
+
+
+def bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params):
+    """bob_folded with a learned bias: gdmask adds to F, the bias's cotangent comes last."""
+    gmask = _bias_accumulator(params)
+    S, L = k.shape[2], q.shape[2]
+    if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None and gdmask is None):
+        like = (q, k, v, do, lse)
+        return (*(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like),
+                gmask.to(params.mask.dtype))
+    outs = attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True, dq=dq,
+                         keys_out=_keys_out(q, k, params), gdmask=gdmask, gmask=gmask)
+    return (*outs, gmask.to(params.mask.dtype))
+
+
 _UNDECIDED = object()
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from .layout import empty_like_order
 from .launching import fixed_plan, launch_plan, read_path_first, strides_of
 from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
-                    apply_mask_tile, blocks, column_block_program, dot_precision,
+                    add_score_tile, apply_mask_tile, blocks, column_block_program, dot_precision,
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask, load_lse2,
                     load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
                     row_blocks_of_key_block, row_loops_within_mask, store_tile,
@@ -86,13 +86,13 @@ def row_dot(do, o, dlse):
 def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
                   sql, sqe, sdl, sde, sql_acc, sml, sme, first, end, structure, m_lo, m_hi, n0,
                   L, S, qk_scale_log2,
-                  scale, seed_ptr, head, drop_threshold, keep_scale,
+                  scale, seed_ptr, head, drop_threshold, keep_scale, dm_base, sdml, sdme,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
+                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -120,6 +120,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
             dpt = dpt * zt
         else:
             dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+        if HAS_DM:      # a learned bias's cotangent: dS itself, [keys, queries]
+            add_score_tile(dm_base, pt * (dpt - d[None, :]), offs_n, offs_m, sdme, sdml, S, L)
         dst = (pt * (dpt - d[None, :])).to(q.dtype)
         dk += tl.dot(dst, q, input_precision=DOT_PRECISION)
         if DQ_ATOMICS:
@@ -131,16 +133,16 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
 
 
 @triton.jit
-def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
+def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, DM,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sdkb, sdkh, sdkn, sdke, sdvb, sdvh, sdvn, sdve,
-                   smb, smh, sml, sme, srb, srh, srl, sre,
+                   smb, smh, sml, sme, srb, srh, srl, sre, sdmb, sdmh, sdml, sdme,
                    num_kv_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DQ_ATOMICS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -167,6 +169,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
         do_base = DO + b * sdb + h * sdh
         dq_base = DQ_ACC + row * HEAD_DIM
         mask_base = MASK + b * smb + h * smh
+        dm_base = DM + b * sdmb + h * sdmh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
         first, end, structure = 0, S, 0
         if MASK_KIND != 0:      # only the query blocks that see keys of this block
@@ -180,32 +183,32 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_split, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
+                sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
+                DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_DM)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_split, m_hi, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
+                sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION,
-                NO_MASK_SOURCE, DROPOUT)
+                NO_MASK_SOURCE, DROPOUT, HAS_DM)
         else:
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_lo, m_mid, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
+                sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_READ, DROPOUT)
+                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, first, end, structure, m_mid, m_hi, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V,
+                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
+                sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_READ, DROPOUT)
+                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -213,7 +216,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED,
 
 
 strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", MASK="sm",
-           KEY_RANGE="sr")
+           KEY_RANGE="sr", DM="sdm")
 
 
 # --------------------------------------------------------------------------------------
@@ -361,8 +364,10 @@ def _dq_candidates(dtype, head_dim, head_dim_v):
             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)]
 
 
-def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
-    """(dq, dk, dv), laid out like the primals (layout.py), in their dtypes; S must be > 0."""
+def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmask=None):
+    """(dq, dk, dv), laid out like the primals (layout.py), in their dtypes; S must be > 0.
+    dmask: a zeroed fp32 buffer shaped like params.mask with 1 on its broadcast dims, into
+    which the column pass adds dS (a learned bias's cotangent), or None."""
     scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -374,6 +379,9 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
               if dq_atomics else dk)
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
+    has_dm = dmask is not None
+    # broadcast dims at stride 0 (atomics add the (batch, head)s sharing an element)
+    dm_arg = dmask.expand(B, Hq, L, S) if has_dm else dk
 
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
@@ -383,7 +391,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     def launch_columns(plan):
         plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
-             KEY_RANGE=key_range, SEED=seed,
+             KEY_RANGE=key_range, SEED=seed, DM=dm_arg,
              num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
              qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale)
 
@@ -392,12 +400,16 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False):
     paths = mask_paths(mask_kind)
     plans = [launch_plan(
         "bwd_columns", q, k, v, causal,
-        (dq_atomics, *mask_flags(mask_kind, path), *dropout_flags(dropout)),
+        (dq_atomics, *mask_flags(mask_kind, path), *dropout_flags(dropout))
+        + (("dmask",) if has_dm else ()),
         lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
-        lambda: dict(common(path), DQ_ATOMICS=dq_atomics), launch_columns, L * S,
+        lambda: dict(common(path), DQ_ATOMICS=dq_atomics, HAS_DM=has_dm), launch_columns,
+        L * S,
         has_work=mask_path_work(key_range, path, Hq // Hkv)) for path in paths]
     if dq_atomics:
         dq_acc.zero_()
+    if has_dm:
+        dmask.zero_()
     for plan in plans:
         launch_columns(plan)
     if dq_atomics:

@@ -37,7 +37,7 @@ import triton.language as tl
 from .triton_backward import load_lse2_for_probabilities, row_dot
 from .launching import fixed_plan, launch_plan, read_path_first, strides_of
 from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
-                    apply_mask_tile, blocks, column_block_program, dot_precision,
+                    add_score_tile, apply_mask_tile, blocks, column_block_program, dot_precision,
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask,
                     load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
                     row_blocks_of_key_block, row_loops_within_mask, store_tile,
@@ -90,16 +90,18 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
                mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
                gap_lo, gap_len, L, S, qk_scale_log2, scale, seed_ptr, head, m0, drop_threshold,
-               keep_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               keep_scale, gdm_base, sgml, sgme, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
                SPLIT_SBAR: tl.constexpr, SPLIT_ALL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
+               MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr):
     """SPLIT_SBAR: Sbar's GEMM with k in two half-precision parts; SPLIT_ALL: also those of
-    dS (with gdk), P (with gdv) and A (with v), the roundings behind gq's and gdo's error."""
-    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
+    dS (with gdk), P (with gdv) and A (with v), the roundings behind gq's and gdo's error.
+    HAS_GDM: a learned bias's cotangent gdM (gdm_base: its (batch, head)) adds to F."""
+    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK or HAS_GDM
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -144,8 +146,12 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                      + tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION)) * scale
             elif HAS_GDQ:
                 f = tl.dot(gdq, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            else:
+            elif HAS_GDK:
                 f = tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION) * scale
+            else:
+                f = tl.zeros_like(p)
+            if HAS_GDM:
+                f += load_tile(gdm_base, offs_m, offs_n, sgml, sgme, L, S, True, True)
             a = p * f
             dg += tl.sum(a, 1)
             a_v = a     # where A meets V: dropped
@@ -164,11 +170,12 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
 
 @triton.jit
 def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, GO, GDO, GLSE,
-                GDLSE, ROW_E, MASK, KEY_RANGE, SEED,
+                GDLSE, ROW_E, MASK, KEY_RANGE, SEED, GDM,
                 sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                 sob, soh, sol, soe, sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                 sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, sdqb, sdqh, sdql, sdqe,
                 skob, skoh, skol, skoe, smb, smh, sml, sme, srb, srh, srl, sre,
+                sgmb, sgmh, sgml, sgme,
                 num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -177,11 +184,11 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
                 HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, SPLIT_EDGES: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
-    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
+    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK or HAS_GDM
     ACCUMULATE_B: tl.constexpr = FOLD and not HAS_B
     ACCUMULATE_R: tl.constexpr = FOLD and HAS_F and not HAS_DQ
     READ_R: tl.constexpr = FOLD and HAS_F and HAS_DQ
@@ -217,6 +224,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     gdk_base = GDK + b * sgkb + hk * sgkh
     gdv_base = GDV + b * sgvb + hk * sgvh
     mask_base = MASK + b * smb + h * smh
+    gdm_base = GDM + b * sgmb + h * sgmh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
     first, end, structure = 0, S, 0
@@ -232,35 +240,35 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            scale, SEED, head, m0, drop_threshold, keep_scale,
+            scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
             HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            NO_MASK_SOURCE, DROPOUT)
+            NO_MASK_SOURCE, DROPOUT, HAS_GDM)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
-            qk_scale_log2, scale, SEED, head, m0, drop_threshold, keep_scale,
+            qk_scale_log2, scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
+            DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM)
     else:
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
-            SEED, head, m0, drop_threshold, keep_scale,
+            SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            MASK_READ, DROPOUT)
+            MASK_READ, DROPOUT, HAS_GDM)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
             end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
-            SEED, head, m0, drop_threshold, keep_scale,
+            SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_READ, DROPOUT)
+            DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
     if FOLD:
@@ -287,7 +295,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
 
 
 strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv", DQ="sdq", KEYS_OUT="sko", MASK="sm", KEY_RANGE="sr")
+           GDV="sgv", DQ="sdq", KEYS_OUT="sko", MASK="sm", KEY_RANGE="sr", GDM="sgm")
 
 
 # --------------------------------------------------------------------------------------
@@ -298,16 +306,20 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                   alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
                   first, end, structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC,
                   GDO_ACC, DG_ACC, SBAR_ACC, seed_ptr, head, drop_threshold, keep_scale,
+                  gdm_base, gm_base, sgml, sgme, sbgl, sbge,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
+                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
+                  HAS_GM: tl.constexpr):
+    """HAS_GDM: a learned bias's cotangent gdM adds to F; HAS_GM: the folded form's Sbar,
+    the bias's cotangent, is added into gm_base (fp32, by atomics)."""
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
-    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK
+    HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK or HAS_GDM
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
@@ -347,8 +359,12 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                       + tl.dot(gdk, tl.trans(q), input_precision=DOT_PRECISION)) * scale
             elif HAS_GDQ:
                 ft = tl.dot(k, tl.trans(gdq), input_precision=DOT_PRECISION) * scale
-            else:
+            elif HAS_GDK:
                 ft = tl.dot(gdk, tl.trans(q), input_precision=DOT_PRECISION) * scale
+            else:
+                ft = tl.zeros_like(pt)
+            if HAS_GDM:     # [keys, queries]
+                ft += load_tile(gdm_base, offs_n, offs_m, sgme, sgml, S, L, True, True)
             if FOLD:
                 ft -= alpha[None, :]
             at = pt * ft
@@ -363,6 +379,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         if FOLD:
             cot_scores_t -= e[None, :]
         sbart = pt * cot_scores_t
+        if HAS_GM:
+            add_score_tile(gm_base, sbart, offs_n, offs_m, sbge, sbgl, S, L)
         gk += tl.dot(sbart.to(q.dtype), q, input_precision=DOT_PRECISION)
         if HAS_GDQ or (ROW_ATOMICS and HAS_GDK):
             dst = (pt * deltat).to(q.dtype)
@@ -399,11 +417,11 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
 
 @triton.jit
 def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
-                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK, KEY_RANGE, SEED,
+                   GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, MASK, KEY_RANGE, SEED, GDM, GM,
                    sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                    sdb, sdh, sdl, sde, sgqb, sgqh, sgql, sgqe,
                    sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
-                   srb, srh, srl, sre,
+                   srb, srh, srl, sre, sgmb, sgmh, sgml, sgme, sbgb, sbgh, sbgl, sbge,
                    num_kv_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -411,7 +429,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                    ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DROPOUT: tl.constexpr):
+                   DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr, HAS_GM: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -446,6 +464,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
         do_base = DO + b * sdb + h * sdh
         gdq_base = GDQ + b * sgqb + h * sgqh
         mask_base = MASK + b * smb + h * smh
+        gdm_base = GDM + b * sgmb + h * sgmh
+        gm_base = GM + b * sbgb + h * sbgh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
         first, end, structure = 0, S, 0
         if MASK_KIND != 0:      # only the query blocks that see keys of this block
@@ -460,35 +480,35 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_lo, m_split, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
+                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM, HAS_GM)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
+                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
-                FOLD, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
+                FOLD, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, HAS_GDM, HAS_GM)
         else:
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
+                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT)
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
-                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_E, BLOCK_EV,
+                GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
+                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT)
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
     store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),
@@ -496,7 +516,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
 
 
 strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", GDQ="sgq", GDK="sgk",
-           GDV="sgv", MASK="sm", KEY_RANGE="sr")
+           GDV="sgv", MASK="sm", KEY_RANGE="sr", GDM="sgm", GM="sbg")
 
 
 # --------------------------------------------------------------------------------------
@@ -625,12 +645,16 @@ def _column_candidates(dtype, head_dim, head_dim_v, atomics, fold, causal):
 
 
 def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=False,
-                  fold=False, dq=None, keys_out=None):
-    """S > 0 and at least one of gdq/gdk/gdv given. Chain form: (gq, gk, gv, go, glse, gdo,
-    gdlse); folded (fold=True, two passes: row, then column): (gq, gk, gv, gdo, gdlse), where
-    dq, if given, is backward(q, k, v, o, lse, do, dlse)'s (the folded row pass reads R from it)
-    and keys_out, if given, is B = forward(q, k, k)'s o (read instead of accumulated)."""
+                  fold=False, dq=None, keys_out=None, gdmask=None, gmask=None):
+    """S > 0 and at least one of gdq/gdk/gdv (or gdmask) given. Chain form: (gq, gk, gv, go,
+    glse, gdo, gdlse); folded (fold=True, two passes: row, then column): (gq, gk, gv, gdo,
+    gdlse), where dq, if given, is backward(q, k, v, o, lse, do, dlse)'s (the folded row pass
+    reads R from it) and keys_out, if given, is B = forward(q, k, k)'s o (read instead of
+    accumulated). A learned bias (folded form only): gdmask, the cotangent of its cotangent
+    (shaped like params.mask with 1 on its broadcast dims), adds to F; gmask, a buffer of that
+    shape in fp32, receives the bias's cotangent Sbar."""
     assert not (fold and row_atomics), "the folded form needs the row pass's scalars first"
+    assert fold or (gdmask is None and gmask is None), "a learned bias takes the folded form"
     scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -662,23 +686,27 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     paths = mask_paths(mask_kind)
     dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
+    # a learned bias's tensors as (B, Hq, L, S) views, broadcast dims at stride 0
+    has_gdm, has_gm = gdmask is not None, gmask is not None
+    gdm_arg = gdmask.expand(B, Hq, L, S) if has_gdm else q
+    gm_arg = gmask.expand(B, Hq, L, S) if has_gm else q
 
     def flag_key(path):
         return (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind, path),
-                int(fold), *dropout_flags(dropout))
+                int(fold), *dropout_flags(dropout)) + (("gdmask",) if has_gdm else ())
 
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
                     DOT_PRECISION=dot_precision(q.dtype), HAS_GDQ=has_gdq, HAS_GDK=has_gdk,
-                    HAS_GDV=has_gdv, FOLD=fold, DROPOUT=dropout)
+                    HAS_GDV=has_gdv, FOLD=fold, DROPOUT=dropout, HAS_GDM=has_gdm)
 
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, DO=do, LSE=lse, D=d, DLSE=dlse_arg, GDQ=gdq_arg, GDK=gdk_arg,
              GDV=gdv_arg, DQ=dq_arg, KEYS_OUT=keys_out_arg, GQ=gq, GO=gq if fold else go,
              GDO=gdo, GLSE=row_e if fold else glse, GDLSE=gdlse, ROW_E=row_e, MASK=mask,
-             KEY_RANGE=key_range, SEED=seed, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
+             KEY_RANGE=key_range, SEED=seed, GDM=gdm_arg, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
              drop_threshold=drop_threshold, qk_scale_log2=scale * LOG2E, scale=scale,
              keep_scale=keep_scale)
 
@@ -723,20 +751,25 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, ALPHA=gdlse, ROW_E=row_e, GDQ=gdq_arg,
              GDK=gdk_arg, GDV=gdv_arg, GK=gk, GV=gv, GQ_ACC=gq_acc, GDO_ACC=gdo_acc,
              DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range, SEED=seed,
+             GDM=gdm_arg, GM=gm_arg,
              num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
              qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale)
 
     # the plans first (tuning runs the kernels), then the launches: the atomic row sums add
     # into buffers zeroed once before them, a masked kernel's two launches included
     plans = [launch_plan(
-        "bob_columns", q, k, v, causal, (row_atomics, *flag_key(path)),
+        "bob_columns", q, k, v, causal,
+        (row_atomics, *flag_key(path)) + (("gmask",) if has_gm else ()),
         lambda: column_candidates(q.dtype, E, Ev, row_atomics, read=path == READ_PATH,
                                   fold=fold, causal=causal and mask_kind == NO_MASK),
-        lambda: dict(common(path), ROW_ATOMICS=row_atomics), launch_columns, L * S,
+        lambda: dict(common(path), ROW_ATOMICS=row_atomics, HAS_GM=has_gm), launch_columns,
+        L * S,
         has_work=mask_path_work(key_range, path, Hq // Hkv)) for path in paths]
     if row_atomics:
         for t in (gq_acc, gdo_acc, dg_acc, sbar_acc):
             t.zero_()
+    if has_gm:      # after the plans: tuning runs the kernels
+        gmask.zero_()
     for plan in plans:
         launch_columns(plan)
     if fold:

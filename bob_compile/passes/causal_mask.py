@@ -199,8 +199,11 @@ class MaskProver:
               "visible"  true entries are kept (where(mask, s, fill), SDPA bool masks);
               "additive" added to the scores (0 kept, <= MASKED_SCORE_LIMIT removed).
         Raises NotProven with the reason."""
-        value = self.value(mask)
         mask_value = example_tensor(mask)
+        if mask_value is not None and mask_value.requires_grad:
+            # whatever it holds now, is_causal would drop its gradient
+            raise NotProven("it requires grad (a learned bias)")
+        value = self.value(mask)
         if mask_value is None or mask_value.dim() < 2 or not same_sizes(
                 mask_value.shape[-2:], scores_size):
             shape = "?" if mask_value is None else list(mask_value.shape)

@@ -228,14 +228,12 @@ def describe(x):
 
 
 def mask_problem(mask, bool_ok=True, floating_ok=True):
-    """Why the graph value `mask` cannot be passed on as attention's attn_mask (a constant
-    of the derivatives), or None: no recorded value, a mask that requires grad (a learned
-    bias, whose gradient would be lost), or a dtype other than those accepted."""
+    """Why the graph value `mask` cannot be passed on as attention's attn_mask, or None: no
+    recorded value, or a dtype other than those accepted. A floating mask that requires
+    grad (a learned bias) is passed on: the op returns its cotangents."""
     value = example_tensor(mask)
     if value is None:
         return f"{describe(mask)} has no recorded tensor value"
-    if value.requires_grad:
-        return f"{describe(mask)} requires grad (a learned bias): its gradient would be lost"
     dtype = value.dtype
     if not ((bool_ok and dtype == torch.bool) or (floating_ok and dtype.is_floating_point)):
         accepted = " or ".join(kind for kind, ok in (("bool", bool_ok), ("floating", floating_ok))

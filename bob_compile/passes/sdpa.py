@@ -14,8 +14,10 @@ require grad (HF padding, sliding windows, ...: passed on as attention's attn_ma
 whatever it holds; with is_causal=True too, both apply, as in PyTorch's fused kernels);
 dropout_p a constant (HF passes attn_pdrop in training, 0.0 outside it; the op draws the
 mask itself: nodes.dropout_problem); is_causal and enable_gqa given as Python bools; scale
-None, a constant, or a number computed in the graph (dynamic shapes). Anything else (a mask
-that requires grad: a learned bias) stays SDPA and the report says why.
+None, a constant, or a number computed in the graph (dynamic shapes); a floating mask that
+requires grad (a learned bias: T5's relative positions, ALiBi slopes as parameters), which
+the op differentiates, never proven causal. Anything else stays SDPA and the report says
+why.
 """
 import torch
 import torch.nn.functional as F

@@ -429,3 +429,39 @@ def test_first_call_tuning_is_cached(tmp_path, monkeypatch):
         assert os.path.exists(tuning.TUNING_CACHE.path)
         entries = dict(tuning.TUNING_CACHE.entries)
         assert len(entries) == 1
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("bias_shape,causal,dropout_p", [
+    pytest.param((1, 4, 777, 1000), False, 0.0, id="per-head"),
+    pytest.param((1, 1, 1024, 1024), True, 0.1, id="shared-causal-dropout"),
+])
+def test_learned_bias_against_float64(dtype, bound, bias_shape, causal, dropout_p):
+    """A learned bias's cotangents (dS added into the bias's shape by the backward's column
+    pass; gdM in F and Sbar by the folded BoB) and every other output, against float64:
+    relative L2 within `bound` (bf16: ~10x its usual error, a bias shared by the heads sums
+    their atomics)."""
+    dev = "cuda"
+    B, Hq, Hkv, L, S = 2, 4, 2, bias_shape[2], bias_shape[3]
+    q = torch.randn(B, Hq, L, 64, device=dev, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, S, 64, device=dev, dtype=dtype) for _ in range(2))
+    bias = torch.randn(bias_shape, device=dev, dtype=dtype)
+    seed = torch.tensor(12345, device=dev) if dropout_p else None
+    params = AttentionParams(scale=0.125, causal=causal, mask=bias.expand(B, Hq, L, S),
+                             dropout_p=dropout_p, dropout_seed=seed)
+    params64 = AttentionParams(scale=0.125, causal=causal,
+                               mask=bias.double().expand(B, Hq, L, S), dropout_p=dropout_p,
+                               dropout_seed=seed)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do = torch.randn_like(o)
+    cot = [torch.randn_like(t) for t in (q, k, v)] + [torch.randn(bias_shape, device=dev,
+                                                                    dtype=dtype)]
+    first = triton_attention.backward_bias(q, k, v, o, lse, do, None, params)
+    exact = reference.backward_bias(*f64(q, k, v, o, lse, do), None, params64)
+    second = triton_attention.bob_folded_bias(q, k, v, o, lse, do, None, *cot, None, params)
+    exact2 = reference.bob_folded_bias(*f64(q, k, v, o, lse, do), None, *f64(*cot), None,
+                                       params64)
+    names = ("dq", "dk", "dv", "dbias", *reference.BOB_FOLDED_OUTPUTS, "gbias")
+    for name, a, e in zip(names, (*first, *second), (*exact, *exact2), strict=True):
+        assert a.shape == e.shape, name
+        assert rel_err(a, e) < bound, (name, rel_err(a, e))

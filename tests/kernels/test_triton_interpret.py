@@ -679,3 +679,44 @@ def test_dropout_with_a_mask_fp16_and_the_folded_pass_reading_b(monkeypatch):
 def test_dropout_forward_mode(causal):
     q, k, v = make_inputs(1, 2, 1, 29, 41, 16, 16, torch.float32)
     run_forward_mode(q, k, v, causal, (True,) * 7, torch.float32, dropout_p=0.3)
+
+
+# ----------------------------------------------------------------------------- a learned bias
+BIAS_CASES = [  # B, Hq, Hkv, L, S, bias (B', H', L', S'), causal, dropout_p
+    pytest.param(2, 2, 1, 29, 41, (1, 2, 29, 41), True, 0.0, id="per-head-causal-gqa"),
+    pytest.param(1, 2, 2, 37, 21, (1, 1, 37, 21), False, 0.3, id="shared-dropout"),
+    pytest.param(2, 2, 2, 19, 19, (2, 2, 19, 19), True, 0.0, id="full"),
+]
+
+
+@in_interpreter
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,bias_shape,causal,dropout_p", BIAS_CASES)
+def test_learned_bias_cotangents(B, Hq, Hkv, L, S, bias_shape, causal, dropout_p):
+    """backward_bias (dS added into the bias's shape from the backward's column pass) and
+    bob_folded_bias (gdM added to F in both passes, Sbar added into the bias's shape from
+    the folded column pass) against the float64 reference, whose bias cotangents the CPU
+    tests hold to autograd through math."""
+    q, k, v = make_inputs(B, Hq, Hkv, L, S, 16, 16, torch.float32)
+    bias = torch.randn(*bias_shape)
+    if len(bias_shape) == 4 and bias_shape[1] == Hq and bias_shape[0] == 1:
+        bias[:, :, 3, :5] = -torch.inf        # hidden pairs: no cotangent there
+    params = AttentionParams(scale=0.3, causal=causal, mask=bias.expand(B, Hq, L, S),
+                             dropout_p=dropout_p,
+                             dropout_seed=torch.tensor(99) if dropout_p else None)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do = torch.randn_like(o)
+    gdq, gdk, gdv = (torch.randn_like(t) for t in (q, k, v))
+    gdbias = torch.randn(bias_shape)
+    params64 = AttentionParams(scale=0.3, causal=causal, mask=bias.double().expand(B, Hq, L, S),
+                               dropout_p=dropout_p, dropout_seed=params.dropout_seed)
+    first = triton_attention.backward_bias(q, k, v, o, lse, do, None, params)
+    want = reference.backward_bias(*f64(q, k, v, o, lse, do), None, params64)
+    for name, a, e in zip(("dq", "dk", "dv", "dbias"), first, want):
+        check(name, a, e.to(a.dtype), torch.float32)
+    for cotangents in ((gdq, gdk, gdv, gdbias), (None, None, None, gdbias), (gdq, None, gdv, None)):
+        second = triton_attention.bob_folded_bias(q, k, v, o, lse, do, None, *cotangents, None,
+                                                  params)
+        want = reference.bob_folded_bias(*f64(q, k, v, o, lse, do), None, *f64(*cotangents),
+                                         None, params64)
+        for name, a, e in zip((*reference.BOB_FOLDED_OUTPUTS, "gbias"), second, want):
+            check(name, a, e.to(a.dtype), torch.float32)

@@ -1,9 +1,9 @@
 """A learned additive bias (attn_mask that requires grad) through bob_compile.attention: every
 order exact in float64 against autograd through math attention, the bias's own derivatives
 included (first order, HVP, a MAML meta-gradient, forward over reverse, third order, vmap).
-4-D inputs off CUDA run the memory-efficient learned-bias derivatives (BiasAttnFn: the
-blockwise attn_bwd_bias and attn_bob_folded_bias); other inputs run the closed-form math,
-said once in the log (bob_compile/autograd.py, learned_bias_output)."""
+4-D inputs run the fused learned-bias derivatives (BiasAttnFn: attn_bwd_bias and
+attn_bob_folded_bias; blockwise here, Triton on CUDA); other inputs run the closed-form
+math, said once in the log (bob_compile/autograd.py, learned_bias_output)."""
 import logging
 
 import pytest

@@ -131,15 +131,40 @@ def test_sdpa_with_a_padding_mask_is_replaced_and_exact_at_second_order():
 
 
 @needs_fresh_dynamo
-def test_sdpa_with_a_learned_bias_is_kept():
-    """Must not match: a mask that requires grad (its gradient would be lost)."""
+def test_sdpa_with_a_learned_bias_is_replaced_and_differentiated():
+    """A mask that requires grad (a learned bias) is passed on: the HVP w.r.t. the query and
+    the bias equals eager math's."""
     q, k, v = qkv(requires_grad=True)
-    bias = torch.zeros(5, 6, dtype=torch.float64, requires_grad=True)
+    bias = (0.3 * torch.randn(5, 6, dtype=torch.float64)).requires_grad_()
+
+    def biased(q, k, v, bias):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    def hvp(f):
+        grads = torch.autograd.grad((f(q, k, v, bias) ** 2).sum(), (q, bias), create_graph=True)
+        return torch.autograd.grad(grads, (q, bias), [torch.ones_like(g) for g in grads])
+    compiled = torch.compile(biased, backend=flashbob, options=FAST)
+    for a, b in zip(hvp(compiled), hvp(lambda *a: sdpa_math(*a[:3], attn_mask=a[3])),
+                    strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+    (site,) = recent_reports[-1].sites
+    assert site.replaced and "mask=attn_mask" in site.line()
+
+
+@needs_fresh_dynamo
+def test_a_learned_bias_holding_the_causal_pattern_is_not_proven_causal():
+    """Must not become is_causal: a bias that requires grad, even one that holds 0 below
+    the diagonal and -inf above it now, keeps its gradient (which is not zero below)."""
+    q, k, v = qkv(L=5, S=5, requires_grad=True)
+    bias = torch.zeros(5, 5, dtype=torch.float64).masked_fill(
+        torch.ones(5, 5, dtype=torch.bool).triu(1), -torch.inf).requires_grad_()
 
     def biased(q, k, v, bias):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     out = torch.compile(biased, backend=flashbob, options=FAST)(q, k, v, bias)
-    (gb,) = torch.autograd.grad(out.sum(), bias)
-    torch.testing.assert_close(gb, torch.autograd.grad(biased(q, k, v, bias).sum(), bias)[0])
+    (gb,) = torch.autograd.grad((out ** 2).sum(), bias)
+    (want,) = torch.autograd.grad((sdpa_math(q, k, v, attn_mask=bias) ** 2).sum(), bias)
+    torch.testing.assert_close(gb, want, atol=1e-10, rtol=1e-9)
+    assert gb.tril().abs().sum() > 0
     (site,) = recent_reports[-1].sites
-    assert not site.replaced and "requires grad (a learned bias)" in site.reason
+    assert site.replaced and not site.is_causal and "learned bias" in site.mask
