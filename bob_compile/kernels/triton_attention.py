@@ -263,11 +263,23 @@ def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, keys_out=No
 
 
 def _bias_accumulator(params):
-    """Zeros in fp32 shaped like the mask with 1 on its broadcast (stride-0) dims: where the
-    kernels add a learned bias's cotangent."""
+    """fp32 zeros where the kernels add a learned bias's cotangent: shaped like the mask with
+    1 on its broadcast (stride-0) dims, so that every (batch, head) sharing an element adds
+    into it by atomics; under torch.use_deterministic_algorithms the mask's full shape, each
+    element added once (bit-identical), summed over the broadcast dims after (_bias_result)."""
     mask = params.mask
-    return torch.zeros([1 if mask.stride(d) == 0 else n for d, n in enumerate(mask.shape)],
-                       dtype=torch.float32, device=mask.device)
+    shape = mask.shape if native_sdpa.deterministic() else \
+        [1 if mask.stride(d) == 0 else n for d, n in enumerate(mask.shape)]
+    return torch.zeros(shape, dtype=torch.float32, device=mask.device)
+
+
+def _bias_result(accumulated, params):
+    """The accumulated cotangent in the mask's reduced shape and dtype."""
+    mask = params.mask
+    dims = [d for d in range(4) if mask.stride(d) == 0 and accumulated.shape[d] > 1]
+    if dims:
+        accumulated = accumulated.sum(dims, keepdim=True)
+    return accumulated.to(mask.dtype)
 
 
 def backward_bias(q, k, v, o, lse, do, dlse, params):
@@ -275,10 +287,10 @@ def backward_bias(q, k, v, o, lse, do, dlse, params):
     kernels return no dS)."""
     dmask = _bias_accumulator(params)
     if k.shape[2] == 0 or q.shape[2] == 0:
-        return (*backward(q, k, v, o, lse, do, dlse, params), dmask.to(params.mask.dtype))
+        return (*backward(q, k, v, o, lse, do, dlse, params), _bias_result(dmask, params))
     grads = attention_backward(q, k, v, o, lse, do, dlse, params,
                                dq_atomics=settings.current().bwd_dq_atomics, dmask=dmask)
-    return (*grads, dmask.to(params.mask.dtype))
+    return (*grads, _bias_result(dmask, params))
 
 
 def bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params):
@@ -288,10 +300,10 @@ def bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params
     if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None and gdmask is None):
         like = (q, k, v, do, lse)
         return (*(torch.zeros(t.shape, device=t.device, dtype=t.dtype) for t in like),
-                gmask.to(params.mask.dtype))
+                _bias_result(gmask, params))
     outs = attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, fold=True, dq=dq,
                          keys_out=_keys_out(q, k, params), gdmask=gdmask, gmask=gmask)
-    return (*outs, gmask.to(params.mask.dtype))
+    return (*outs, _bias_result(gmask, params))
 
 
 _UNDECIDED = object()

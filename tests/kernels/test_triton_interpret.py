@@ -720,3 +720,32 @@ def test_learned_bias_cotangents(B, Hq, Hkv, L, S, bias_shape, causal, dropout_p
                                          None, params64)
         for name, a, e in zip((*reference.BOB_FOLDED_OUTPUTS, "gbias"), second, want):
             check(name, a, e.to(a.dtype), torch.float32)
+
+
+@in_interpreter
+def test_learned_bias_under_deterministic_algorithms():
+    """A bias shared by batch entries and heads: under torch.use_deterministic_algorithms its
+    cotangents go to a full-size buffer (one add per element) and are summed after; the
+    results equal the atomics' (up to the order of the fp32 sums)."""
+    q, k, v = make_inputs(2, 2, 2, 21, 19, 16, 16, torch.float32)
+    bias = torch.randn(1, 1, 21, 19)
+    params = AttentionParams(scale=0.3, causal=True, mask=bias.expand(2, 2, 21, 19))
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, gdbias = torch.randn_like(o), torch.randn(1, 1, 21, 19)
+    cot = [torch.randn_like(t) for t in (q, k, v)]
+
+    def both():
+        return (triton_attention.backward_bias(q, k, v, o, lse, do, None, params)[3],
+                triton_attention.bob_folded_bias(q, k, v, o, lse, do, None, *cot, gdbias, None,
+                                                 params)[5])
+    shared = both()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert triton_attention._bias_accumulator(params).shape == (2, 2, 21, 19)
+        full = both()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for a, e in zip(full, shared):
+        assert a.shape == (1, 1, 21, 19)
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
