@@ -194,3 +194,16 @@ def test_compiled_hvp_through_the_op_with_a_bias_parameter():
     want = hvp_of(Biased(lambda q, k, v, b: sdpa_math(q, k, v, attn_mask=b, is_causal=True)))
     for a, b in zip(hvp_of(compiled), want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+
+
+def test_an_expanded_bias_gets_its_own_gradient():
+    """A bias that is itself a stride-0 view (a per-head parameter expanded over the batch):
+    its gradient flows back through the expand (summed there), not summed twice."""
+    q, k, v, table = inputs((1, 4, 7, 9), False)
+    table.requires_grad_()
+
+    def gradient(attend):
+        out = attend(q, k, v, attn_mask=table.expand(2, 4, 7, 9))
+        return torch.autograd.grad((out ** 2).sum(), table)[0]
+    torch.testing.assert_close(gradient(bob_compile.attention), gradient(sdpa_math),
+                               atol=1e-10, rtol=1e-9)
