@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-FLOAT_ARGS = ("qk_scale_log2", "scale")
+FLOAT_ARGS = ("qk_scale_log2", "scale", "keep_scale")
 FLOAT_TENSORS = ("LSE", "D", "TD", "TLSE")   # row statistics, fp32 whatever the inputs
 
 
@@ -41,6 +41,8 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name == "SEED":        # dropout's seed: an int64 tensor
+            signature[name] = "*i64"
         elif name.isupper() and name not in ("L", "S"):  # tensors: upper-case, but lengths
             signature[name] = ("*fp32" if name.endswith("_ACC") or name in FLOAT_TENSORS
                                else f"*{dtype}")
@@ -78,7 +80,9 @@ def causal_constexprs(fn, is_bob, d, block_m, block_n):
                   SPLIT_EDGES=True,          # as a causal call runs
                   ROW_ATOMICS=False, DQ_ATOMICS=False,
                   HAS_TQ=True, HAS_TK=True, HAS_TV=True, HAS_TS=True, HAS_TLSE=True,
-                  HAS_TDO=True)
+                  HAS_TDO=True,
+                  # no dropout, no learned bias: what a plain causal call compiles
+                  DROPOUT=False, HAS_DM=False, HAS_GDM=False, HAS_GM=False)
     if is_bob:
         consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
                       FOLD=is_bob in ("fold", "fold_dq"))
