@@ -33,6 +33,8 @@ Providers
   op_autograd_calling_thread: op_autograd with its backwards on the calling thread;
   op_autograd_dropout: op_autograd with attention dropout p = 0.1 (every kernel regenerates
   the mask; issue 39: <= 1.15x op_autograd at 16K causal);
+  op_autograd_bias / torch_math_bias: the step with a learned (1, H, N, N) bias, its
+  cotangents included, through the op and through SDPA's math;
   op_autograd_python_node / op_autograd_first_order_python_node: with BOB_COMPILE_CPP_NODE=off
   (the op's Python autograd node where PyTorch's fused kernels run the first order; the
   script builds the C++ node, or loads it, before it times anything)
@@ -191,6 +193,50 @@ def op_autograd_dropout(q, k, v, do, gq, gk, gv, scale, causal):
     return op_autograd(q, k, v, do, gq, gk, gv, scale, causal, dropout_p=DROPOUT_P)
 
 
+_BIASES = {}
+
+
+def learned_bias(q, k):
+    """A per-head learned bias (1, Hq, L, S) in q's dtype, requiring grad, made once per
+    shape (not timed)."""
+    key = (q.shape[1], q.shape[2], k.shape[2], q.dtype, q.device)
+    if key not in _BIASES:
+        g = torch.Generator(device=q.device).manual_seed(3)
+        _BIASES[key] = torch.randn(1, *key[:3], generator=g, device=q.device,
+                                   dtype=q.dtype).requires_grad_()
+    return _BIASES[key]
+
+
+def op_autograd_bias(q, k, v, do, gq, gk, gv, scale, causal):
+    """op_autograd with a learned bias: the bias's cotangents (dS, and Sbar with the
+    cotangent of dS in F) added into its shape by the kernels, every order."""
+    import bob_compile
+    bias = learned_bias(q, k)
+    gbias = torch.ones_like(bias)
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    o = bob_compile.attention(q, k, v, attn_mask=bias, is_causal=causal, scale=scale,
+                              enable_gqa=gqa(q, k))
+    dq, dk, dv, dbias = torch.autograd.grad(o, (q, k, v, bias), do, create_graph=True)
+    return torch.autograd.grad((dq, dk, dv, dbias), (q, k, v, do, bias), (gq, gk, gv, gbias))
+
+
+def torch_math_bias(q, k, v, do, gq, gk, gv, scale, causal):
+    """The same step through SDPA's math (the alternative with a learned bias)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    bias = learned_bias(q, k)
+    gbias = torch.ones_like(bias)
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    with sdpa_kernel(SDPBackend.MATH):
+        mask = bias if not causal else bias.masked_fill(
+            torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1),
+            float("-inf"))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                             scale=scale, enable_gqa=gqa(q, k))
+        dq, dk, dv, dbias = torch.autograd.grad(o, (q, k, v, bias), do, create_graph=True)
+        return torch.autograd.grad((dq, dk, dv, dbias), (q, k, v, do, bias),
+                                   (gq, gk, gv, gbias))
+
+
 def op_autograd_calling_thread(q, k, v, do, gq, gk, gv, scale, causal):
     with torch.autograd.set_multithreading_enabled(False):
         return op_autograd(q, k, v, do, gq, gk, gv, scale, causal)
@@ -221,6 +267,7 @@ PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
              "op_autograd_sbar_split": op_autograd, "op_autograd_no_edge_split": op_autograd,
              "op_autograd_calling_thread": op_autograd_calling_thread,
              "op_autograd_dropout": op_autograd_dropout,
+             "op_autograd_bias": op_autograd_bias, "torch_math_bias": torch_math_bias,
              "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order,
              "op_autograd_python_node": op_autograd,

@@ -195,3 +195,22 @@ def test_attention_dropout_under_cuda_graphs():
         assert relative_error(results[-1], expected) <= 1e-4
     assert relative_error(results[0], results[1]) > 1e-3      # other seeds, other masks
     assert recorded_graphs() == recorded
+
+
+@pytest.mark.parametrize("scenario", ["hvp", "maml"])
+def test_learned_bias_on_cuda(scenario):
+    """A learned (H, L, L) bias parameter on CUDA (inductor, float32): the site becomes the
+    op, whose Triton kernels add the bias's cotangents into its shape; HVP and MAML w.r.t.
+    every parameter, the bias included, against eager math."""
+    from training.test_second_order_ops import LearnedBias, hessian_vector_product
+    from training.test_second_order_ops import maml as maml_of
+    torch.manual_seed(0)
+    model = LearnedBias().cuda()
+    x = torch.randn(2, 8, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    run = {"hvp": hessian_vector_product, "maml": maml_of}[scenario]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = run(model, x)
+    actual = run(torch.compile(model, backend=flashbob, options=OPTIONS), x)
+    assert relative_error(actual, expected) <= 1e-4
+    assert recent_reports and all(len(r.replaced) == 1 for r in recent_reports)
+
