@@ -749,3 +749,32 @@ def test_learned_bias_under_deterministic_algorithms():
     for a, e in zip(full, shared):
         assert a.shape == (1, 1, 21, 19)
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
+@in_interpreter
+@pytest.mark.parametrize("holds", ["zeros", "causal_pattern", "padding_pattern"])
+def test_learned_bias_whose_values_look_like_a_structured_mask(holds):
+    """A bias that now holds zeros (a fresh learned bias), the causal pattern or a padding
+    pattern: the mask's summary runs the unmasked or index paths, which must still add every
+    visible pair's dS and Sbar into the bias's cotangents and read gdM there."""
+    B, H, L, S = 2, 2, 24, 24
+    q, k, v = make_inputs(B, H, H, L, S, 16, 16, torch.float32)
+    bias = torch.zeros(1, H, L, S)
+    if holds == "causal_pattern":
+        bias = bias.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), -torch.inf)
+    elif holds == "padding_pattern":
+        bias[..., 17:] = -torch.inf
+    params = AttentionParams(scale=0.3, causal=False, mask=bias.expand(B, H, L, S))
+    params64 = AttentionParams(scale=0.3, causal=False, mask=bias.double().expand(B, H, L, S))
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, gdbias = torch.randn_like(o), torch.randn(1, H, L, S)
+    cot = [torch.randn_like(t) for t in (q, k, v)]
+    first = triton_attention.backward_bias(q, k, v, o, lse, do, None, params)
+    want = reference.backward_bias(*f64(q, k, v, o, lse, do), None, params64)
+    check("dbias", first[3], want[3].float(), torch.float32)
+    second = triton_attention.bob_folded_bias(q, k, v, o, lse, do, None, *cot, gdbias, None,
+                                              params)
+    want = reference.bob_folded_bias(*f64(q, k, v, o, lse, do), None, *f64(*cot, gdbias), None,
+                                     params64)
+    for name, a, e in zip((*reference.BOB_FOLDED_OUTPUTS, "gbias"), second, want):
+        check(name, a, e.float(), torch.float32)
