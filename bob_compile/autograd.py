@@ -314,15 +314,16 @@ def learned_bias_output(q, k, v, bias, scale, causal, dropout_p=0.0, seed=None):
         if any(stride == 0 and n > 1 for stride, n in zip(bias.stride(), bias.shape)):
             bias = bias.contiguous()    # its broadcast dims must be the ones the op adds
         return BiasAttnFn.apply(q, k, v, bias, scale, causal, dropout_p, seed)[0]
+    global _learned_bias_logged
     if not _learned_bias_logged:
-        _learned_bias_logged.append(True)
+        _learned_bias_logged = True
         log.warning("bob_compile.attention: attn_mask requires grad (a learned bias) with "
                     "inputs other than 4-D (or under legacy vmap): such calls run the "
                     "closed-form math, unfused (O(L*S) memory), exact at every order")
     return _forward_twin(q, k, v, bias, scale, causal, dropout_p, seed)[0]
 
 
-_learned_bias_logged = []
+_learned_bias_logged = False
 
 
 def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal,

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import kernels
 from .kernels import layout
-from .kernels.params import AttentionParams
+from .kernels.params import AttentionParams, mask_own_shape
 from .kernels.reference import acc_dtype
 
 NAMESPACE = "bob_compile"
@@ -195,14 +195,6 @@ def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, sc
                               keep_mask_summary)
 
 
-def _flat_mask_cotangent(t: Optional[Tensor], flat: Tensor):
-    """A cotangent shaped like the caller's mask as the implementations take it: the flat
-    mask's shape with 1 on its broadcast dims."""
-    if t is None:
-        return None
-    return t.reshape([1 if flat.stride(d) == 0 else n for d, n in enumerate(flat.shape)])
-
-
 def call_backward_bias(pick, q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0,
                        seed=None):
     """call_backward, and the additive mask's cotangent, shaped like the mask. The
@@ -226,7 +218,7 @@ def call_bob_folded_bias(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask,
     params = _params(q, k, mask, scale, causal, False, dropout_p, seed)
     outs = pick(qf, kf, vf).bob_folded_bias(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(gdq),
-        _flat(gdk), _flat(gdv), _flat_mask_cotangent(gdmask, params.mask), None, params)
+        _flat(gdk), _flat(gdv), None if gdmask is None else gdmask.reshape(mask_own_shape(params.mask)), None, params)
     shaped = tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                    for t, like in zip(outs[:5], (q, k, v, do, None)))
     return (*shaped, outs[5].reshape(mask.shape))
@@ -331,7 +323,7 @@ def attn_bwd_bias(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: T
                   dlse: Optional[Tensor], mask: Tensor, scale: float, causal: bool,
                   dropout_p: float = 0.0, seed: Optional[Tensor] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return call_backward_bias(kernels.select_bias, q, k, v, o, lse, do, dlse, mask, scale,
+    return call_backward_bias(kernels.select, q, k, v, o, lse, do, dlse, mask, scale,
                               causal, dropout_p, seed)
 
 
@@ -347,7 +339,7 @@ def attn_bob_folded_bias(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                          scale: float, causal: bool, dropout_p: float = 0.0,
                          seed: Optional[Tensor] = None
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return call_bob_folded_bias(kernels.select_bias, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
+    return call_bob_folded_bias(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
                                 gdmask, mask, scale, causal, dropout_p, seed)
 
 

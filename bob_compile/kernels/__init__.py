@@ -24,8 +24,8 @@ differentiated, that every function applies where it forms the scores):
     forward_jvp(q, k, v, o, lse, tq, tk, tv, params) -> (to, tlse)
     backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, params)
         -> (tdq, tdk, tdv)
-and, for a mask that the derivatives take as an input (a learned bias), its cotangents
-shaped like params.mask with 1 on its broadcast (stride-0) dims (`select_bias`):
+and, for a mask that the derivatives take as an input (a learned bias), its cotangents in
+the mask's own shape (params.mask_own_shape: 1 on its broadcast, stride-0, dims):
     backward_bias(q, k, v, o, lse, do, dlse, params) -> (dq, dk, dv, dmask)
     bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params)
         -> (gq, gk, gv, gdo, gdlse, gmask)
@@ -92,12 +92,6 @@ def fold_bob(q, k, v):
     on_triton = s.kernels == "triton" or (s.kernels is None and q.is_cuda)
     tri = _triton() if on_triton else None
     return tri is None or tri.folded_bob_pays(q, v)
-
-
-def select_bias(q, k, v):
-    """The implementation of the learned-bias functions (backward_bias, bob_folded_bias):
-    select's choice (the Triton kernels write and read the bias's cotangents as N² tiles)."""
-    return select(q, k, v)
 
 
 def select(q, k, v):

@@ -16,6 +16,7 @@ import math
 import torch
 
 from . import dropout
+from .params import mask_own_shape
 from .reference import acc_dtype, apply_mask, dropped, expand_kv, lse_for_probabilities, reduce_kv
 
 # Tile edge lengths (query rows, key columns). 256 keeps Python overhead low on CPU while
@@ -178,9 +179,8 @@ def _backward(q, k, v, o, lse, do, dlse, params, dmask):
 
 # ----------------------------------------------------------------------------- a mask's cotangent
 def _mask_accumulator(mask, dtype):
-    """Zeros shaped like the mask without its broadcast dims (stride 0: size 1 here)."""
-    shape = [1 if mask.stride(d) == 0 else n for d, n in enumerate(mask.shape)]
-    return torch.zeros(shape, dtype=dtype, device=mask.device)
+    """Zeros in the mask's own shape (params.mask_own_shape)."""
+    return torch.zeros(mask_own_shape(mask), dtype=dtype, device=mask.device)
 
 
 def _on_mask(acc, rows, cols):

@@ -78,3 +78,19 @@ class AttentionParams:
     def __hash__(self):
         return hash((self.scale, self.causal, id(self.mask), self.dropout_p,
                      id(self.dropout_seed)))
+
+
+# A learned bias (a floating mask that requires grad) gets cotangents. The implementations
+# take the mask as (B, Hq, L, S) with the dims it broadcasts at stride 0 (ops.flat_mask), and
+# return its cotangents in its own shape: those dims of size 1.
+def mask_own_shape(mask):
+    """The (B, Hq, L, S) mask's own shape: 1 on its broadcast (stride-0) dims."""
+    return [1 if mask.stride(d) == 0 else n for d, n in enumerate(mask.shape)]
+
+
+def sum_to_mask(t, mask):
+    """A score-shaped cotangent t summed over the mask's broadcast dims (keepdim), where t
+    still spans them: in mask_own_shape(mask)."""
+    dims = [d for d in range(4) if mask.stride(d) == 0 and t.shape[d] > 1]
+    return t.sum(dims, keepdim=True) if dims else t
+

@@ -21,7 +21,7 @@ import math
 import torch
 
 from . import dropout
-from .params import HIDDEN_AT_OR_BELOW
+from .params import HIDDEN_AT_OR_BELOW, sum_to_mask
 
 # Cotangent names of `bob` outputs, in order: the VJP of `backward` w.r.t. all its tensors.
 BOB_OUTPUTS = ("gq", "gk", "gv", "go", "glse", "gdo", "gdlse")
@@ -181,16 +181,9 @@ def backward(q, k, v, o, lse, do, dlse, params, upcast=True):
 
 def backward_bias(q, k, v, o, lse, do, dlse, params):
     """backward, and the cotangent of the additive mask: dS, summed over the mask's
-    broadcast dims (reduce_to_mask), in the mask's dtype."""
+    broadcast dims (params.sum_to_mask), in the mask's dtype."""
     *grads, ds = _backward(q, k, v, o, lse, do, dlse, params)
-    return (*grads, reduce_to_mask(ds, params.mask).to(params.mask.dtype))
-
-
-def reduce_to_mask(t, mask):
-    """A (B, Hq, L, S) cotangent summed over the dims the (B, Hq, L, S) mask broadcasts
-    (stride 0), kept as size 1: the mask's own shape."""
-    dims = [d for d in range(4) if mask.stride(d) == 0 and mask.shape[d] > 1]
-    return t.sum(dims, keepdim=True) if dims else t
+    return (*grads, sum_to_mask(ds, params.mask).to(params.mask.dtype))
 
 
 def _backward(q, k, v, o, lse, do, dlse, params):
@@ -303,7 +296,7 @@ def bob_folded_bias(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, dq, params
                                                     gdmask, params)
     dq, dk, dv, ds = _backward(q, k, v, o, lse, go, glse, params)
     outs = (gq + dq, gk + dk, gv + dv, gdo, gdlse)
-    gmask = reduce_to_mask(s_bar + ds, params.mask).to(params.mask.dtype)
+    gmask = sum_to_mask(s_bar + ds, params.mask).to(params.mask.dtype)
     return (*(t.to(dt) for t, dt in zip(outs, dts)), gmask)
 
 

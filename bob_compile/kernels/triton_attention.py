@@ -26,7 +26,7 @@ import sys
 import torch
 
 from . import blockwise, layout, native_sdpa, settings
-from .params import AttentionParams
+from .params import AttentionParams, mask_own_shape, sum_to_mask
 from .triton_backward import attention_backward
 from .tuning import BUILD_ERRORS, error_summary
 from .triton_bob import attention_bob
@@ -268,18 +268,13 @@ def _bias_accumulator(params):
     into it by atomics; under torch.use_deterministic_algorithms the mask's full shape, each
     element added once (bit-identical), summed over the broadcast dims after (_bias_result)."""
     mask = params.mask
-    shape = mask.shape if native_sdpa.deterministic() else \
-        [1 if mask.stride(d) == 0 else n for d, n in enumerate(mask.shape)]
+    shape = mask.shape if native_sdpa.deterministic() else mask_own_shape(mask)
     return torch.zeros(shape, dtype=torch.float32, device=mask.device)
 
 
 def _bias_result(accumulated, params):
-    """The accumulated cotangent in the mask's reduced shape and dtype."""
-    mask = params.mask
-    dims = [d for d in range(4) if mask.stride(d) == 0 and accumulated.shape[d] > 1]
-    if dims:
-        accumulated = accumulated.sum(dims, keepdim=True)
-    return accumulated.to(mask.dtype)
+    """The accumulated cotangent in the mask's own shape and dtype."""
+    return sum_to_mask(accumulated, params.mask).to(params.mask.dtype)
 
 
 def backward_bias(q, k, v, o, lse, do, dlse, params):

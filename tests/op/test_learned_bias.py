@@ -103,7 +103,7 @@ def test_with_dropout_the_bias_sees_the_calls_mask():
 
 def test_the_fallback_is_logged_once(caplog, monkeypatch):
     """Inputs without a batch dim (3-D) take the closed form, and say so once."""
-    monkeypatch.setattr(bob_autograd, "_learned_bias_logged", [])
+    monkeypatch.setattr(bob_autograd, "_learned_bias_logged", False)
     q, k, v, bias = inputs((7, 9), False)
     bias.requires_grad_()
     with caplog.at_level(logging.WARNING, logger="bob_compile.autograd"):
