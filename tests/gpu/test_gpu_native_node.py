@@ -278,7 +278,8 @@ def test_masked_calls_in_the_node_at_every_order(cpp_node, monkeypatch):
 def test_repeated_masked_calls_take_the_cpp_entry(cpp_node, monkeypatch):
     """From its second call on, a masked signature's calls (the mask's dtype, shape and
     strides included) run from the C++ entry: the same bits as attention()'s Python lines;
-    a mask that requires grad is still refused by them."""
+    a mask that requires grad (a learned bias) is left to the Python lines, which return its
+    gradient."""
     calls = python_lines(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(6)
     q, k, v, do = randn_like_views(g, *[(2, 4, 130, 64)] * 4, dtype=torch.bfloat16)
@@ -296,5 +297,18 @@ def test_repeated_masked_calls_take_the_cpp_entry(cpp_node, monkeypatch):
         torch.testing.assert_close(a, first, rtol=0, atol=0)
     torch.testing.assert_close(torch.autograd.grad(again, q, do)[0],
                                torch.autograd.grad(first, q, do)[0], rtol=0, atol=0)
-    with pytest.raises(TypeError, match="requires grad"):
-        bob_compile.attention(q, k, v, attn_mask=mask.float().requires_grad_(), is_causal=True)
+    # a mask that requires grad is a learned bias: the C++ entry leaves it to the Python
+    # lines, whose Function returns its cotangent (the closed form's, up to fp32 rounding)
+    bias = mask.float().requires_grad_()
+    learned = bob_compile.attention(q, k, v, attn_mask=bias, is_causal=True)
+    assert len(calls) == 3 and type(learned.grad_fn).__name__ != "CppFunction"
+    gq, gbias = torch.autograd.grad(learned, (q, bias), do)
+    hidden = torch.ones(130, 130, dtype=torch.bool, device="cuda").triu(1)
+    causal = torch.zeros(130, 130, dtype=torch.float64, device="cuda").masked_fill(
+        hidden, float("-inf"))
+    ref_bias, ref_q = (t.detach().double().requires_grad_() for t in (bias, q))
+    ref = torch.nn.functional.scaled_dot_product_attention(ref_q, k.double(), v.double(),
+                                                           attn_mask=ref_bias + causal)
+    want_q, want_bias = torch.autograd.grad(ref, (ref_q, ref_bias), do.double())
+    for got, want in ((gq, want_q), (gbias, want_bias)):
+        assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
