@@ -124,3 +124,16 @@ def output_gets_tangent(info):
         return flag
     return info.requires_grad and issubclass(info.raw_type, torch.Tensor) and info.output_type in (
         OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
+
+
+def saved_tensor_hooks_active():
+    """Whether saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks: save_on_cpu,
+    non-reentrant checkpointing) would see what a Function saves now. Private API; where it
+    is missing, answer yes, so that the caller keeps save_for_backward's behaviour."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except TypeError:           # an older signature without ignore_is_tracing
+        return top() is not None

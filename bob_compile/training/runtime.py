@@ -29,8 +29,9 @@ import logging
 
 import torch
 
+from .._compat import saved_tensor_hooks_active
 from ..kernels import settings as kernel_settings
-from .pairs import NotSupported, as_traced
+from .pairs import as_traced
 from .second_order import ExactBeyondSecondOrder, GraphVjp, compile_graph_vjp, eager_vjp
 
 log = logging.getLogger("bob_compile.training")
@@ -259,14 +260,20 @@ class ForwardFn(torch.autograd.Function):
         ctx.residual_index = residual_index
         ctx.non_tensor_values = {i: values[i] for i in residual_index
                                  if not isinstance(values[i], torch.Tensor)}
-        kept = [*outputs, *(values[i] for i in residual_index)]
-        tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+        output_tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        residuals = [values[i] for i in residual_index if isinstance(values[i], torch.Tensor)]
         returned = _returned(pair, outputs)
         ctx.mark_non_differentiable(*[
             t for i, t in enumerate(returned) if isinstance(t, torch.Tensor) and (
                 not t.is_floating_point() or not pair.differentiable_outputs[i])])
-        ctx.save_for_backward(*tensors, *[p if isinstance(p, torch.Tensor) else None for p in primals])
-        ctx.num_kept_tensors = len(tensors)
+        # The residuals are held apart (a Residuals box) unless saved-tensor hooks are
+        # active (save_on_cpu, non-reentrant checkpointing: they must see them), so that a
+        # create_graph backward, which never reads them, can free them (Residuals).
+        ctx.residuals = None if saved_tensor_hooks_active() else Residuals(residuals)
+        saved_residuals = residuals if ctx.residuals is None else []
+        ctx.save_for_backward(*output_tensors, *saved_residuals,
+                              *[p if isinstance(p, torch.Tensor) else None for p in primals])
+        ctx.num_kept_tensors = len(output_tensors) + len(saved_residuals)
         ctx.set_materialize_grads(False)
         return returned
 
@@ -277,7 +284,7 @@ class ForwardFn(torch.autograd.Function):
         graph, pair = ctx.graph, ctx.graph.pair
         if not torch.is_grad_enabled() and not _batched(output_grads):
             # plain first order: what stock compile runs, freeing memory as it does
-            inputs = _first_order_inputs(ctx, pair, output_grads)
+            inputs = _first_order_inputs(ctx, graph, pair, output_grads)
             with _named_errors(graph, "the compiled backward"):
                 if pair.donates and _keeps_graph():
                     # retain_graph=True: the saved values must survive this backward, which the
@@ -286,9 +293,51 @@ class ForwardFn(torch.autograd.Function):
                     with torch.no_grad():
                         return (None, *pair.backward_graph(*inputs))
                 return (None, *pair.backward(inputs))
-        primals, _ = _unpack(ctx, pair)
+        # create_graph, or batched cotangents: the graph's VJP, which recomputes what it reads
+        primals = _primals(ctx)
+        if ctx.residuals is not None and _recomputable(pair):
+            ctx.residuals.release()
         return (None, *graph.input_gradients(primals, ctx.draws, output_grads, ctx.output_meta,
                                              ctx.needs_input_grad[1:]))
+
+
+def _recomputable(pair):
+    """Whether the compiled forward, run again on the primals, gives the residuals it gave:
+    not where it draws random numbers (a new draw), nor under CUDA graph trees (a second
+    run of a recorded forward before its backward re-records the tree)."""
+    return not pair.random_index and not pair.cuda_graphs
+
+
+class Residuals:
+    """The compiled forward's residuals, held by the node outside save_for_backward.
+
+    A create_graph backward (Hessian-vector products, MAML) runs the graph's VJP pair, which
+    recomputes the forward and keeps what the second order reads: the first-order residuals
+    are then dead weight, and with save_for_backward they would live as long as the graph
+    (create_graph retains it) — through the double backward, the step's peak. `release`
+    drops them where the forward can recompute them (`_recomputable`); a later first-order
+    backward of the same node (an HVP of a nonlinear loss sends the loss's own second-order
+    cotangent back through it) runs the compiled forward again first. Like a SavedVariable,
+    an in-place change of a residual (one that is a view of a graph input, say) after the
+    forward is an error."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.versions = [t._version for t in tensors]
+        self.released = False
+
+    def get(self):
+        for t, version in zip(self.tensors, self.versions):
+            if t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: a residual of a flashbob-compiled graph, of "
+                    f"shape {tuple(t.shape)}, is at version {t._version}; expected version "
+                    f"{version} instead.")
+        return self.tensors
+
+    def release(self):
+        self.tensors, self.versions, self.released = [], [], True
 
 
 def _returned(pair, outputs):
@@ -309,23 +358,41 @@ def _keeps_graph():
     return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
+def _primals(ctx):
+    primal_tensors = ctx.saved_tensors[ctx.num_kept_tensors:]
+    return [p if t is None else t for p, t in zip(ctx.non_tensor_primals, primal_tensors)]
+
+
 def _unpack(ctx, pair):
     """(primals, the forward graph's output list) from what the forward saved."""
     saved = ctx.saved_tensors
     kept, primal_tensors = saved[:ctx.num_kept_tensors], saved[ctx.num_kept_tensors:]
+    if ctx.residuals is not None:
+        kept = (*kept, *ctx.residuals.get())
     primals = [p if t is None else t for p, t in zip(ctx.non_tensor_primals, primal_tensors)]
     return primals, _values(ctx, pair, kept, primals)
 
 
-def _first_order_inputs(ctx, pair, output_grads):
+def _first_order_inputs(ctx, graph, pair, output_grads):
     """The compiled backward's input list, as its only holder of the saved values.
 
     Like AOTAutograd's own runtime, release the node's saved tensors first (unless
     retain_graph=True keeps them): the compiled backward then frees each residual after its
     last use, and, compiled with donated buffers, writes into residuals it is done with.
-    Together: a GPT-2-small step (B=8, T=1024) peaks at stock compile's 4.19 GiB, not 4.88."""
-    primals, values = _unpack(ctx, pair)
+    Together: a GPT-2-small step (B=8, T=1024) peaks at stock compile's 4.19 GiB, not 4.88.
+    Residuals a create_graph backward released are recomputed (Residuals)."""
+    if ctx.residuals is not None and ctx.residuals.released:
+        primals = _primals(ctx)
+        with _named_errors(graph, "the compiled forward (recomputing its residuals)"):
+            values = pair.forward(list(primals))
+        values = list(values[:len(values) - pair.num_appended])
+        for i, p in pair.saved_primals.items():
+            values[i] = primals[p]
+    else:
+        primals, values = _unpack(ctx, pair)
     ctx.maybe_clear_saved_tensors()
+    if ctx.residuals is not None and not _keeps_graph():
+        ctx.residuals.release()
     saved = [values[i] for i in pair.saved_order]
     del primals, values
     return pair.backward_inputs(saved, output_grads, ctx.output_meta)
@@ -386,8 +453,13 @@ class SecondOrderFn(torch.autograd.Function):
             grads = ctx.graph.eager_second_order(ctx.wanted, inputs, vectors,
                                                  create_graph=torch.is_grad_enabled())
             return (None, None, None, *grads)
-        pair = ctx.pair
+        pair, saved = ctx.pair, ctx.second_order_saved
+        if not _keeps_graph():
+            # the backward half's list then holds the only reference to each saved value, and
+            # frees it after its last use (as the first order's does)
+            ctx.second_order_saved = None
+        inputs = pair.backward_inputs(saved, vectors, ctx.output_meta)
+        del saved
         with _named_errors(ctx.graph, "the compiled second order (backward half)"):
-            grads = pair.backward(pair.backward_inputs(ctx.second_order_saved, vectors,
-                                                       ctx.output_meta))
+            grads = pair.backward(inputs)
         return (None, None, None, *grads)

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import bob_compile.training.runtime as training_runtime
 from bob_compile.backend import counters, flashbob, recent_reports
 from bob_compile.kernels import settings
+from bob_compile.training.pairs import NotSupported
 from models import CASES, SDPABlock, exact_twin, loss_of
 from tiers import diagonal
 
@@ -223,6 +224,67 @@ def test_first_order_backward_frees_residuals_as_it_goes(monkeypatch):
     assert compiled_backward_ran
     assert max_error(first_order(compiled, x), expected) <= TOLERANCE
     assert alive_after_backward[-1] == 0       # without it, nothing outlives its last use
+
+
+def test_a_create_graph_backward_frees_the_first_order_residuals(inductor_runs):
+    """The VJP pair recomputes what the second order reads, so the compiled forward's
+    residuals die at the create_graph backward instead of living with the graph through the
+    double backward (the step's peak). The loss's own second-order cotangent, sent back
+    through the first-order backward (a nonlinear loss), recomputes them with the compiled
+    forward; a plain backward after a create_graph one (retain_graph) is exact too."""
+    import weakref
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    params = list(model.parameters())
+    with math_sdpa():
+        expected_hvp = hessian_vector_product(model, x)
+        expected_grads = first_order(model, x)
+    compiled = torch.compile(model, backend=flashbob, options=INDUCTOR)
+    hessian_vector_product(compiled, x)      # compiles every order
+    inductor_runs.runs.update(dict.fromkeys(inductor_runs.runs, 0))
+    out = compiled(x)
+    held = {id(t) for t in (*params, x)}     # parameters may be residuals as they are
+    residuals = [weakref.ref(t) for t in out.grad_fn.residuals.tensors if id(t) not in held]
+    assert residuals
+    loss = loss_of(out)
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    assert all(r() is None for r in residuals)
+    hvp = torch.autograd.grad(grads, params, [torch.full_like(p, 0.5) for p in params],
+                              retain_graph=True)
+    assert max_error(hvp, expected_hvp) <= TOLERANCE
+    assert inductor_runs.runs["first_order.forward"] == 2     # the step's, and the recompute
+    assert max_error(torch.autograd.grad(loss, params), expected_grads) <= TOLERANCE
+
+
+def test_under_saved_tensor_hooks_the_residuals_are_saved_for_backward():
+    """save_on_cpu, non-reentrant checkpointing and other saved-tensor hooks see every
+    residual, as with stock compile (they are kept in the node's saved tensors)."""
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob, options=INDUCTOR)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = compiled(x)
+    assert out.grad_fn.residuals is None
+    without_hooks = compiled(x)
+    assert len(packed) >= len(without_hooks.grad_fn.residuals.tensors) > 0
+    with math_sdpa():
+        expected = hessian_vector_product(model, x)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss_of(out), params, create_graph=True)
+    hvp = torch.autograd.grad(grads, params, [torch.full_like(p, 0.5) for p in params])
+    assert max_error(hvp, expected) <= TOLERANCE
+
+
+def test_a_residual_changed_in_place_is_an_error():
+    """As for a SavedVariable: a residual written after the forward is refused, not read."""
+    model = SDPABlock().double()
+    x, = CASES["sdpa"].batch(0)
+    compiled = torch.compile(model, backend=flashbob, options=INDUCTOR)
+    out = compiled(x)
+    out.grad_fn.residuals.tensors[0].add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss_of(out), list(model.parameters()))
 
 
 # ---------------------------------------------------------------------------- MAML, three ways
@@ -453,7 +515,7 @@ def test_a_second_order_that_cannot_compile_runs_eagerly(scenario, monkeypatch, 
     function runs eagerly (exact, with a warning and a line in the report), instead of
     raising out of the user's backward."""
     def refuse(*args, **kwargs):
-        raise training_runtime.NotSupported("it mutates inputs (simulated)")
+        raise NotSupported("it mutates inputs (simulated)")
     monkeypatch.setattr(training_runtime, "compile_graph_vjp", refuse)
     model = SDPABlock().double()
     x, = CASES["sdpa"].batch(0)
