@@ -11,6 +11,8 @@ had to recompute their residuals (a create_graph backward frees them: docs/routi
 
     python benchmarks/bench_second_order_memory.py --batch-size 8 --seq-len 1024 --out results/
     python benchmarks/bench_second_order_memory.py --compiler eager ...   # the eager route
+    python benchmarks/bench_second_order_memory.py --activation-memory-budget 0.3 ...
+        # PyTorch's partitioner knob (torch._functorch.config), which our orders honour
     python benchmarks/bench_second_order_memory.py --device cpu --n-layer 2 --n-embd 64 \\
         --n-head 2 --vocab-size 512 --seq-len 64 --batch-size 2 --out /tmp/   # smoke run
 """
@@ -67,9 +69,14 @@ def main():
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--vocab-size", type=int, default=50304)
     p.add_argument("--compiler", default=None, help="flashbob's compiler option (eager: the eager route)")
+    p.add_argument("--activation-memory-budget", type=float, default=None,
+                   help="torch._functorch.config.activation_memory_budget for every compile")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
+    if args.activation_memory_budget is not None:
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = args.activation_memory_budget
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     watch = SecondOrderWatch()
@@ -105,6 +112,7 @@ def main():
         synchronize()
         times.append(1e3 * (time.perf_counter() - start))
     row = dict(batch_size=args.batch_size, seq_len=args.seq_len, compiler=args.compiler,
+               activation_memory_budget=args.activation_memory_budget,
                median_ms=statistics.median(times), first_step_s=first_s,
                peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
                keeping=[line.strip() for r in recent_reports for line in r.text().splitlines()
@@ -118,7 +126,8 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(run=run_record(), row=row), indent=1))
     peak = f"{row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else "n/a"
-    print(f"B={args.batch_size} T={args.seq_len} compiler={args.compiler or 'default'}: "
+    print(f"B={args.batch_size} T={args.seq_len} compiler={args.compiler or 'default'} "
+          f"budget={args.activation_memory_budget}: "
           f"{row['median_ms']:.1f} ms per step (host clock after a synchronize), peak {peak}, "
           f"first step {first_s:.1f} s, residual recomputes {watch.recomputes}")
     for line in row["keeping"]:

@@ -109,3 +109,15 @@ def test_maml_through_checkpointed_blocks():
         expected = maml(stack(None), x)
     compiled = torch.compile(stack("non_reentrant"), backend=flashbob, options=AOT_EAGER)
     assert max_error(maml(compiled, x), expected) <= TOLERANCE
+
+
+def test_the_second_order_honours_the_partitioners_memory_budget():
+    """PyTorch's own knob for recomputation over saving (torch._functorch.config's
+    activation_memory_budget, what stock compile's users set) reaches the second order's
+    partition too: a budget keeps less there, and the HVP stays exact."""
+    import torch._functorch.config as functorch_config
+    x, expected, _, plain_second = unchecked(0, 64)
+    with functorch_config.patch(activation_memory_budget=0.3):
+        hvp, _, second = compiled_and_kept(None, x)
+    assert max_error(hvp, expected) <= TOLERANCE
+    assert 0 < second < 0.8 * plain_second, (second, plain_second)
