@@ -13,7 +13,6 @@ autograd.grad, and under functional_call checkpointing recomputes with the modul
 weights instead of MAML's fast ones: docs/routing.md, "Known limits").
 """
 import functools
-import re
 
 import pytest
 import torch
@@ -23,15 +22,11 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from bob_compile.backend import flashbob, recent_reports
+from kept_bytes import FIRST, SECOND, kept_bytes
 from models import SDPABlock, float_batch
 from test_training_route import AOT_EAGER, TOLERANCE, hessian_vector_product, maml, max_error
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-
-FIRST = "forward and backward"
-SECOND = r"the VJP as a differentiable function \(second order\)"
-UNITS = {"bytes": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
-
 
 def save_matmuls(ctx, op, *args, **kwargs):
     """A selective-checkpointing policy: keep the projections' outputs, recompute the rest."""
@@ -56,14 +51,6 @@ class Stack(nn.Module):
             else:
                 x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
         return x
-
-
-def kept_bytes(order):
-    """The bytes the compiled `order` keeps for its backward, over every graph reported."""
-    return sum(float(number) * UNITS[unit] for report in recent_reports
-               for number, unit in re.findall(rf"{order}: forward half \d+ ops, backward half "
-                                              r"\d+ ops, keeping ([\d.]+) (bytes|KiB|MiB|GiB)",
-                                              report.text()))
 
 
 def stack(checkpointing):
