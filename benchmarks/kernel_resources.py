@@ -70,6 +70,9 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
                 hgmma=len(re.findall(r"\bHGMMA\b", sass)), hmma=len(re.findall(r"\bHMMA\b", sass)))
 
 
+DROPOUT = False     # --dropout: the kernels as a call with attention dropout compiles them
+
+
 def causal_constexprs(fn, is_bob, d, block_m, block_n):
     """The constexprs of an unmasked causal call with every cotangent or tangent given, as
     autograd runs it (is_bob: False, True for the chain form's BoB, "fold", "fold_dq")."""
@@ -81,8 +84,8 @@ def causal_constexprs(fn, is_bob, d, block_m, block_n):
                   ROW_ATOMICS=False, DQ_ATOMICS=False,
                   HAS_TQ=True, HAS_TK=True, HAS_TV=True, HAS_TS=True, HAS_TLSE=True,
                   HAS_TDO=True,
-                  # no dropout, no learned bias: what a plain causal call compiles
-                  DROPOUT=False, HAS_DM=False, HAS_GDM=False, HAS_GM=False)
+                  # no learned bias: what a plain causal call compiles (dropout if asked)
+                  DROPOUT=DROPOUT, HAS_DM=False, HAS_GDM=False, HAS_GM=False)
     if is_bob:
         consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
                       FOLD=is_bob in ("fold", "fold_dq"))
@@ -136,9 +139,14 @@ def candidates_shared_memory():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dropout", action="store_true",
+                    help="compile the kernels with attention dropout on")
     ap.add_argument("--candidates", action="store_true",
                     help="the shared memory of every candidate of each launch site instead")
-    if ap.parse_args(argv).candidates:
+    args = ap.parse_args(argv)
+    global DROPOUT
+    DROPOUT = args.dropout
+    if args.candidates:
         candidates_shared_memory()
         return
     bob, bwd, forward_mode = load_kernels()

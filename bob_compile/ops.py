@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .kernels import layout
+from .kernels import dropout, layout
 from .kernels.params import AttentionParams, mask_own_shape
 from .kernels.reference import acc_dtype
 
@@ -87,6 +87,10 @@ def _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p=0.0, seed=No
     elif seed is None:
         raise ValueError("bob_compile attention ops: dropout_p > 0 needs a seed (an int64 tensor "
                          "of one element: bob_compile.kernels.dropout.draw_seed)")
+    else:
+        heads = math.prod(q.shape[:-2])
+        if all(type(n) is int for n in (heads, q.shape[-2], k.shape[-2])):
+            dropout.check_counter_range((1, heads, q.shape[-2], k.shape[-2]))
     if mask is None:
         return AttentionParams(scale=scale, causal=causal, dropout_p=dropout_p,
                                dropout_seed=seed)

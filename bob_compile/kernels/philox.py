@@ -1,38 +1,31 @@
-"""Triton's counter-based random numbers (Philox-4x32 with 10 rounds: `tl.randint4x`, whose
-first word is `tl.randint`) in plain PyTorch, bit for bit: what an attention dropout's keep
-mask is made of, so that the CPU path and the oracle regenerate the very mask a Triton kernel
-draws, from a seed and a counter, without storing it.
+"""Philox-2x32-10, the counter-based generator attention dropout's keep mask is drawn from
+(Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3", SC 2011), in
+plain PyTorch: the CPU path and the oracle regenerate, bit for bit, the mask the Triton
+kernels draw (triton_dropout.py has the same rounds), from a key and a counter, without
+storing it.
 
-`tl.randint4x(seed, counter)` splits the 64-bit seed into the key (low word, high word) and
-runs Philox on the counter (its low word, its high word, 0, 0), returning all four words. A
-product of two 32-bit words needs 64 unsigned bits: int64 multiplication wraps modulo 2**64,
-so its bit pattern is that product's, and both words are read from the one multiplication
-(an arithmetic shift then a mask gives the high word).
+One call maps a 64-bit counter (c0, c1) and a 32-bit key k to two 32-bit words, in ten
+rounds of: (hi, lo) = the 64-bit product 0xD256D193 * c0; (c0, c1) = (hi ^ k ^ c1, lo); then
+the key grows by 0x9E3779B9. Ten rounds is Random123's default (seven already pass
+TestU01's BigCrush; tests/kernels/test_dropout.py checks Random123's known answers). Why 2x32
+and not Triton's 4x32 (tl.randint4x): dropout.py.
+
+A product of two 32-bit words needs 64 unsigned bits: int64 multiplication wraps modulo
+2**64, so its bit pattern is that product's, and both words are read from the one
+multiplication (an arithmetic shift then a mask gives the high word).
 """
-import torch
 
-ROUNDS = 10                         # tl.randint4x's default
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+ROUNDS = 10
+MULTIPLIER = 0xD256D193
+KEY_STEP = 0x9E3779B9
 _WORD = 0xFFFFFFFF
 
 
-def randint4x(seed, counters):
-    """The four uint32 words tl.randint4x(seed, counters) returns, each as int64 in
-    [0, 2**32). seed: a Python int in [0, 2**63); counters: an int64 tensor, non-negative."""
-    c0 = counters & _WORD
-    c1 = (counters >> 32) & _WORD
-    c2 = torch.zeros_like(counters)
-    c3 = torch.zeros_like(counters)
-    k0, k1 = seed & _WORD, (seed >> 32) & _WORD
+def philox2x32(key, c0, c1):
+    """The two words (int64 tensors in [0, 2**32)) of Philox-2x32-10 at counters (c0, c1)
+    (int64 tensors in [0, 2**32)) under `key` (a Python int in [0, 2**32))."""
     for _ in range(ROUNDS):
-        product_b, product_a = _ROUND_B * c2, _ROUND_A * c0
-        c0, c1, c2, c3 = (((product_b >> 32) & _WORD) ^ c1 ^ k0, product_b & _WORD,
-                          ((product_a >> 32) & _WORD) ^ c3 ^ k1, product_a & _WORD)
-        k0, k1 = (k0 + _KEY_A) & _WORD, (k1 + _KEY_B) & _WORD
-    return c0, c1, c2, c3
-
-
-def randint(seed, counters):
-    """tl.randint(seed, counters): randint4x's first word."""
-    return randint4x(seed, counters)[0]
+        product = MULTIPLIER * c0
+        c0, c1 = ((product >> 32) & _WORD) ^ key ^ c1, product & _WORD
+        key = (key + KEY_STEP) & _WORD
+    return c0, c1

@@ -17,27 +17,41 @@ GROUP = tl.constexpr(dropout.GROUP)   # rows and keys in blocks of 16: 2 x 2 ele
 
 
 @triton.jit
+def philox2x32(key, c0, c1):
+    """Philox-2x32-10 (philox.py): two uint32 words of the uint32 counters (c0, c1)."""
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        hi = tl.umulhi(c0, 0xD256D193)
+        c0, c1 = hi ^ key ^ c1, c0 * 0xD256D193
+        key = key + 0x9E3779B9
+    return c0, c1
+
+
+@triton.jit
 def dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Z (float32, [BLOCK_M, BLOCK_N]) of the query rows m0 .. m0 + BLOCK_M and the keys
     n0 .. n0 + BLOCK_N of query head `head` (b Hq + h). m0 and n0 are multiples of GROUP;
     rows and keys past the ends get values the caller masks."""
     seed = tl.load(seed_ptr)
+    key = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_above = (((seed >> 32) & 0xFFFF) << 16).to(tl.uint32)
     # one counter per group (rows {i, i + 8}, keys {j, j + 8}): the group grid is
     # [BLOCK_M / 2, BLOCK_N / 2], numbered 8 I + r down and 8 J + s across (dropout.py)
     group_rows = (head.to(tl.int64) * ((L + GROUP - 1) // GROUP) + m0 // GROUP) * 8 \
         + tl.arange(0, BLOCK_M // 2)
     group_cols = n0 // GROUP * 8 + tl.arange(0, BLOCK_N // 2)
-    counters = group_rows[:, None] * ((S + GROUP - 1) // GROUP * 8) + group_cols[None, :]
-    w0, w1, w2, w3 = tl.randint4x(seed, counters, PHILOX_ROUNDS)
-    # word 2a + c is row i + 8a, key j + 8c: stack them as [I, r, J, s, c, a], then move a and
-    # c in front of r and s. Only indices move: each thread already holds its group's words
-    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))
-    words = tl.reshape(words, (BLOCK_M // GROUP, 8, BLOCK_N // GROUP, 8, 2, 2))
-    words = tl.reshape(tl.permute(words, (0, 5, 1, 2, 4, 3)), (BLOCK_M, BLOCK_N))
-    # t as the int32 of its bits (t < 2**32; an argument above 2**31 would be an int64)
-    threshold = tl.full((), drop_threshold, tl.int32).to(tl.uint32, bitcast=True)
-    return tl.where(words >= threshold, keep_scale, 0.0)
+    groups = group_rows[:, None] * ((S + GROUP - 1) // GROUP * 8) + group_cols[None, :]
+    w0, w1 = philox2x32(key, (groups & 0xFFFFFFFF).to(tl.uint32),
+                        (groups >> 32).to(tl.uint32) | seed_above)
+    # element (a, c) is half c of word a, kept where that half >= t: compared in place, the
+    # high half as the word against t * 2**16, the low half shifted up to meet it
+    t = tl.full((), drop_threshold, tl.int32).to(tl.uint32) << 16
+    keep = tl.join(tl.join(w0 << 16 >= t, w0 >= t), tl.join(w1 << 16 >= t, w1 >= t))
+    # stacked as [I, r, J, s, c, a]: move a and c in front of r and s. Only indices move:
+    # each thread already holds its group's words
+    keep = tl.reshape(keep, (BLOCK_M // GROUP, 8, BLOCK_N // GROUP, 8, 2, 2))
+    keep = tl.reshape(tl.permute(keep, (0, 5, 1, 2, 4, 3)), (BLOCK_M, BLOCK_N))
+    return tl.where(keep, keep_scale, 0.0)
 
 
 def dropout_arguments(params, fallback):
@@ -48,8 +62,7 @@ def dropout_arguments(params, fallback):
     seed = params.dropout_seed
     if not isinstance(seed, torch.Tensor):
         seed = torch.tensor(seed, dtype=torch.int64, device=fallback.device)
-    threshold = dropout.threshold(params.dropout_p)
-    return (True, seed, threshold - (threshold >> 31 << 32),    # t's bits as an int32
+    return (True, seed, dropout.threshold(params.dropout_p),
             float(dropout.kept_scale(params.dropout_p)))
 
 

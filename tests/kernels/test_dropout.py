@@ -55,28 +55,35 @@ def test_same_seed_same_mask_and_tiles_agree_with_the_whole():
 
 
 def test_mask_follows_its_definition_element_by_element():
-    """Each element's word, computed one at a time from dropout.py's definition: the group
-    of rows {i, i + 8} and keys {j, j + 8} of a 16-block shares one call, word 2a + c."""
-    B, H, L, S, p, seed = 2, 3, 35, 21, 0.45, 2 ** 33 + 7
+    """Each element's 16 bits, computed one at a time from dropout.py's definition: the
+    group of rows {i, i + 8} and keys {j, j + 8} of a 16-block shares one Philox-2x32 call,
+    element (a, c) is half c of word a; the seed's bits 32-47 sit above the counter's."""
+    B, H, L, S, p, seed = 2, 3, 35, 21, 0.45, 2 ** 45 + 2 ** 33 + 7
     mask = keep(p, (B, H, L, S), seed)
     threshold = dropout.threshold(p)
     for b, h, i, j in [(0, 0, 0, 0), (0, 0, 8, 8), (1, 2, 34, 20), (1, 1, 17, 9), (0, 2, 23, 15)]:
         head, (big_i, a, r), (big_j, c, s_) = b * H + h, (i // 16, i // 8 % 2, i % 8), \
             (j // 16, j // 8 % 2, j % 8)
-        counter = ((head * -(-L // 16) + big_i) * 8 + r) * (8 * -(-S // 16)) + 8 * big_j + s_
-        word = philox.randint4x(seed, torch.tensor([counter]))[2 * a + c].item()
-        assert mask[b, h, i, j].item() == (word >= threshold), (b, h, i, j)
+        group = ((head * -(-L // 16) + big_i) * 8 + r) * (8 * -(-S // 16)) + 8 * big_j + s_
+        words = philox.philox2x32(seed % 2 ** 32, torch.tensor([group % 2 ** 32]),
+                                  torch.tensor([group // 2 ** 32 + (seed // 2 ** 32) * 2 ** 16]))
+        bits = words[a].item() >> (16 * c) & 0xFFFF
+        assert mask[b, h, i, j].item() == (bits >= threshold), (b, h, i, j)
 
 
-def test_philox_matches_known_words():
-    """Philox-4x32-10's words for counter (offset, 0, 0, 0) and key (seed's words), as
-    Triton's tl.randint gives them (checked under the interpreter in
-    test_triton_interpret.py; these fix the values here)."""
-    offsets = torch.tensor([0, 1, 2, 2 ** 32 - 5, 2 ** 40 + 3])
-    got = philox.randint(0, offsets).tolist()
-    assert got[:3] == [1713891541, 4175744164, 83534633]
-    assert got[3] == 4141276520 and got[4] == 3434229619
-    assert philox.randint(12345678901234, torch.tensor([0])).tolist() == [3595742388]
+def test_philox_matches_random123s_known_answers():
+    """Philox-2x32-10 against Random123's kat_vectors (counter, key -> words)."""
+    for (c0, c1), key, expected in [((0, 0), 0, (0xFF1DAE59, 0x6CD10DF2)),
+                                    ((2 ** 32 - 1, 2 ** 32 - 1), 2 ** 32 - 1, (0x2C3F628B, 0xAB4FD7AD)),
+                                    ((0x243F6A88, 0x85A308D3), 0x13198A2E, (0xDD7CE038, 0xF62A4C12))]:
+        words = philox.philox2x32(key, torch.tensor([c0]), torch.tensor([c1]))
+        assert tuple(w.item() for w in words) == expected
+
+
+def test_a_call_too_large_for_the_counter_is_refused():
+    with pytest.raises(ValueError, match="split the batch"):
+        dropout.check_counter_range((4096, 64, 2 ** 20, 2 ** 20))
+    dropout.check_counter_range((1, 12, 2 ** 20, 2 ** 20))
 
 
 def test_p_zero_and_one():
