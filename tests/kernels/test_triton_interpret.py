@@ -640,7 +640,7 @@ def test_dropout_tile_is_the_mask_the_cpu_path_draws():
     """triton_dropout.dropout_tile, at three tile shapes, draws bit for bit the Z that
     dropout.keep_scale (the blockwise path and the oracle) draws: L and S not multiples of
     the tiles or of the 16-blocks one Philox call's group spans, several heads, a seed above
-    2**32, and thresholds below and above 2**31 (passed as an int32's bits)."""
+    2**32 (its bits 32-47 join the counter), and several thresholds."""
     from bob_compile.kernels import dropout
     B, H, L, S = 2, 3, 19, 37
     for p in (0.1, 0.5, 0.9):
