@@ -9,19 +9,14 @@ would add some) and the SASS instruction count of each.
     python benchmarks/dropout_mask_cost.py
 """
 import collections
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from bob_compile.kernels.triton_dropout import dropout_tile
+from kernel_resources import compile_for_sm90  # noqa: E402  (benchmarks/, the script's folder)
 
-NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 BLOCK_M, BLOCK_N, HEAD_DIM, WARPS, STAGES = 128, 64, 64, 8, 2
 
 
@@ -64,18 +59,9 @@ def compiled_cost(mask):
     signature = dict(SEED="*i64", Q="*bf16", K="*bf16", OUT="*fp32", L="i32", S="i32",
                      drop_threshold="i32", keep_scale="fp32", MASK="constexpr",
                      BLOCK_M="constexpr", BLOCK_N="constexpr", HEAD_DIM="constexpr")
-    kernel = triton.compile(
-        ASTSource(fn=_probe, signature=signature,
-                  constexprs=dict(MASK=mask, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM)),
-        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=WARPS, num_stages=STAGES))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        report = subprocess.run([os.path.join(NVIDIA_BIN, "ptxas"), "-arch=sm_90a", "-v", ptx,
-                                 "-o", cubin], capture_output=True, text=True).stderr
-        sass = subprocess.run([os.path.join(NVIDIA_BIN, "nvdisasm"), "-c", cubin],
-                              capture_output=True, text=True).stdout
+    kernel, report, sass = compile_for_sm90(
+        _probe, signature, dict(MASK=mask, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM),
+        WARPS, STAGES)
     opcodes = collections.Counter(
         m.group(1).split(".")[0] for m in re.finditer(
             r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))

@@ -35,19 +35,9 @@ def load_kernels():
             importlib.import_module(pkg.__name__ + ".triton_forward_mode"))
 
 
-def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
-    """ptxas' register/spill/stack report and the SASS matrix-instruction counts."""
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name == "SEED":        # dropout's seed: an int64 tensor
-            signature[name] = "*i64"
-        elif name.isupper() and name not in ("L", "S"):  # tensors: upper-case, but lengths
-            signature[name] = ("*fp32" if name.endswith("_ACC") or name in FLOAT_TENSORS
-                               else f"*{dtype}")
-        else:
-            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+def compile_for_sm90(fn, signature, constexprs, num_warps, num_stages):
+    """(the compiled kernel, ptxas -v's report, the SASS listing) of a Triton function
+    compiled for sm_90a on this machine."""
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -61,6 +51,23 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
             f.write(kernel.asm["cubin"])
         sass = subprocess.run([os.path.join(NVIDIA_BIN, "nvdisasm"), cubin],
                               capture_output=True, text=True).stdout
+    return kernel, report, sass
+
+
+def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
+    """ptxas' register/spill/stack report and the SASS matrix-instruction counts."""
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "SEED":        # dropout's seed: an int64 tensor
+            signature[name] = "*i64"
+        elif name.isupper() and name not in ("L", "S"):  # tensors: upper-case, but lengths
+            signature[name] = ("*fp32" if name.endswith("_ACC") or name in FLOAT_TENSORS
+                               else f"*{dtype}")
+        else:
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    kernel, report, sass = compile_for_sm90(fn, signature, constexprs, num_warps, num_stages)
     number = lambda pattern: int(re.search(pattern, report).group(1))  # noqa: E731
     return dict(registers=number(r"Used (\d+) registers"),
                 spill_stores=number(r"(\d+) bytes spill stores"),
