@@ -1,6 +1,7 @@
 """Where the memory of a compiled second-order step goes: a Sophia-H step (gradient with
 create_graph, Hessian-vector product) of examples/sophia_h.py's GPT-2-small-shaped model
-under bf16 autocast, through torch.compile(backend="flashbob").
+under bf16 autocast, through torch.compile(backend="flashbob") (--impl math: eagerly, under
+SDPA's math, the only PyTorch attention with a double backward).
 
 Per run: the median step time (CUDA events, after two untimed steps), the peak of
 torch.cuda.max_memory_allocated over the timed steps, what each compiled order keeps for its
@@ -9,14 +10,22 @@ grouped by shape and dtype (each storage counted once), and how many first-order
 had to recompute their residuals (a create_graph backward frees them: docs/routing.md,
 "Memory of the second order").
 
-    python benchmarks/bench_second_order_memory.py --batch-size 8 --seq-len 1024 --out results/
+    python benchmarks/bench_second_order_memory.py --batch-size 8 --seq-lens 1024 --out results/
+    # the longest sequence one step fits (issue 40): B = 1, doubling T until out of memory
+    python benchmarks/bench_second_order_memory.py --batch-size 1 --checkpoint \
+        --seq-lens 8192 16384 32768 65536 131072 --reps 2 --out results/
+    python benchmarks/bench_second_order_memory.py --impl math --batch-size 1 \
+        --seq-lens 2048 4096 8192 16384 --reps 2 --out results/
     python benchmarks/bench_second_order_memory.py --compiler eager ...   # the eager route
     python benchmarks/bench_second_order_memory.py --activation-memory-budget 0.3 ...
         # PyTorch's partitioner knob (torch._functorch.config), which our orders honour
     python benchmarks/bench_second_order_memory.py --device cpu --n-layer 2 --n-embd 64 \\
-        --n-head 2 --vocab-size 512 --seq-len 64 --batch-size 2 --out /tmp/   # smoke run
+        --n-head 2 --vocab-size 512 --seq-lens 64 --batch-size 2 --out /tmp/   # smoke run
 """
 import argparse
+import contextlib
+import functools
+import gc
 import json
 import pathlib
 import statistics
@@ -24,6 +33,7 @@ import sys
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bob_compile.training.runtime as training_runtime
 from bob_compile.backend import recent_reports
@@ -59,11 +69,106 @@ class SecondOrderWatch:
         training_runtime.SecondOrderFn.forward = staticmethod(recording)
 
 
+class Checkpointed(torch.nn.Module):
+    """A block run under torch.utils.checkpoint (non-reentrant): --checkpoint."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def measure(args, seq_len, watch):
+    """One row at `seq_len`: time, peak memory, what each order keeps; or out of memory."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch._dynamo.reset()
+    recent_reports.clear()
+    watch.recomputes, watch.kept = 0, {}
+    torch.manual_seed(0)
+    with device:
+        model = GPT(args.vocab_size, seq_len, args.n_layer, args.n_head, args.n_embd, sdpa=True)
+    if args.checkpoint:
+        model.h = torch.nn.ModuleList(Checkpointed(block) for block in model.h)
+    params = list(model.parameters())
+    if args.impl == "math":         # eager PyTorch, SDPA's math: the only double backward
+        run, attention = model, functools.partial(sdpa_kernel, SDPBackend.MATH)
+    else:
+        options = {"compiler": args.compiler} if args.compiler else None
+        run = torch.compile(model, backend="flashbob", dynamic=False, options=options)
+        attention = contextlib.nullcontext
+    generator = torch.Generator(device=device).manual_seed(1)
+    x, y = (torch.randint(args.vocab_size, (args.batch_size, seq_len), device=device,
+                          generator=generator) for _ in range(2))
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16), attention():
+            hutchinson_step(run, params, x, y, rademacher_like(params, generator))
+
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize()
+    row = dict(impl=args.impl, checkpoint=args.checkpoint, batch_size=args.batch_size,
+               seq_len=seq_len, compiler=args.compiler,
+               activation_memory_budget=args.activation_memory_budget)
+    try:
+        start = time.perf_counter()
+        step()
+        synchronize()
+        row["first_step_s"] = time.perf_counter() - start
+        step()
+        synchronize()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            step()
+            synchronize()
+            times.append(1e3 * (time.perf_counter() - start))
+    except torch.OutOfMemoryError:
+        row["out_of_memory"] = True
+        return row
+    row.update(median_ms=statistics.median(times),
+               peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+               keeping=[line.strip() for r in recent_reports for line in r.text().splitlines()
+                        if "keeping" in line],
+               second_order_kept_mib={k: v / 2 ** 20 for k, v in sorted(
+                   watch.kept.items(), key=lambda kv: -kv[1])},
+               recomputed_first_order_backwards=watch.recomputes)
+    return row
+
+
+def print_row(row):
+    head = (f"{row['impl']}{' +checkpoint' if row['checkpoint'] else ''} B={row['batch_size']} "
+            f"T={row['seq_len']} compiler={row['compiler'] or 'default'} "
+            f"budget={row['activation_memory_budget']}")
+    if row.get("out_of_memory"):
+        print(f"{head}: out of memory")
+        return
+    peak = f"{row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else "n/a"
+    print(f"{head}: {row['median_ms']:.1f} ms per step (host clock after a synchronize), "
+          f"peak {peak}, first step {row['first_step_s']:.1f} s, residual recomputes "
+          f"{row['recomputed_first_order_backwards']}")
+    for line in row["keeping"]:
+        print("  ", line)
+    if row["second_order_kept_mib"]:
+        print("   the second order keeps (largest first):")
+        for key, mib in list(row["second_order_kept_mib"].items())[:12]:
+            print(f"     {key:34s} {mib:9.1f} MiB")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file or directory")
+    p.add_argument("--impl", choices=["flashbob", "math"], default="flashbob")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="every block under torch.utils.checkpoint (non-reentrant)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024],
+                   help="one row each; after the first out of memory the longer ones are skipped")
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
@@ -77,64 +182,24 @@ def main():
     if args.activation_memory_budget is not None:
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = args.activation_memory_budget
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
     watch = SecondOrderWatch()
-    torch.manual_seed(0)
-    with device:
-        model = GPT(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd, sdpa=True)
-    params = list(model.parameters())
-    options = {"compiler": args.compiler} if args.compiler else None
-    compiled = torch.compile(model, backend="flashbob", dynamic=False, options=options)
-    generator = torch.Generator(device=device).manual_seed(1)
-    x, y = (torch.randint(args.vocab_size, (args.batch_size, args.seq_len), device=device,
-                          generator=generator) for _ in range(2))
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            hutchinson_step(compiled, params, x, y, rademacher_like(params, generator))
-
-    def synchronize():
-        if cuda:
-            torch.cuda.synchronize()
-    start = time.perf_counter()
-    step()
-    synchronize()
-    first_s = time.perf_counter() - start
-    step()
-    synchronize()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.reps):
-        start = time.perf_counter()
-        step()
-        synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    row = dict(batch_size=args.batch_size, seq_len=args.seq_len, compiler=args.compiler,
-               activation_memory_budget=args.activation_memory_budget,
-               median_ms=statistics.median(times), first_step_s=first_s,
-               peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
-               keeping=[line.strip() for r in recent_reports for line in r.text().splitlines()
-                        if "keeping" in line],
-               second_order_kept_mib={k: v / 2 ** 20 for k, v in sorted(
-                   watch.kept.items(), key=lambda kv: -kv[1])},
-               recomputed_first_order_backwards=watch.recomputes)
     out = pathlib.Path(args.out)
     if out.is_dir() or args.out.endswith("/"):
-        out = out / f"bench_second_order_memory_{args.batch_size}x{args.seq_len}.json"
+        tag = f"_{args.impl}{'_checkpoint' if args.checkpoint else ''}_b{args.batch_size}"
+        out = out / f"bench_second_order_memory{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(run=run_record(), row=row), indent=1))
-    peak = f"{row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else "n/a"
-    print(f"B={args.batch_size} T={args.seq_len} compiler={args.compiler or 'default'} "
-          f"budget={args.activation_memory_budget}: "
-          f"{row['median_ms']:.1f} ms per step (host clock after a synchronize), peak {peak}, "
-          f"first step {first_s:.1f} s, residual recomputes {watch.recomputes}")
-    for line in row["keeping"]:
-        print("  ", line)
-    print("   the second order keeps (largest first):")
-    for key, mib in list(row["second_order_kept_mib"].items())[:12]:
-        print(f"     {key:34s} {mib:9.1f} MiB")
+    rows = []
+    for seq_len in sorted(args.seq_lens):
+        rows.append(measure(args, seq_len, watch))
+        gc.collect()                # the row's model and graphs, before the next length
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        out.write_text(json.dumps(dict(run=run_record(), rows=rows), indent=1))
+        print_row(rows[-1])
+        if rows[-1].get("out_of_memory"):
+            break
+    fits = [r["seq_len"] for r in rows if not r.get("out_of_memory")]
+    print(f"longest T that ran: {max(fits) if fits else 'none'}")
 
 
 if __name__ == "__main__":
