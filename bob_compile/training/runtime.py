@@ -295,12 +295,17 @@ class ForwardFn(torch.autograd.Function):
                 return (None, *pair.backward(inputs))
         # create_graph, or batched cotangents: the graph's VJP, which recomputes what it reads
         primals = _primals(ctx)
-        if ctx.residuals is not None and _recomputable(pair):
+        if ctx.residuals is not None and _recomputable(pair) and not any(
+                g is not None and g.requires_grad for g in output_grads):
             ctx.residuals.release()
         return (None, *graph.input_gradients(primals, ctx.draws, output_grads, ctx.output_meta,
                                              ctx.needs_input_grad[1:]))
 
 
+# A create_graph backward frees the residuals only where its cotangents do not require grad
+# (a loss inside the graph, a linear one outside): a cotangent that does (a nonlinear loss
+# outside, the next graph of a split model) sends its own derivative back through this
+# node's first-order backward in the second backward, which would then recompute the forward.
 def _recomputable(pair):
     """Whether the compiled forward, run again on the primals, gives the residuals it gave:
     not where it draws random numbers (a new draw), nor under CUDA graph trees (a second
@@ -315,9 +320,9 @@ class Residuals:
     recomputes the forward and keeps what the second order reads: the first-order residuals
     are then dead weight, and with save_for_backward they would live as long as the graph
     (create_graph retains it) — through the double backward, the step's peak. `release`
-    drops them where the forward can recompute them (`_recomputable`); a later first-order
-    backward of the same node (an HVP of a nonlinear loss sends the loss's own second-order
-    cotangent back through it) runs the compiled forward again first. Like a SavedVariable,
+    drops them where the forward can recompute them (`_recomputable`) and the cotangents
+    do not require grad; a later first-order backward of the same node (a gradient penalty's
+    loss term, retain_graph) runs the compiled forward again first. Like a SavedVariable,
     an in-place change of a residual (one that is a view of a graph input, say) after the
     forward is an error."""
 

@@ -226,34 +226,53 @@ def test_first_order_backward_frees_residuals_as_it_goes(monkeypatch):
     assert alive_after_backward[-1] == 0       # without it, nothing outlives its last use
 
 
-def test_a_create_graph_backward_frees_the_first_order_residuals(inductor_runs):
+@pytest.mark.parametrize("loss,freed,forwards", [
+    ("linear", True, 1), ("nonlinear", False, 1), ("penalty", True, 2)])
+def test_a_create_graph_backward_frees_the_first_order_residuals(inductor_runs, loss, freed,
+                                                                 forwards):
     """The VJP pair recomputes what the second order reads, so the compiled forward's
     residuals die at the create_graph backward instead of living with the graph through the
-    double backward (the step's peak). The loss's own second-order cotangent, sent back
-    through the first-order backward (a nonlinear loss), recomputes them with the compiled
-    forward; a plain backward after a create_graph one (retain_graph) is exact too."""
+    double backward (the step's peak), where its cotangents do not require grad (a linear
+    loss, or one inside the graph). A nonlinear loss outside the graph sends its second-order
+    cotangent back through the first-order backward: kept there. A gradient penalty's loss
+    term reaches the first-order backward of a freed node: the compiled forward recomputes
+    them, exact.
+    A plain backward after a create_graph one (retain_graph) is exact either way."""
     import weakref
     model = SDPABlock().double()
     x, = CASES["sdpa"].batch(0)
     params = list(model.parameters())
+    vectors = [torch.full_like(p, 0.5) for p in params]
+
+    def step(model, residuals=None):
+        out = model(x)
+        loss_value = loss_of(out) if loss == "nonlinear" else out.sum()
+        if residuals is not None:
+            held = {id(t) for t in (*params, x)}     # parameters may be residuals as they are
+            residuals.extend(weakref.ref(t) for t in out.grad_fn.residuals.tensors
+                             if id(t) not in held)
+        grads = torch.autograd.grad(loss_value, params, create_graph=True)
+        if residuals is not None:
+            assert residuals and all(r() is None for r in residuals) == freed
+        if loss == "penalty":
+            second = torch.autograd.grad(loss_value + sum(g.square().sum() for g in grads),
+                                         params, retain_graph=True)
+        else:
+            pairs = [(g, v) for g, v in zip(grads, vectors) if g.requires_grad]
+            second = torch.autograd.grad([g for g, _ in pairs], params, [v for _, v in pairs],
+                                         retain_graph=True, materialize_grads=True)
+        return second, torch.autograd.grad(loss_value, params)
     with math_sdpa():
-        expected_hvp = hessian_vector_product(model, x)
-        expected_grads = first_order(model, x)
+        expected = step(model)
     compiled = torch.compile(model, backend=flashbob, options=INDUCTOR)
-    hessian_vector_product(compiled, x)      # compiles every order
+    step(compiled)                    # compiles every order
     inductor_runs.runs.update(dict.fromkeys(inductor_runs.runs, 0))
-    out = compiled(x)
-    held = {id(t) for t in (*params, x)}     # parameters may be residuals as they are
-    residuals = [weakref.ref(t) for t in out.grad_fn.residuals.tensors if id(t) not in held]
-    assert residuals
-    loss = loss_of(out)
-    grads = torch.autograd.grad(loss, params, create_graph=True)
-    assert all(r() is None for r in residuals)
-    hvp = torch.autograd.grad(grads, params, [torch.full_like(p, 0.5) for p in params],
-                              retain_graph=True)
-    assert max_error(hvp, expected_hvp) <= TOLERANCE
-    assert inductor_runs.runs["first_order.forward"] == 2     # the step's, and the recompute
-    assert max_error(torch.autograd.grad(loss, params), expected_grads) <= TOLERANCE
+    second, first = step(compiled, residuals=[])
+    assert max_error(second, expected[0]) <= TOLERANCE
+    assert max_error(first, expected[1]) <= TOLERANCE
+    # the step's forward, the recompute for the penalty's loss term, and for the plain
+    # backward after it where the residuals were freed
+    assert inductor_runs.runs["first_order.forward"] == forwards + freed
 
 
 def test_under_saved_tensor_hooks_the_residuals_are_saved_for_backward():
