@@ -293,7 +293,11 @@ class ForwardFn(torch.autograd.Function):
                     with torch.no_grad():
                         return (None, *pair.backward_graph(*inputs))
                 return (None, *pair.backward(inputs))
-        # create_graph, or batched cotangents: the graph's VJP, which recomputes what it reads
+        # create_graph, or batched cotangents: the graph's VJP, which recomputes what it reads.
+        # The residuals go, unless this node's first-order backward may still come in the next
+        # backward: cotangents that require grad (a nonlinear loss outside the graph, the
+        # next graph of a split model) send their own derivative back through it, and it would
+        # recompute the forward every step.
         primals = _primals(ctx)
         if ctx.residuals is not None and _recomputable(pair) and not any(
                 g is not None and g.requires_grad for g in output_grads):
@@ -302,10 +306,6 @@ class ForwardFn(torch.autograd.Function):
                                              ctx.needs_input_grad[1:]))
 
 
-# A create_graph backward frees the residuals only where its cotangents do not require grad
-# (a loss inside the graph, a linear one outside): a cotangent that does (a nonlinear loss
-# outside, the next graph of a split model) sends its own derivative back through this
-# node's first-order backward in the second backward, which would then recompute the forward.
 def _recomputable(pair):
     """Whether the compiled forward, run again on the primals, gives the residuals it gave:
     not where it draws random numbers (a new draw), nor under CUDA graph trees (a second
