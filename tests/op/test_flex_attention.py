@@ -1,0 +1,204 @@
+"""bob_compile.flex_attention: FlexAttention's call (BlockMask, additive score_mod) through
+the op, in float64 on the CPU. The forward against PyTorch's own flex_attention (which has
+no second derivative); every order against SDPA's math with the same mask and bias, built
+here from the patterns' definitions, not from the code under test."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, jvp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+import bob_compile
+
+B, H, E = 2, 3, 8
+BLOCK = 16                     # BlockMask blocks smaller than the lengths: partial ones too
+SLOPES = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 7)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < 5) | (q_idx >= kv_idx)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 30 * torch.tanh(score / 30)
+
+
+def documents(L, seed):
+    """A packed batch: document ids of random lengths, the mask_mod that keeps attention
+    causal inside each document, and the mask it defines."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 4, (L,), generator=g).sort().values
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+    q, kv = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    return document_mask, (ids[q] == ids[kv]) & (q >= kv)
+
+
+def dense(pattern, L, S):
+    q, kv = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    return {causal: q >= kv, sliding_window: (q >= kv) & (q - kv < 7),
+            prefix_lm: (kv < 5) | (q >= kv)}[pattern]
+
+
+def alibi_bias(L, S):
+    q, kv = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    return SLOPES.view(1, H, 1, 1) * (kv - q)
+
+
+def inputs(L, S, seed=0, kv_heads=H):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(B, kv_heads, S, E, dtype=torch.float64, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def math_attention(q, k, v, visible=None, bias=None, enable_gqa=False):
+    mask = torch.zeros(q.shape[-2], k.shape[-2], dtype=torch.float64) if bias is None else bias
+    if visible is not None:
+        mask = mask.masked_fill(~visible, float("-inf"))
+    with sdpa_kernel(SDPBackend.MATH):      # the only SDPA with a double backward
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+
+
+CASES = {   # name: (mask_mod, score_mod, L, S)
+    "causal": (causal, None, 37, 37),
+    "sliding window + ALiBi": (sliding_window, alibi, 45, 45),
+    "prefix-LM": (prefix_lm, None, 33, 33),
+    "ALiBi alone": (None, alibi, 29, 35),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_equals_flex_attention(name):
+    mask_mod, score_mod, L, S = CASES[name]
+    q, k, v = inputs(L, S)
+    block_mask = None if mask_mod is None else create_block_mask(
+        mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    want = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    got = bob_compile.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def second_orders(attend, q, k, v):
+    """The HVP of a nonlinear loss in (q, k, v), and forward over reverse (torch.func)."""
+    def loss(q, k, v):
+        return attend(q, k, v).tanh().square().sum()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(loss(*leaves), leaves, create_graph=True)
+    directions = [torch.ones_like(t) for t in leaves]
+    hvp = torch.autograd.grad(grads, leaves, directions)
+    _, forward_over_reverse = jvp(grad(loss, argnums=(0, 1, 2)), (q, k, v), tuple(directions))
+    return (*hvp, *forward_over_reverse)
+
+
+@pytest.mark.parametrize("name", ["sliding window + ALiBi", "documents"])
+def test_every_order_equals_math_with_the_same_mask_and_bias(name):
+    if name == "documents":
+        mask_mod, visible = documents(41, seed=3)
+        score_mod, L = None, 41
+        bias = None
+    else:
+        mask_mod, score_mod, L, _ = CASES[name]
+        visible, bias = dense(mask_mod, L, L), alibi_bias(L, L)
+    q, k, v = inputs(L, L, seed=1)
+    block_mask = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask), q, k, v)
+    math = second_orders(lambda q, k, v: math_attention(q, k, v, visible, bias), q, k, v)
+    for a, e in zip(ours, math):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
+def test_grouped_query_heads():
+    q, k, v = inputs(30, 30, seed=2, kv_heads=1)
+    block_mask = create_block_mask(causal, None, None, 30, 30, device="cpu", BLOCK_SIZE=BLOCK)
+    got = bob_compile.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    want = math_attention(q, k, v, dense(causal, 30, 30), enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_blocks_a_block_mask_lists_count_not_only_its_mask_mod():
+    """A BlockMask listing fewer blocks than its mask_mod's pattern hides the others, as
+    FlexAttention's compiled kernels do (its eager path reads the mask_mod alone): a causal
+    mask_mod with only the diagonal blocks listed is block-diagonal causal."""
+    L, blocks = 48, 3
+    # each query block lists one key block, its own (the rest of the row: unused entries)
+    diagonal = (torch.arange(blocks, dtype=torch.int32).view(-1, 1)
+                + torch.arange(blocks, dtype=torch.int32)) % blocks
+    block_mask = BlockMask.from_kv_blocks(torch.ones(1, 1, blocks, dtype=torch.int32),
+                                          diagonal.view(1, 1, blocks, blocks), BLOCK_SIZE=BLOCK,
+                                          mask_mod=causal, seq_lengths=(L, L))
+    q, k, v = inputs(L, L, seed=4)
+    q_idx, kv_idx = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    visible = (q_idx >= kv_idx) & (q_idx // BLOCK == kv_idx // BLOCK)
+    got = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(got, math_attention(q, k, v, visible), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, math_attention(q, k, v, dense(causal, L, L)))
+
+
+def test_a_learned_bias_in_the_score_mod_gets_its_gradient():
+    L = 26
+    table = torch.randn(L, L, dtype=torch.float64, requires_grad=True)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx, kv_idx]
+    q, k, v = inputs(L, L, seed=5)
+    got = torch.autograd.grad(bob_compile.flex_attention(q, k, v, score_mod=relative).square().sum(),
+                              table)[0]
+    want = torch.autograd.grad(math_attention(q, k, v, bias=table).square().sum(), table)[0]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_what_is_refused():
+    q, k, v = inputs(20, 20)
+    with pytest.raises(NotImplementedError, match="soft-capping"):
+        bob_compile.flex_attention(q, k, v, score_mod=softcap)
+    with pytest.raises(NotImplementedError, match="return_lse"):
+        bob_compile.flex_attention(q, k, v, return_lse=True)
+    other_lengths = create_block_mask(causal, None, None, 32, 32, device="cpu", BLOCK_SIZE=BLOCK)
+    with pytest.raises(ValueError, match="build it for the call's lengths"):
+        bob_compile.flex_attention(q, k, v, block_mask=other_lengths)
+
+
+def test_inside_a_compiled_model(fresh_dynamo):
+    """Called inside torch.compile(backend="flashbob") (the mask and bias are built between
+    graphs): the Hessian-vector product of a model's parameters is eager's."""
+    L = 40
+    block_mask = create_block_mask(sliding_window, None, None, L, L, device="cpu",
+                                   BLOCK_SIZE=BLOCK)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(E, 3 * E)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).chunk(3, -1)
+            out = bob_compile.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+            return out.tanh().sum()
+    torch.manual_seed(0)
+    model = Block().double()
+    x = torch.randn(B, H, L, E, dtype=torch.float64)
+
+    def hvp(model):
+        params = list(model.parameters())
+        grads = torch.autograd.grad(model(x), params, create_graph=True)
+        return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+    want = hvp(model)
+    got = hvp(torch.compile(model, backend="flashbob", options={"compiler": "aot_eager"}))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
