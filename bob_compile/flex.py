@@ -17,7 +17,8 @@ call's visible pairs and additive scores as one attention mask of bob_compile.at
   query's dtype.
 
 Both are materialized at the call's (B or 1, H or 1, L, S) shape: memory O(L S) per distinct
-batch and head of the BlockMask (broadcast ones count once), not the O(partial blocks) that
+batch and head of the BlockMask, and of the bias where it reads b or h (broadcast once
+otherwise), not the O(partial blocks) that
 reading the blocks in the kernels would cost. Other score_mods (tanh soft-capping, anything
 nonlinear in the score) are refused with NotImplementedError, never approximated.
 """
@@ -87,15 +88,17 @@ def visible_pairs(block_mask, L, S, device):
 
 
 def additive_bias(score_mod, query, L, S):
-    """score_mod's bias(b, h, q_idx, kv_idx) at (B, H, L, S), in query's dtype, when
-    score_mod(score, ...) = score + bias (checked on its traced graph); else
-    NotImplementedError."""
-    problem = _not_additive(score_mod, query.dtype)
+    """score_mod's bias(b, h, q_idx, kv_idx) in query's dtype, when score_mod(score, ...) =
+    score + bias (checked on its traced graph), at (B, H, L, S) with B or H 1 where the bias
+    does not read b or h; else NotImplementedError."""
+    graph, problem = _traced(score_mod, query.dtype)
+    problem = problem or _not_additive(graph)
     if problem:
         raise NotImplementedError(
             f"bob_compile.flex_attention: the score_mod {getattr(score_mod, '__name__', score_mod)} "
             f"{problem}; only score + bias(b, h, q_idx, kv_idx) is supported (ALiBi, relative "
             f"biases); soft-capping and other nonlinear score_mods are not yet")
+    _, b, h = graph.find_nodes(op="placeholder")[:3]
     score = torch.zeros((), dtype=query.dtype, device=query.device)
 
     def bias(b, h, q_idx, kv_idx):
@@ -104,21 +107,29 @@ def additive_bias(score_mod, query, L, S):
     for in_dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None),
                     (0, None, None, None)):
         bias = torch.vmap(bias, in_dims=in_dims)
-    indices = [torch.arange(n, device=query.device) for n in (*query.shape[:2], L, S)]
-    return bias(*indices).to(query.dtype)
+    sizes = (query.shape[0] if b.users else 1, query.shape[1] if h.users else 1, L, S)
+    return bias(*[torch.arange(n, device=query.device) for n in sizes]).to(query.dtype)
 
 
-def _not_additive(score_mod, dtype):
-    """None when score_mod's graph returns score + (a value that does not read score) or
-    score - (such a value); else what it does instead."""
-    # one-element tensors, not 0-d ones: indexing a buffer with a 0-d index reads its value
-    index = torch.zeros(1, dtype=torch.int64)
+def _traced(score_mod, dtype):
+    """(score_mod's aten graph, None), or (None, why it could not be traced)."""
     try:
-        with torch._C._DisableFuncTorch():   # traced as written, outside any torch.func level
-            graph = make_fx(score_mod)(torch.zeros(1, dtype=dtype), index, index, index,
-                                       index).graph
+        # traced as written, outside any torch.func level (the example inputs made there
+        # too: made under a transform, make_fx takes them for constants); one-element
+        # tensors, not 0-d ones (indexing a buffer with a 0-d index reads its value), one
+        # per input (make_fx takes one tensor passed twice for one input)
+        with torch._C._DisableFuncTorch():
+            examples = [torch.zeros(1, dtype=dtype),
+                        *(torch.zeros(1, dtype=torch.int64) for _ in range(4))]
+            return make_fx(score_mod)(*examples).graph, None
     except Exception as e:       # data-dependent Python control flow, unsupported ops
-        return f"could not be traced ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return None, (f"could not be traced ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})")
+
+
+def _not_additive(graph):
+    """None when the graph returns score + (a value that does not read score) or
+    score - (such a value); else what it does instead."""
     score = graph.find_nodes(op="placeholder")[0]
     result = graph.output_node().args[0]
     if isinstance(result, (tuple, list)):

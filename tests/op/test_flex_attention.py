@@ -150,6 +150,18 @@ def test_the_blocks_a_block_mask_lists_count_not_only_its_mask_mod():
     assert not torch.allclose(got, math_attention(q, k, v, dense(causal, L, L)))
 
 
+def test_a_bias_is_materialized_once_for_what_it_does_not_read():
+    """ALiBi reads the head, not the batch entry: one (1, H, L, S) bias, not (B, H, L, S)."""
+    from bob_compile.flex import additive_bias
+    q, _, _ = inputs(9, 11)
+    assert additive_bias(alibi, q, 9, 11).shape == (1, H, 9, 11)
+    table = torch.randn(9, 11, dtype=torch.float64)
+    assert additive_bias(lambda s, b, h, i, j: s + table[i, j], q, 9, 11).shape == (1, 1, 9, 11)
+    shapes = []     # the same under a torch.func transform (the traced graph sees the indices)
+    grad(lambda q: shapes.append(additive_bias(alibi, q, 9, 11).shape) or q.sum())(q)
+    assert shapes == [(1, H, 9, 11)]
+
+
 def test_a_learned_bias_in_the_score_mod_gets_its_gradient():
     L = 26
     table = torch.randn(L, L, dtype=torch.float64, requires_grad=True)
