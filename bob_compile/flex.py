@@ -30,8 +30,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from .attention import attention
 
-_ADD = (torch.ops.aten.add.Tensor,)
-_SUBTRACT = (torch.ops.aten.sub.Tensor,)
+_ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
@@ -136,12 +135,12 @@ def _not_additive(graph):
         result = result[0]
     if result is score:
         return None
-    if getattr(result, "target", None) in _ADD + _SUBTRACT and \
+    if getattr(result, "target", None) in (_ADD, _SUBTRACT) and \
             result.kwargs.get("alpha", 1) == 1:
         operands = list(result.args[:2])
         if operands[0] is score and not _reads(operands[1], score):
             return None
-        if result.target in _ADD and operands[1] is score and not _reads(operands[0], score):
+        if result.target is _ADD and operands[1] is score and not _reads(operands[0], score):
             return None
     return "is not score plus a term without the score"
 

@@ -220,9 +220,10 @@ def call_bob_folded_bias(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask,
     cotangent comes last."""
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     params = _params(q, k, mask, scale, causal, False, dropout_p, seed)
+    gdmask = None if gdmask is None else gdmask.reshape(mask_own_shape(params.mask))
     outs = pick(qf, kf, vf).bob_folded_bias(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(gdq),
-        _flat(gdk), _flat(gdv), None if gdmask is None else gdmask.reshape(mask_own_shape(params.mask)), None, params)
+        _flat(gdk), _flat(gdv), gdmask, None, params)
     shaped = tuple(_unflat(t, like.shape if like is not None else lse.shape, like)
                    for t, like in zip(outs[:5], (q, k, v, do, None)))
     return (*shaped, outs[5].reshape(mask.shape))

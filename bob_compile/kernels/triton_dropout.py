@@ -12,7 +12,10 @@ import triton.language as tl
 
 from . import dropout, philox
 
-PHILOX_ROUNDS = tl.constexpr(philox.ROUNDS)   # the CPU path's rounds: the same bits
+# the CPU path's rounds and constants (philox.py): the same bits
+PHILOX_ROUNDS = tl.constexpr(philox.ROUNDS)
+PHILOX_MULTIPLIER = tl.constexpr(philox.MULTIPLIER)
+PHILOX_KEY_STEP = tl.constexpr(philox.KEY_STEP)
 GROUP = tl.constexpr(dropout.GROUP)   # rows and keys in blocks of 16: 2 x 2 elements a call
 
 
@@ -20,9 +23,9 @@ GROUP = tl.constexpr(dropout.GROUP)   # rows and keys in blocks of 16: 2 x 2 ele
 def philox2x32(key, c0, c1):
     """Philox-2x32-10 (philox.py): two uint32 words of the uint32 counters (c0, c1)."""
     for _ in tl.static_range(PHILOX_ROUNDS):
-        hi = tl.umulhi(c0, 0xD256D193)
-        c0, c1 = hi ^ key ^ c1, c0 * 0xD256D193
-        key = key + 0x9E3779B9
+        hi = tl.umulhi(c0, PHILOX_MULTIPLIER)
+        c0, c1 = hi ^ key ^ c1, c0 * PHILOX_MULTIPLIER
+        key = key + PHILOX_KEY_STEP
     return c0, c1
 
 

@@ -298,7 +298,7 @@ class ForwardFn(torch.autograd.Function):
         # backward: cotangents that require grad (a nonlinear loss outside the graph, the
         # next graph of a split model) send their own derivative back through it, and it would
         # recompute the forward every step.
-        primals = _primals(ctx)
+        primals = _primals(ctx, ctx.saved_tensors)
         if ctx.residuals is not None and _recomputable(pair) and not any(
                 g is not None and g.requires_grad for g in output_grads):
             ctx.residuals.release()
@@ -363,18 +363,19 @@ def _keeps_graph():
     return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
-def _primals(ctx):
-    primal_tensors = ctx.saved_tensors[ctx.num_kept_tensors:]
+def _primals(ctx, saved):
+    """The primals, from the node's saved tensors (`saved`, read once by the caller)."""
+    primal_tensors = saved[ctx.num_kept_tensors:]
     return [p if t is None else t for p, t in zip(ctx.non_tensor_primals, primal_tensors)]
 
 
 def _unpack(ctx, pair):
     """(primals, the forward graph's output list) from what the forward saved."""
     saved = ctx.saved_tensors
-    kept, primal_tensors = saved[:ctx.num_kept_tensors], saved[ctx.num_kept_tensors:]
+    kept = saved[:ctx.num_kept_tensors]
     if ctx.residuals is not None:
         kept = (*kept, *ctx.residuals.get())
-    primals = [p if t is None else t for p, t in zip(ctx.non_tensor_primals, primal_tensors)]
+    primals = _primals(ctx, saved)
     return primals, _values(ctx, pair, kept, primals)
 
 
@@ -387,7 +388,7 @@ def _first_order_inputs(ctx, graph, pair, output_grads):
     Together: a GPT-2-small step (B=8, T=1024) peaks at stock compile's 4.19 GiB, not 4.88.
     Residuals a create_graph backward released are recomputed (Residuals)."""
     if ctx.residuals is not None and ctx.residuals.released:
-        primals = _primals(ctx)
+        primals = _primals(ctx, ctx.saved_tensors)
         with _named_errors(graph, "the compiled forward (recomputing its residuals)"):
             values = pair.forward(list(primals))
         values = list(values[:len(values) - pair.num_appended])
