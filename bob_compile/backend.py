@@ -203,7 +203,7 @@ def _compile(report, gm, example_inputs, opts):
         native = use_native_sdpa(gm)
         if native:
             count("inference_native_sdpa", native)
-            report.route_reason += (f"; its {native} attention site(s) run PyTorch's fused SDPA, "
+            report.route_reason += (f"; its {native} attention site(s) run PyTorch's fused kernels (SDPA, FlexAttention), "
                                     f"as nothing differentiates this graph")
     if opts.compiler == "aot_eager":
         compiled = _compat.compile_with_aot_eager(gm, example_inputs)

@@ -18,21 +18,28 @@ call's visible pairs and additive scores as one attention mask of bob_compile.at
 
 Both are materialized at the call's (B or 1, H or 1, L, S) shape: memory O(L S) per distinct
 batch and head of the BlockMask, and of the bias where it reads b or h (broadcast once
-otherwise), not the O(partial blocks) that
-reading the blocks in the kernels would cost. Other score_mods (tanh soft-capping, anything
-nonlinear in the score) are refused with NotImplementedError, never approximated.
+otherwise), not the O(partial blocks) that reading the blocks in the kernels would cost.
+Other score_mods (tanh soft-capping, anything nonlinear in the score) are refused with
+NotImplementedError, never approximated.
+
+The passes (bob_compile/passes/flex_attention.py) put `flex_call` in place of the
+higher-order op Dynamo records for torch.nn.attention.flex_attention (its arguments, the
+BlockMask as a tuple, the mods as graphs taking their captured tensors as extra arguments),
+and `flex_math` where the score_mod is not additive: the same function written as math
+(N x N in memory), exact at every order.
 """
+import dataclasses
 import math
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.nn.attention.flex_attention import create_mask
 
 from .attention import attention
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
 
 
+# ------------------------------------------------------------------ the public call
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                    enable_gqa=False, return_lse=False, kernel_options=None):
     """torch.nn.attention.flex_attention's call, through bob_compile.attention (module doc).
@@ -47,101 +54,128 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if query.dim() != 4:
         raise ValueError(f"bob_compile.flex_attention: query must be (B, H, L, E), got "
                          f"{tuple(query.shape)}")
-    L, S = query.shape[-2], key.shape[-2]
-    mask = None
+    blocks = None
     if block_mask is not None:
-        mask = visible_pairs(block_mask, L, S, query.device)
+        blocks = Blocks.of(block_mask)
+        if blocks.seq_lengths != (query.shape[-2], key.shape[-2]):
+            raise ValueError(f"bob_compile.flex_attention: the BlockMask was built for "
+                             f"{blocks.seq_lengths} (query, key) lengths, the call has "
+                             f"({query.shape[-2]}, {key.shape[-2]}); build it for the call's "
+                             f"lengths")
+    form = None
     if score_mod is not None:
-        bias = additive_bias(score_mod, query, L, S)
-        if mask is not None:
-            bias = bias.masked_fill(~mask, float("-inf"))
-        mask = bias
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    return attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        form = score_mod_form(score_mod, query.dtype)
+        if isinstance(form, str):
+            raise NotImplementedError(
+                f"bob_compile.flex_attention: the score_mod "
+                f"{getattr(score_mod, '__name__', score_mod)} {form}; only score + bias(b, h, "
+                f"q_idx, kv_idx) is supported (ALiBi, relative biases); soft-capping and other "
+                f"nonlinear score_mods are not yet")
+    return _attend(query, key, value, blocks, score_mod, form, (), scale, enable_gqa)
 
 
-def visible_pairs(block_mask, L, S, device):
-    """The bool (B or 1, H or 1, L, S) mask a BlockMask applies to an L x S call."""
-    if tuple(block_mask.seq_lengths) != (L, S):
-        raise ValueError(f"bob_compile.flex_attention: the BlockMask was built for "
-                         f"{tuple(block_mask.seq_lengths)} (query, key) lengths, the call has "
-                         f"({L}, {S}); build it for the call's lengths")
-    q_block, kv_block = block_mask.BLOCK_SIZE
+# ------------------------------------------------------------------ the BlockMask
+@dataclasses.dataclass
+class Blocks:
+    """What of a BlockMask decides the visible pairs: its lengths, block sizes, listed
+    partial and full key blocks per query block, and its mask_mod (with the tensors it
+    captured, passed as trailing arguments where Dynamo lifted them)."""
+    seq_lengths: tuple
+    block_size: tuple           # (query block, key block)
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    mask_mod: object
+    mask_mod_buffers: tuple = ()
+
+    @classmethod
+    def of(cls, block_mask):
+        return cls(tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
+                   block_mask.kv_num_blocks, block_mask.kv_indices,
+                   block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                   block_mask.mask_mod)
+
+    @classmethod
+    def of_tuple(cls, block_tuple, mask_mod_buffers=()):
+        """From the tuple the higher-order op takes (BlockMask.as_tuple(): the lengths and
+        the kv block tensors first; the block sizes and the mask_mod last)."""
+        L, S, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = block_tuple[:6]
+        q_block, kv_block, mask_mod = block_tuple[-3:]
+        return cls((L, S), (q_block, kv_block), kv_num_blocks, kv_indices, full_kv_num_blocks,
+                   full_kv_indices, mask_mod, tuple(mask_mod_buffers))
+
+
+def visible_pairs(blocks, L, S, device):
+    """The bool (B or 1, H or 1, L, S) mask `blocks` (a Blocks) applies to an L x S call."""
+    # a block longer than the call (flex_attention's mask for calls without one: lengths
+    # (1, 1), blocks of 2^30) covers it once
+    q_block, kv_block = min(blocks.block_size[0], L), min(blocks.block_size[1], S)
     kv_blocks = -(-S // kv_block)
 
     def pairs(num_blocks, indices):
         """The listed blocks, expanded to the pairs they cover."""
         listed = torch.arange(indices.shape[-1], device=device) < num_blocks[..., None]
-        blocks = torch.zeros(*indices.shape[:-1], kv_blocks + 1, dtype=torch.bool, device=device)
-        blocks.scatter_(-1, torch.where(listed, indices.long(), kv_blocks), True)
-        blocks = blocks[..., :kv_blocks]
-        return blocks.repeat_interleave(q_block, -2).repeat_interleave(kv_block, -1)[..., :L, :S]
+        listed_blocks = torch.zeros(*indices.shape[:-1], kv_blocks + 1, dtype=torch.bool,
+                                    device=device)
+        listed_blocks = listed_blocks.scatter(-1, torch.where(listed, indices.long(), kv_blocks),
+                                              True)[..., :kv_blocks]
+        return listed_blocks.repeat_interleave(q_block, -2).repeat_interleave(kv_block, -1)[
+            ..., :L, :S]
 
-    batch, heads = block_mask.kv_num_blocks.shape[:2]
-    partial = pairs(block_mask.kv_num_blocks, block_mask.kv_indices)
-    visible = partial & create_mask(block_mask.mask_mod, batch, heads, L, S, device)
-    if block_mask.full_kv_num_blocks is not None:
-        visible = visible | pairs(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    batch, heads = blocks.kv_num_blocks.shape[:2]
+    buffers = blocks.mask_mod_buffers
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return blocks.mask_mod(b, h, q_idx, kv_idx, *buffers)
+    by_mask_mod = _over_indices(mask_mod, (batch, heads, L, S), device)
+    visible = pairs(blocks.kv_num_blocks, blocks.kv_indices) & by_mask_mod
+    if blocks.full_kv_num_blocks is not None:
+        visible = visible | pairs(blocks.full_kv_num_blocks, blocks.full_kv_indices)
     return visible
 
 
-def additive_bias(score_mod, query, L, S):
-    """score_mod's bias(b, h, q_idx, kv_idx) in query's dtype, when score_mod(score, ...) =
-    score + bias (checked on its traced graph), at (B, H, L, S) with B or H 1 where the bias
-    does not read b or h; else NotImplementedError."""
-    graph, problem = _traced(score_mod, query.dtype)
-    problem = problem or _not_additive(graph)
-    if problem:
-        raise NotImplementedError(
-            f"bob_compile.flex_attention: the score_mod {getattr(score_mod, '__name__', score_mod)} "
-            f"{problem}; only score + bias(b, h, q_idx, kv_idx) is supported (ALiBi, relative "
-            f"biases); soft-capping and other nonlinear score_mods are not yet")
-    _, b, h = graph.find_nodes(op="placeholder")[:3]
-    score = torch.zeros((), dtype=query.dtype, device=query.device)
-
-    def bias(b, h, q_idx, kv_idx):
-        return score_mod(score, b, h, q_idx, kv_idx)
-    # one vmap per index, innermost the key's (as FlexAttention evaluates its mods)
-    for in_dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None),
-                    (0, None, None, None)):
-        bias = torch.vmap(bias, in_dims=in_dims)
-    sizes = (query.shape[0] if b.users else 1, query.shape[1] if h.users else 1, L, S)
-    return bias(*[torch.arange(n, device=query.device) for n in sizes]).to(query.dtype)
+# ------------------------------------------------------------------ the score_mod
+@dataclasses.dataclass
+class AdditiveScoreMod:
+    """A score_mod that returns score + bias(b, h, q_idx, kv_idx) (identity: bias 0), and
+    which indices its bias reads."""
+    identity: bool
+    reads_batch: bool
+    reads_head: bool
 
 
-def _traced(score_mod, dtype):
-    """(score_mod's aten graph, None), or (None, why it could not be traced)."""
+def score_mod_form(score_mod, dtype, buffers=()):
+    """AdditiveScoreMod for `score_mod(score, b, h, q_idx, kv_idx, *buffers)` when its
+    traced graph is additive in the score, else a phrase saying what it does instead.
+    `buffers`: tensors (real, fake or meta) standing for the captured tensors Dynamo passes
+    as extra arguments."""
     try:
         # traced as written, outside any torch.func level (the example inputs made there
         # too: made under a transform, make_fx takes them for constants); one-element
         # tensors, not 0-d ones (indexing a buffer with a 0-d index reads its value), one
-        # per input (make_fx takes one tensor passed twice for one input)
+        # per input (make_fx takes one tensor passed twice for one input); on the meta
+        # device, where the buffers are, so that no value is read
         with torch._C._DisableFuncTorch():
-            examples = [torch.zeros(1, dtype=dtype),
-                        *(torch.zeros(1, dtype=torch.int64) for _ in range(4))]
-            return make_fx(score_mod)(*examples).graph, None
+            device = buffers[0].device if buffers else "cpu"
+            examples = [torch.zeros(1, dtype=dtype, device=device),
+                        *(torch.zeros(1, dtype=torch.int64, device=device) for _ in range(4))]
+            graph = make_fx(lambda *indices: score_mod(*indices, *buffers))(*examples).graph
     except Exception as e:       # data-dependent Python control flow, unsupported ops
-        return None, (f"could not be traced ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''})")
-
-
-def _not_additive(graph):
-    """None when the graph returns score + (a value that does not read score) or
-    score - (such a value); else what it does instead."""
-    score = graph.find_nodes(op="placeholder")[0]
+        return (f"could not be traced ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})")
+    score, b, h = graph.find_nodes(op="placeholder")[:3]
     result = graph.output_node().args[0]
     if isinstance(result, (tuple, list)):
         result = result[0]
     if result is score:
-        return None
+        return AdditiveScoreMod(True, False, False)
     if getattr(result, "target", None) in (_ADD, _SUBTRACT) and \
             result.kwargs.get("alpha", 1) == 1:
         operands = list(result.args[:2])
-        if operands[0] is score and not _reads(operands[1], score):
-            return None
-        if result.target is _ADD and operands[1] is score and not _reads(operands[0], score):
-            return None
+        if (operands[0] is score and not _reads(operands[1], score)) or \
+                (result.target is _ADD and operands[1] is score and not _reads(operands[0], score)):
+            return AdditiveScoreMod(False, bool(b.users), bool(h.users))
     return "is not score plus a term without the score"
 
 
@@ -159,3 +193,107 @@ def _reads(value, node):
         seen.add(current)
         stack.extend(current.all_input_nodes)
     return False
+
+
+def additive_bias(score_mod, query, L, S, form=None, buffers=()):
+    """score_mod's bias(b, h, q_idx, kv_idx) in query's dtype, at (B, H, L, S) with B or H 1
+    where the bias does not read b or h. `form`: score_mod_form's, when known."""
+    form = form if form is not None else score_mod_form(score_mod, query.dtype)
+    if isinstance(form, str):
+        raise NotImplementedError(f"the score_mod {form}")
+    score = torch.zeros((), dtype=query.dtype, device=query.device)
+
+    def bias(b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, q_idx, kv_idx, *buffers)
+    sizes = (query.shape[0] if form.reads_batch else 1,
+             query.shape[1] if form.reads_head else 1, L, S)
+    return _over_indices(bias, sizes, query.device).to(query.dtype)
+
+
+def _over_indices(function, sizes, device, score=None):
+    """function(b, h, q_idx, kv_idx) (or function(score, b, h, q_idx, kv_idx) with score of
+    `sizes`) at every index of `sizes`: one vmap per index, innermost the key's (as
+    FlexAttention evaluates its mods)."""
+    indices = [torch.arange(n, device=device) for n in sizes]
+    if score is None:
+        for in_dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None),
+                        (0, None, None, None)):
+            function = torch.vmap(function, in_dims=in_dims)
+        return function(*indices)
+    for in_dims in ((0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None),
+                    (0, 0, None, None, None)):
+        function = torch.vmap(function, in_dims=in_dims)
+    return function(score, *indices)
+
+
+# ------------------------------------------------------------------ running the call
+def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale, enable_gqa):
+    L, S = query.shape[-2], key.shape[-2]
+    mask = None if blocks is None else visible_pairs(blocks, L, S, query.device)
+    if score_mod is not None and not form.identity:
+        bias = additive_bias(score_mod, query, L, S, form, score_mod_buffers)
+        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    return attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def flex_call(query, key, value, score_mod, block_mask, scale, kernel_options,
+              score_mod_other_buffers=(), mask_mod_other_buffers=(), *, additive, masked=True):
+    """torch.ops.higher_order.flex_attention's call (same arguments; `block_mask` the
+    BlockMask's tuple) through bob_compile.attention, for a score_mod additive in the score
+    (`additive`: AdditiveScoreMod's fields as a tuple, found by the pass); `masked` False
+    where the BlockMask is the one flex_attention makes when given none (every pair
+    visible). Returns (output,): the op's first output; the pass puts it only where nothing
+    reads the others (the logsumexp, the maximum)."""
+    blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers) if masked else None
+    return (_attend(query, key, value, blocks, score_mod, AdditiveScoreMod(*additive),
+                    tuple(score_mod_other_buffers), scale,
+                    enable_gqa=query.shape[1] != key.shape[1]),)
+
+
+def flex_math(query, key, value, score_mod, block_mask, scale, kernel_options,
+              score_mod_other_buffers=(), mask_mod_other_buffers=()):
+    """torch.ops.higher_order.flex_attention's call as math, for any score_mod: the scores
+    (B, H, L, S) through the score_mod, the BlockMask's hidden pairs at -inf, softmax,
+    times value; a row that sees no key gives zeros. Differentiable at every order, N x N
+    in memory. Returns the op's three outputs: the output, and the logsumexp and maximum
+    of the rows' scores in base 2 (as the op gives them; -inf for a row that sees none)."""
+    L, S = query.shape[-2], key.shape[-2]
+    groups = query.shape[1] // key.shape[1]
+    if groups != 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    # in float32 at least, as FlexAttention's kernels compute the scores
+    compute = torch.promote_types(query.dtype, torch.float32)
+    scores = query.to(compute) @ key.to(compute).transpose(-1, -2) * scale
+    buffers = tuple(score_mod_other_buffers)
+
+    def modified(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, q_idx, kv_idx, *buffers)
+    scores = _over_indices(modified, scores.shape, query.device, score=scores)
+    blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers)
+    scores = scores.masked_fill(~visible_pairs(blocks, L, S, query.device), float("-inf"))
+    sees_a_key = (scores != float("-inf")).any(-1, keepdim=True)
+    # rows that see no key: softmax of zeros, then zeroed (no NaN in any derivative)
+    safe_scores = torch.where(sees_a_key, scores, 0.0)
+    probabilities = torch.where(sees_a_key, torch.softmax(safe_scores, -1), 0.0)
+    output = (probabilities @ value.to(compute)).to(query.dtype)
+    unseen = torch.where(sees_a_key[..., 0], 0.0, float("-inf"))
+    logsumexp = safe_scores.logsumexp(-1) + unseen
+    maximum = safe_scores.amax(-1) + unseen
+    return output, logsumexp / math.log(2), maximum / math.log(2)
+
+
+# ------------------------------------------------------------------ torch.func
+def _register_functorch_rules():
+    """PyTorch's flex_attention op has no rule for torch.func's grad, jvp and vmap (the
+    call fails, eagerly and when Dynamo traces it); give it flex_math, the same function
+    in ops torch.func differentiates and batches. Rules PyTorch defines are kept."""
+    from torch._C._functorch import TransformType
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_op
+    for transform in (TransformType.Grad, TransformType.Jvp, TransformType.Vmap):
+        if transform not in flex_op.py_kernels:
+            flex_op.py_impl(transform)(lambda interpreter, *args: flex_math(*args))
+
+
+_register_functorch_rules()

@@ -7,8 +7,9 @@ higher-order ops such as activation checkpointing), recompiles it, and returns a
 GraphReport: one Site per attention site, and the run-time guards that the rewritten graph
 needs (causal masks read from graph inputs, see causal_mask.py).
 
-Modules: sdpa.py, handwritten.py and multi_head_forward.py (the rewrites: SDPA calls,
-attention written by hand, nn.MultiheadAttention's F.multi_head_attention_forward),
+Modules: sdpa.py, handwritten.py and multi_head_forward.py and flex_attention.py (the
+rewrites: SDPA calls, attention written by hand, nn.MultiheadAttention's
+F.multi_head_attention_forward, FlexAttention's higher-order op),
 sdpa_math.py (sites left as written, run as SDPA's math where differentiated twice),
 autograd_functions.py (user Functions' backwards), inference.py (which inference graphs
 keep PyTorch's fused SDPA), einsum.py (einsum spellings), inplace.py (in-place arithmetic on
@@ -17,6 +18,7 @@ temporaries made out of place first), subgraphs.py (higher-order op bodies), cau
 dead-node removal), report.py (reports, counters).
 """
 from .causal_mask import CausalTensorGuard, MaskProver
+from .flex_attention import rewrite_flex
 from .handwritten import rewrite_handwritten
 from .inplace import functionalize_temporaries
 from .multi_head_forward import rewrite_multihead
@@ -37,6 +39,7 @@ def _rewrite_graph(gm, prover, report):
     rewrite_sdpa(gm, prover, report)
     rewrite_multihead(gm, prover, report)
     rewrite_handwritten(gm, prover, report)
+    rewrite_flex(gm, report)
     rewrite_bodies(gm, prover, report, _rewrite_graph,
                    lambda body, outer: MaskProver(body, (), outer))
     gm.graph.lint()

@@ -4,13 +4,16 @@ On the inference route (grad mode off, or no input requiring grad) no derivative
 graph can be taken, so what flashbob adds, exact derivatives of every order, is never
 used; the forward alone is the same function in PyTorch's fused SDPA, which inductor
 lowers as stock torch.compile does (no custom-op call on the host, no log-sum-exp
-output). Hand-written attention found by the passes then also runs fused.
+output). Hand-written attention found by the passes then also runs fused, and
+FlexAttention's calls go back to PyTorch's op (block-sparse, no mask materialized).
 """
 import torch
 import torch.nn.functional as F
 from torch import fx
 
 from ..attention import attention
+from ..flex import flex_call
+from .flex_attention import FLEX_ATTENTION
 from .nodes import example_tensor
 
 
@@ -30,15 +33,19 @@ def use_native_sdpa(gm):
     """Point every bob_compile.attention call of `gm` (and of its submodules' graphs, e.g.
     checkpointed bodies) at F.scaled_dot_product_attention, in place, where SDPA computes
     the same (_same_in_sdpa); the arguments are the same (query, key, value, attn_mask,
-    is_causal, scale, enable_gqa). Returns how many."""
+    is_causal, scale, enable_gqa); and every flex_call back at FlexAttention's op (the
+    op's own arguments). Returns how many."""
     changed = 0
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
-        calls = [n for n in module.graph.nodes if n.op == "call_function" and n.target is attention
-                 and _same_in_sdpa(n)]
+        calls = [n for n in module.graph.nodes if n.op == "call_function" and (
+            (n.target is attention and _same_in_sdpa(n)) or n.target is flex_call)]
         for node in calls:
-            node.target = F.scaled_dot_product_attention
+            if node.target is flex_call:
+                node.target, node.kwargs = FLEX_ATTENTION, {}
+            else:
+                node.target = F.scaled_dot_product_attention
         if calls:
             module.recompile()
             changed += len(calls)

@@ -8,7 +8,10 @@ PyTorch ("derivative for aten::_scaled_dot_product_..._backward is not implement
 `sdpa_kernel(SDPBackend.MATH)` around the call no longer helps once the graph is compiled.
 Where a graph may be differentiated twice, such calls become `sdpa_math` (and
 `multi_head_attention_math`): SDPA's own math decomposition, differentiable at every order
-(and N x N in memory, as eager math is).
+(and N x N in memory, as eager math is). FlexAttention's calls that the passes left (a
+score_mod that is not additive, e.g. soft-capping; its logsumexp read) become
+bob_compile.flex.flex_math, the same function as math (under torch.func it is already
+that: bob_compile/flex.py gives PyTorch's op its torch.func rules).
 
 Dropout draws its mask where the graph runs (native_dropout, a draw the second order
 replays: bob_compile/training/draws.py); the fused kernels draw inside, where no replay can
@@ -20,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..flex import flex_math
+from .flex_attention import FLEX_ATTENTION
 from .multi_head_forward import MHA_SIGNATURE
 from .sdpa import SDPA_TARGETS, _bound_arguments
 
@@ -57,12 +62,13 @@ def _multihead_dropout(node):
 
 _AS_MATH = {target: (sdpa_math, _sdpa_dropout) for target in SDPA_TARGETS}
 _AS_MATH[F.multi_head_attention_forward] = (multi_head_attention_math, _multihead_dropout)
+_AS_MATH[FLEX_ATTENTION] = (flex_math, lambda node: 0.0)
 
 
 def sdpa_calls_as_math(gm, report=None, only_dropout=False):
-    """Point every SDPA and multi-head attention call of `gm` and of its body graphs at its
-    math (`only_dropout`: those whose dropout is active); note it on the call's site in
-    `report`. Returns how many calls changed."""
+    """Point every SDPA, multi-head attention and FlexAttention call of `gm` and of its body
+    graphs at its math (`only_dropout`: those whose dropout is active); note it on the
+    call's site in `report`. Returns how many calls changed."""
     changed = 0
     for prefix, module in gm.named_modules():
         if not isinstance(module, torch.fx.GraphModule):
@@ -76,7 +82,8 @@ def sdpa_calls_as_math(gm, report=None, only_dropout=False):
             node.target = math
             changed += 1
             if report is not None:
-                _note(report, f"{prefix}.{node.name}" if prefix else node.name, only_dropout)
+                _note(report, f"{prefix}.{node.name}" if prefix else node.name,
+                      "math" if math is flex_math else "SDPA's math", only_dropout)
         if calls:
             module.recompile()
     return changed
@@ -86,9 +93,9 @@ def _dropout_is_zero(p):
     return isinstance(p, (int, float)) and p == 0
 
 
-def _note(report, name, only_dropout):
+def _note(report, name, math, only_dropout):
     where = ("in every order, so that the second order can replay dropout's mask"
              if only_dropout else "where the graph is differentiated twice")
     for site in report.sites:
         if site.node == name and not site.replaced:
-            site.reason += f"; runs as SDPA's math {where} (PyTorch's fused kernels have no double backward)"
+            site.reason += f"; runs as {math} {where} (PyTorch's fused kernels have no double backward)"

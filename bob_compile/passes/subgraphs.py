@@ -13,8 +13,8 @@ operands, so a causal mask built or read outside the body is proven there (MaskP
 `outer`), unless several calls share the body and may pass different masks.
 
 Bodies of other higher-order ops (cond, while_loop, map, autograd_function_apply, whose
-backward the user wrote, flex_attention's score_mod ...) stay as written; the attention
-sites in them are reported as skipped, with the op's name.
+backward the user wrote, ...) stay as written; the attention sites in them are reported as
+skipped, with the op's name. (FlexAttention's calls are flex_attention.py's.)
 """
 import collections
 
@@ -27,11 +27,6 @@ from .report import Site
 # Higher-order ops that call their body once on their operands, by the position of the
 # first operand (after the body and, for invoke_subgraph, its identifier).
 TRANSPARENT = {"tag_activation_checkpoint": 1, "wrap": 1, "invoke_subgraph": 2}
-
-FLEX_ATTENTION = ("flex_attention runs user score_mod/mask_mod functions inside the softmax; "
-                  "flashbob replaces only plain softmax attention, so PyTorch's kernel stays "
-                  "(it has no double backward)")
-
 
 def hop_name(node):
     target = node.target if isinstance(node, fx.Node) and node.op == "call_function" else None
@@ -60,8 +55,6 @@ def rewrite_bodies(gm, prover, report, rewrite_graph, make_prover):
     done = set()
     for node in hops:
         name = hop_name(node)
-        if name == "flex_attention":
-            report.add(Site("flex_attention", node.name, user_code(node), reason=FLEX_ATTENTION))
         for attr, body in bodies(gm, node):
             if attr in done:
                 continue

@@ -162,7 +162,7 @@ def test_inference_graphs_run_native_sdpa(case, monkeypatch):
     torch.testing.assert_close(out, expected, atol=1e-9, rtol=0)
     report = recent_reports[-1]
     assert report.route == "inference" and len(report.replaced) == 1
-    assert "run PyTorch's fused SDPA" in report.route_reason
+    assert "run PyTorch's fused kernels" in report.route_reason
     assert counters["inference_native_sdpa"] == 1 and not calls
 
 

@@ -1,0 +1,118 @@
+"""Replace FlexAttention's calls: the higher-order op Dynamo records for
+torch.nn.attention.flex_attention.
+
+    # flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask) in the user's code
+    flex_attention = torch.ops.higher_order.flex_attention(q, k, v, score_mod_0,
+        (L, S, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, ...,
+         Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_fn_0), scale, kernel_options,
+        (score_mod_buffers...), (mask_mod_buffers...))
+    out = flex_attention[0]
+
+score_mod_0 and mask_fn_0 are get_attr submodules taking the tensors the mods captured
+as trailing arguments (docs/torch-behaviour.md, "flex_attention in Dynamo graphs").
+PyTorch's op has no double backward (and no torch.func.grad rule), so:
+
+- a score_mod additive in the score (none, ALiBi, relative-position tables, learned biases;
+  bob_compile/flex.py reads its traced graph) becomes bob_compile.flex.flex_call: the op,
+  with the BlockMask's mask and the bias materialized per call, in every route but
+  inference, where the op goes back to PyTorch's (bob_compile/passes/inference.py);
+- any other score_mod (soft-capping, ...) stays, and runs as bob_compile.flex.flex_math
+  wherever the graph may be differentiated twice or under torch.func (sdpa_math.py),
+  exact and N x N in memory, the report saying so;
+- a call whose logsumexp or maximum is read stays as written.
+"""
+import dataclasses
+import operator
+
+import torch
+import torch.nn.attention.flex_attention as flex_module
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..flex import flex_call, score_mod_form
+from .nodes import example_tensor, shape_text, user_code
+from .report import Site
+
+FLEX_ATTENTION = torch.ops.higher_order.flex_attention
+
+
+def rewrite_flex(gm, report):
+    """Put flex_call in place of every FlexAttention call of `gm` whose score_mod is
+    additive; one Site per call."""
+    for node in [n for n in gm.graph.nodes
+                 if n.op == "call_function" and n.target is FLEX_ATTENTION]:
+        report.add(_rewrite_call(gm, node))
+
+
+def _rewrite_call(gm, node):
+    query, key, value, score_mod = node.args[:4]
+    site = Site("flex_attention", node.name, user_code(node),
+                shapes=f"q{shape_text(query)} k{shape_text(key)} v{shape_text(value)}",
+                scale=f"{node.args[5]:.6g}" if isinstance(node.args[5], float) else "?")
+    read_outputs = sorted({u.args[1] for u in node.users
+                           if u.target is operator.getitem and u.users} |
+                          {"?" for u in node.users if u.target is not operator.getitem})
+    if any(i != 0 for i in read_outputs):
+        site.reason = ("the call's logsumexp or maximum is read (return_lse/return_aux); "
+                       "flashbob's op gives the output only, so PyTorch's kernel stays (it "
+                       "has no double backward)")
+        return site
+    form = _score_mod_form(gm, score_mod, query, node.args[7])
+    if isinstance(form, str):
+        site.reason = (f"the score_mod {form}; only score + bias(b, h, q_idx, kv_idx) runs "
+                       f"fused, so the call stays PyTorch's where nothing differentiates it "
+                       f"twice")
+        return site
+    masked = not _is_flex_default_mask(gm, node.args[4])
+    node.target = flex_call
+    node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked}
+    site.replaced = True
+    site.enable_gqa = _heads(query) != _heads(key)
+    site.mask = ", ".join(what for what, present in (
+        ("BlockMask (materialized per call)", masked),
+        ("score_mod's additive bias (materialized per call)", not form.identity)) if present)
+    return site
+
+
+def _is_flex_default_mask(gm, block_tuple):
+    """Whether the BlockMask is the one flex_attention makes when the call has none
+    (_create_empty_block_mask: lengths (1, 1), one block of _LARGE_SPARSE_BLOCK_SIZE listed,
+    noop_mask): every pair visible."""
+    large = getattr(flex_module, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
+    mask_fn = block_tuple[-1]
+    if tuple(block_tuple[:2]) != (1, 1) or tuple(block_tuple[-3:-1]) != (large, large) or \
+            not (isinstance(mask_fn, fx.Node) and mask_fn.op == "get_attr"):
+        return False
+    try:
+        with torch._C._DisableFuncTorch():
+            indices = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+            graph = make_fx(getattr(gm, mask_fn.target))(*indices).graph
+    except Exception:
+        return False
+    result = graph.output_node().args[0]
+    return getattr(result, "target", None) in (torch.ops.aten.new_ones.default,
+                                                torch.ops.aten.ones.default) and \
+        result.kwargs.get("dtype") == torch.bool
+
+
+def _score_mod_form(gm, score_mod, query, buffers):
+    if not (isinstance(score_mod, fx.Node) and score_mod.op == "get_attr"):
+        return f"{score_mod} is not a graph the pass can read"
+    examples = []
+    for buffer in buffers:
+        value = example_tensor(buffer)
+        if value is None:
+            return f"captures {buffer}, which has no recorded tensor value"
+        try:
+            examples.append(torch.empty(tuple(int(s) for s in value.shape), dtype=value.dtype,
+                                        device="meta"))
+        except Exception:       # sizes that are symbolic without a hint
+            return f"captures {buffer.name} of symbolic shape {tuple(value.shape)}"
+    dtype = example_tensor(query).dtype if example_tensor(query) is not None else torch.float32
+    return score_mod_form(getattr(gm, score_mod.target), dtype, tuple(examples))
+
+
+def _heads(node):
+    value = example_tensor(node)
+    return None if value is None else value.shape[1]
+
