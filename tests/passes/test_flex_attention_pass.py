@@ -7,153 +7,25 @@ BlockMask, no code under test).
 On the CPU PyTorch's flex_attention refuses inputs that require grad (`_validate_device`),
 so the fixture below lets it through; the backend then replaces the op. AOTAutograd runs
 with aot_eager (test_inductor_compiles_a_replaced_site covers inductor)."""
-import copy
-
 import pytest
 import torch
 from torch.nn.attention import flex_attention as flex_module
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 from bob_compile.backend import flashbob, recent_reports
 from bob_compile.passes import counters
+from flex_models import CASES, E, REPLACED, make, reference
 from scenarios import (first_order, grad_of_grad, hutchinson_hvp, jvp_of_grad, maml_step,
                        max_error, vmap_of_grad)
 from tiers import diagonal
 
 OPTIONS = {"compiler": "aot_eager", "fallback": False}
 TOLERANCE = 1e-9
-B, H, E = 2, 2, 4
-BLOCK = 16                 # smaller than the lengths: full, partial and empty blocks
 
 
 @pytest.fixture(autouse=True)
 def flex_on_the_cpu(monkeypatch, fresh_dynamo):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
-
-
-# ---------------------------------------------------------------------------- masks and mods
-# Each takes index tensors (0-d under FlexAttention's vmap; broadcast (B, H, L, S) grids in
-# the reference), as attention-gym's recipes are written.
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def sliding_window(b, h, q_idx, kv_idx):          # Mistral / Gemma 2 local layers
-    return (q_idx >= kv_idx) & (q_idx - kv_idx < 9)
-
-
-def prefix_lm(b, h, q_idx, kv_idx):               # T5-style prefix LM: a 6-token prefix
-    return (kv_idx < 6) | (q_idx >= kv_idx)
-
-
-DOCUMENT_IDS = torch.tensor([0] * 7 + [1] * 13 + [2] * 3 + [3] * 14)   # packed, 37 tokens
-
-
-def documents(b, h, q_idx, kv_idx):               # packed sequences, causal per document
-    return (DOCUMENT_IDS[q_idx] == DOCUMENT_IDS[kv_idx]) & (q_idx >= kv_idx)
-
-
-SLOPES = torch.tensor([0.5, 0.125], dtype=torch.float64)
-
-
-def alibi(score, b, h, q_idx, kv_idx):
-    return score + SLOPES[h] * (kv_idx - q_idx)
-
-
-def softcap_30(score, b, h, q_idx, kv_idx):        # Gemma 2's attention logit soft-capping
-    return 30 * torch.tanh(score / 30)
-
-
-def softcap_50(score, b, h, q_idx, kv_idx):
-    return 50 * torch.tanh(score / 50)
-
-
-RELATIVE = torch.randn(2 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-
-
-def relative_buffer(score, b, h, q_idx, kv_idx):   # a relative-position bias table
-    return score + RELATIVE[q_idx - kv_idx + 64]
-
-
-class FlexBlock(torch.nn.Module):
-    """A projection, flex_attention with the given mods, a projection; `learned_bias`
-    adds a parameter table read by the score_mod (its gradient flows through the op)."""
-
-    def __init__(self, length, mask_mod, score_mod, kv_heads=H, learned_bias=False):
-        super().__init__()
-        self.length, self.kv_heads, self.reference = length, kv_heads, False
-        self.qkv = torch.nn.Linear(E * H, E * (H + 2 * kv_heads))
-        self.out = torch.nn.Linear(E * H, E * H)
-        self.mask_mod, self.base_score_mod = mask_mod, score_mod
-        self.table = torch.nn.Parameter(0.1 * torch.randn(H, length, length)) \
-            if learned_bias else None
-        self.block_mask = None if mask_mod is None else create_block_mask(
-            mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=BLOCK)
-
-    @property
-    def modifies_scores(self):
-        return self.base_score_mod is not None or self.table is not None
-
-    def score_mod(self, score, b, h, q_idx, kv_idx):
-        if self.base_score_mod is not None:
-            score = self.base_score_mod(score, b, h, q_idx, kv_idx)
-        if self.table is not None:
-            score = score + self.table[h, q_idx, kv_idx]
-        return score
-
-    def heads(self, x):
-        q, k, v = self.qkv(x).split([E * H, E * self.kv_heads, E * self.kv_heads], -1)
-        return [t.unflatten(-1, (-1, E)).transpose(1, 2) for t in (q, k, v)]
-
-    def forward(self, x):
-        q, k, v = self.heads(x)
-        if self.reference:
-            y = self.math(q, k, v)
-        else:
-            y = flex_attention(q, k, v, score_mod=self.score_mod if self.modifies_scores else None,
-                               block_mask=self.block_mask, enable_gqa=self.kv_heads != H)
-        return self.out(y.transpose(1, 2).flatten(-2)).tanh()
-
-    def math(self, q, k, v):
-        """The same attention in eager math: the mods evaluated on broadcast index grids."""
-        k, v = (t.repeat_interleave(H // self.kv_heads, 1) for t in (k, v))
-        L = q.shape[-2]
-        b, h, q_idx, kv_idx = (torch.arange(n).view([-1 if i == d else 1 for i in range(4)])
-                               for d, n in enumerate((B, H, L, L)))
-        scores = q @ k.transpose(-1, -2) / E ** 0.5
-        scores = self.score_mod(scores, b, h, q_idx, kv_idx) if self.modifies_scores else scores
-        if self.mask_mod is not None:
-            scores = scores.masked_fill(~self.mask_mod(b, h, q_idx, kv_idx), float("-inf"))
-        return scores.softmax(-1) @ v
-
-
-def reference(model):
-    """The model's twin with the same parameters, attention in eager math."""
-    twin = copy.deepcopy(model)
-    twin.reference = True
-    return twin
-
-
-CASES = {   # name: (length, mask_mod, score_mod, kv heads, learned bias)
-    "causal": (29, causal, None, H, False),
-    "sliding window + ALiBi": (45, sliding_window, alibi, H, False),
-    "documents": (37, documents, None, H, False),
-    "prefix-LM + relative buffer": (33, prefix_lm, relative_buffer, H, False),
-    "causal + learned bias": (23, causal, None, H, True),
-    "ALiBi alone, GQA": (19, None, alibi, 1, False),
-    "soft-capping 30 + sliding window": (45, sliding_window, softcap_30, H, False),
-    "soft-capping 50 + causal": (29, causal, softcap_50, H, False),
-}
-REPLACED = {name: case[2] not in (softcap_30, softcap_50) for name, case in CASES.items()}
-
-
-def make(name):
-    length, mask_mod, score_mod, kv_heads, learned = CASES[name]
-    torch.manual_seed(0)
-    model = FlexBlock(length, mask_mod, score_mod, kv_heads, learned).double()
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(B, length, E * H, dtype=torch.float64, generator=g) for _ in range(2)]
-    return model, batches
 
 
 def assert_report(name):
