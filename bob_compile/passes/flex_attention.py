@@ -30,6 +30,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..flex import flex_call, score_mod_form
+from .erase import erase_unused
 from .nodes import example_tensor, shape_text, user_code
 from .report import Site
 
@@ -49,10 +50,8 @@ def _rewrite_call(gm, node):
     site = Site("flex_attention", node.name, user_code(node),
                 shapes=f"q{shape_text(query)} k{shape_text(key)} v{shape_text(value)}",
                 scale=f"{node.args[5]:.6g}" if isinstance(node.args[5], float) else "?")
-    read_outputs = sorted({u.args[1] for u in node.users
-                           if u.target is operator.getitem and u.users} |
-                          {"?" for u in node.users if u.target is not operator.getitem})
-    if any(i != 0 for i in read_outputs):
+    if any(not (u.target is operator.getitem and u.args[1] == 0) and _is_read(u)
+           for u in node.users):
         site.reason = ("the call's logsumexp or maximum is read (return_lse/return_aux); "
                        "flashbob's op gives the output only, so PyTorch's kernel stays (it "
                        "has no double backward)")
@@ -63,6 +62,7 @@ def _rewrite_call(gm, node):
                        f"fused, so the call stays PyTorch's where nothing differentiates it "
                        f"twice")
         return site
+    erase_unused(gm.graph, [n for u in node.users if u.args[1] != 0 for n in _downstream(u)])
     masked = not _is_flex_default_mask(gm, node.args[4])
     node.target = flex_call
     node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked}
@@ -93,6 +93,23 @@ def _is_flex_default_mask(gm, block_tuple):
     return getattr(result, "target", None) in (torch.ops.aten.new_ones.default,
                                                 torch.ops.aten.ones.default) and \
         result.kwargs.get("dtype") == torch.bool
+
+
+def _is_read(node):
+    """Whether `node`'s value reaches the graph's outputs or an impure call (Hugging Face
+    converts the logsumexp it asks for to the value's dtype and then drops it)."""
+    return any(n is not node and (n.op == "output" or n.is_impure()) for n in _downstream(node))
+
+
+def _downstream(node):
+    """`node` and every node that reads it, directly or not."""
+    seen, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.append(current)
+            stack.extend(current.users)
+    return seen
 
 
 def _score_mod_form(gm, score_mod, query, buffers):

@@ -36,6 +36,7 @@ def test_flex_attention_every_order_on_cuda(name, scenario):
         if scenario is maml_step else [batches[0].double()]
     expected = scenario(twin, twin_inputs)
     actual = scenario(torch.compile(model, backend=flashbob, options=OPTIONS), inputs)
-    assert relative_error(actual, expected) <= TOLERANCE
+    error = relative_error(actual, expected)
+    assert error <= TOLERANCE, (error, [r.text() for r in recent_reports])
     sites = [s for r in recent_reports for s in r.sites]
     assert sites and all(s.replaced == REPLACED[name] for s in sites), [s.line() for s in sites]

@@ -122,3 +122,26 @@ def test_a_read_logsumexp_keeps_the_call_and_its_second_order_is_math():
     site, = [s for r in recent_reports for s in r.sites]
     assert not site.replaced and "logsumexp" in site.reason and "runs as math" in site.reason
 
+
+
+def test_a_logsumexp_computed_and_dropped_is_not_read():
+    """Hugging Face asks for the logsumexp, converts it to the value's dtype and drops it:
+    the call is replaced, the dead conversion erased."""
+    model, batches = make("causal")
+
+    def drops_lse(x):
+        q, k, v = model.heads(x)
+        out, lse = flex_attention(q, k, v, block_mask=model.block_mask, return_lse=True)
+        lse.to(torch.float32)
+        return out.sin().sum()
+
+    def hvp(function, module):
+        params = list(module.qkv.parameters())
+        grads = torch.autograd.grad(function(batches[0]), params, create_graph=True)
+        return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+    twin = reference(model)
+    expected = hvp(lambda x: twin.math(*twin.heads(x)).sin().sum(), twin)
+    actual = hvp(torch.compile(drops_lse, backend=flashbob, options=OPTIONS), model)
+    assert max_error(actual, expected) <= TOLERANCE
+    site, = [s for r in recent_reports for s in r.sites]
+    assert site.replaced

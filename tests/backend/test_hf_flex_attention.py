@@ -1,0 +1,75 @@
+"""Hugging Face models with `attn_implementation="flex_attention"`: transformers calls
+torch.nn.attention.flex_attention with a BlockMask (causal and padding, sliding windows),
+a score_mod that adds nothing or soft-caps (Gemma 2), and asks for the logsumexp, which it
+drops. The passes replace the additive calls by the op and run the soft-capped ones as math
+where the graph is differentiated twice; every order is checked against the same weights
+through SDPA's math path (Llama) or HF's eager attention (Gemma 2, whose soft-capping SDPA
+cannot express) in float64, the loss computed in float64 from the logits.
+
+On the CPU PyTorch's flex_attention refuses inputs that require grad; the fixture lifts
+that check (the backend replaces the op)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import flex_attention as flex_module
+
+from bob_compile.backend import recent_reports
+
+transformers = pytest.importorskip("transformers")
+
+OPTIONS = {"compiler": "aot_eager", "fallback": False}
+
+
+@pytest.fixture(autouse=True)
+def flex_on_the_cpu(monkeypatch, fresh_dynamo):
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
+
+
+def _model(name, attn_implementation):
+    T = transformers
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    config = {
+        "llama": lambda: T.LlamaConfig(**small),
+        # soft-capped scores, and a sliding window (4) on alternate layers
+        "gemma2": lambda: T.Gemma2Config(**small, head_dim=8, sliding_window=4,
+                                         attn_logit_softcapping=50.0,
+                                         final_logit_softcapping=None),
+    }[name]()
+    cls = {"llama": T.LlamaForCausalLM, "gemma2": T.Gemma2ForCausalLM}[name]
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation=attn_implementation,
+                            dtype=torch.float64).train()
+
+
+def _gradient_and_hvp(model, kwargs, labels):
+    params = [p for p in model.parameters() if p.requires_grad]
+    logits = model(**kwargs).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    hvps = torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+    return torch.cat([g.detach().flatten() for g in grads]), torch.cat([h.flatten() for h in hvps])
+
+
+@pytest.mark.parametrize("name, reference, tol, replaced", [
+    # 1e-6: the RMSNorms compute in float32 (and Gemma's eager softmax); the compiled graph
+    # orders those float32 ops otherwise than eager does
+    ("llama", "sdpa", 1e-6, True),
+    ("gemma2", "eager", 1e-6, False),
+])
+def test_flex_attention_models(name, reference, tol, replaced):
+    ids = torch.randint(1, 32, (2, 10), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, 7:] = 0                  # right padding: every query still sees a key
+    kwargs = dict(input_ids=ids, attention_mask=padding)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = _gradient_and_hvp(_model(name, reference), kwargs, ids)
+    model = _model(name, "flex_attention")
+    actual = _gradient_and_hvp(torch.compile(model, backend="flashbob", options=OPTIONS),
+                               kwargs, ids)
+    for a, e in zip(actual, expected):
+        assert ((a - e).norm() / e.norm()).item() <= tol
+    sites = [s for r in recent_reports for s in r.sites]
+    assert len(sites) == 2 and all(s.kind == "flex_attention" for s in sites)
+    assert all(s.replaced == replaced for s in sites), [s.line() for s in sites]
