@@ -44,9 +44,9 @@ from bob_compile.eager import node as eager_node  # noqa: E402
 from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 
-def step(q, k, v, do, g, mask, causal):
+def step(q, k, v, do, g, mask, causal, dropout_p=0.0):
     q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
-    o = bob_compile.attention(q, k, v, attn_mask=mask, is_causal=causal)
+    o = bob_compile.attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
     grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     return torch.autograd.grad(grads, (q, k, v, do), g)
 

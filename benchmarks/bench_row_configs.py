@@ -13,7 +13,7 @@ the CUDA-event median of --reps steps. Kernel-only timings of the same configs a
 caches with the row pass, and the tuner times the row launch alone).
 
     python benchmarks/bench_row_configs.py --out results/ [--n 16384] [--d 64] [--columns]
-        [--causal both|yes|no] [--configs 64x128/8/3 ...]
+        [--causal both|yes|no] [--configs 64x128/8/3 ...] [--dropout 0.1]
 """
 import argparse
 import json
@@ -50,6 +50,8 @@ def ab_arguments(description, more=None):
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--columns", action="store_true",
                     help="the column pass's configs instead of the row pass's")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="attention dropout probability of the measured step")
     ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
                     metavar="MxN/WARPS/STAGES",
                     help="these configs instead of the candidate list (e.g. 64x128/8/3)")
@@ -79,7 +81,8 @@ def forget_tuning():
 def write_results(args, name, rows):
     """rows of a launch-config A/B as results/<name>_d<d>_<n>.json."""
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{name}_d{args.d}_{args.n}.json")
+    dropout = f"_dropout{args.dropout:g}" if getattr(args, "dropout", 0.0) else ""
+    path = os.path.join(args.out, f"{name}_d{args.d}_{args.n}{dropout}.json")
     with open(path, "w") as f:
         json.dump(dict(n=args.n, d=args.d, device=torch.cuda.get_device_name(),
                        torch=torch.__version__, rows=rows), f, indent=1)
@@ -118,7 +121,8 @@ def main():
         for round_ in range(args.rounds):
             for name, configs in variants.items():
                 force(configs)
-                ms = median_ms(lambda: step(q, k, v, do, cotangents, None, causal), args.reps)
+                ms = median_ms(lambda: step(q, k, v, do, cotangents, None, causal, args.dropout),
+                               args.reps)
                 site = "bob_columns" if args.columns else "bob_rows"
                 chosen = [{param: plan.kwargs[param] for param in LAUNCH_PARAMETERS}
                           for memo, plan in tuning.TUNING_CACHE.chosen.items()
