@@ -189,34 +189,59 @@ def load_mask_summary(summary_ptr, sre):
 
 
 @triton.jit
-def key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary_ptr, sre, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    """A row-block-major kernel's two key loops [lo1, hi1) and [lo2, hi2) (lo1, lo2
-    multiples of BLOCK_N) for rows [m0, m0 + BLOCK_M), restricted to the key blocks holding
-    keys its (batch, head)'s mask lets them see: keys in [first, end), and where no row
-    sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL) none past
-    the block's last row; then the summary (first, end, structure) from KEY_RANGE
-    (triton_masks.py)."""
-    first, end, structure = load_mask_summary(summary_ptr, sre)
-    below_diagonal = (structure == 2) | (structure == 3)
-    end_seen = tl.where(below_diagonal, tl.minimum(end, m0 + BLOCK_M), end)
-    block_of_first = (first // BLOCK_N) * BLOCK_N
-    return (tl.maximum(lo1, block_of_first), tl.minimum(hi1, end_seen),
-            tl.maximum(lo2, block_of_first), tl.minimum(hi2, end_seen), first, end, structure)
+def _range_of_block(ranges_ptr, sre, start, n, BLOCK: tl.constexpr):
+    """The smallest first and largest end of the (first, end) pairs [start, start + BLOCK)
+    of a list of n (KEY_RANGE's per-row or per-column ranges, triton_masks.py): where a
+    block's rows see keys (or its columns are seen by queries); first > end if nowhere."""
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < n
+    firsts = tl.load(ranges_ptr + 2 * offs * sre, mask=inside, other=2147483647)
+    ends = tl.load(ranges_ptr + (2 * offs + 1) * sre, mask=inside, other=0)
+    return tl.min(firsts, 0), tl.max(ends, 0)
 
 
 @triton.jit
-def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, BLOCK_M: tl.constexpr,
+def key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary_ptr, sre, L, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """A row-block-major kernel's two key loops [lo1, hi1) and [lo2, hi2) (lo1, lo2
+    multiples of BLOCK_N) for rows [m0, m0 + BLOCK_M), restricted to the key blocks holding
+    keys its (batch, head)'s mask lets them see: keys in [first, end), for a mask that is
+    read the keys these very rows see (a sliding window's, a packed document's), and where
+    no row sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL) none
+    past the block's last row; then the summary (first, end, structure) from KEY_RANGE
+    (triton_masks.py)."""
+    first, end, structure = load_mask_summary(summary_ptr, sre)
+    rows_first, rows_end = _range_of_block(summary_ptr + 3 * sre, sre, m0, L, BLOCK_M)
+    read = (structure == 0) | (structure == 3)
+    seen_first = tl.where(read, tl.maximum(first, rows_first), first)
+    seen_end = tl.where(read, tl.minimum(end, rows_end), end)
+    below_diagonal = (structure == 2) | (structure == 3)
+    seen_end = tl.where(below_diagonal, tl.minimum(seen_end, m0 + BLOCK_M), seen_end)
+    block_of_first = (seen_first // BLOCK_N) * BLOCK_N
+    return (tl.maximum(lo1, block_of_first), tl.minimum(hi1, seen_end),
+            tl.maximum(lo2, block_of_first), tl.minimum(hi2, seen_end), first, end, structure)
+
+
+@triton.jit
+def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, L, S, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     """A key-block-major kernel's two query loops [m_lo, m_mid) and [m_mid, m_hi) for keys
     [n0, n0 + BLOCK_N), restricted by its (batch, head)'s mask: none when it hides every
-    key of the block, and where no row sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL,
+    key of the block, for a mask that is read only the queries that see these very keys,
+    and where no row sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL,
     READ_THE_MASK_CAUSAL) no query block above it; then the summary (first, end,
     structure) from KEY_RANGE."""
     first, end, structure = load_mask_summary(summary_ptr, sre)
     below_diagonal = (structure == 2) | (structure == 3)
     m_lo = tl.where(below_diagonal, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
+    columns_first, columns_end = _range_of_block(summary_ptr + (3 + 2 * L) * sre, sre, n0, S,
+                                                 BLOCK_N)
+    read = (structure == 0) | (structure == 3)
+    m_lo = tl.where(read, tl.maximum(m_lo, (columns_first // BLOCK_M) * BLOCK_M), m_lo)
     m_mid = tl.maximum(m_mid, m_lo)
+    m_hi_read = tl.maximum(tl.minimum(m_hi, columns_end), m_lo)
+    m_mid = tl.where(read, tl.minimum(m_mid, m_hi_read), m_mid)
+    m_hi = tl.where(read, m_hi_read, m_hi)
     unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
     return (m_lo, tl.where(unseen, m_lo, m_mid), tl.where(unseen, m_lo, m_hi), first, end,
             structure)

@@ -230,7 +230,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     first, end, structure = 0, S, 0
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
-            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
+            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, L, BLOCK_M, BLOCK_N)
     # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
     # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
     if MASK_PATH == INDICES_PATH:
@@ -470,7 +470,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
         first, end, structure = 0, S, 0
         if MASK_KIND != 0:      # only the query blocks that see keys of this block
             m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
-                m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
+                m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, L, S, BLOCK_M,
+                BLOCK_N)
         # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
         # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
         if MASK_PATH == INDICES_PATH:

@@ -99,7 +99,7 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
     first, end, structure = 0, S, 0
     if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
         lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
-            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, BLOCK_M, BLOCK_N)
+            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, L, BLOCK_M, BLOCK_N)
     # A mask's source is fixed per launch (MASK_PATH), not decided per tile: each loop body
     # holds one kind of masking, without a branch or the other kind's mask load (with the
     # branch in its loop, the masked forward took ~2.6x the unmasked one's time per visible

@@ -1,7 +1,7 @@
 """Mask tensors for the Triton kernels: their kind, and what each (batch, head)'s mask is.
 
 The kernels take a mask (bob_compile/kernels/params.py) as MASK, its kind as the constexpr MASK_KIND,
-and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
+and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3 + 2L + 2S) int32:
 
     first, end   the keys any query sees are in [first, end) ([0, 0): none); the kernels
                  skip the key blocks outside it, so a padded batch costs its visible keys;
@@ -16,9 +16,14 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3) int32:
                  see no key above the diagonal (a causal mask with holes, packed sequences'
                  block-diagonal causal masks): read, with the blocks above the diagonal
                  skipped as well.
+    ranges       then, per query row, the (first, end) of the keys it sees, and per key,
+                 the (first, end) of the queries that see it: a read mask's row block
+                 loops over the key blocks its own rows see, and a key block over the
+                 query blocks that see it (a sliding window or packed documents cost
+                 their visible blocks, not the whole (causal) square).
 
-The summary is computed on the device by every forward, by two small kernels (per-row
-counts, then per (batch, head)) without a host synchronization; the backwards of that call
+The summary is computed on the device by every forward, by three small kernels (per-row
+counts, per-column counts, then per (batch, head)) without a host synchronization; the backwards of that call
 reuse it ("One summary per forward" below). Nothing about a mask's contents is carried from
 one forward to the next, as a write through `.data` would not show in its version counter
 and a CUDA graph's outputs reuse their memory. `summarize_with_torch` is the same summary in
@@ -251,6 +256,7 @@ def mask_summary(mask):
     B, Hm, Lm, S = base.shape
     additive = base.dtype != torch.bool
     stats = torch.empty((B, Hm, Lm, 5), device=mask.device, dtype=torch.int32)
+    column_stats = torch.empty((B, Hm, S, 5), device=mask.device, dtype=torch.int32)
     summary = torch.empty((B, Hm, 1, 3), device=mask.device, dtype=torch.int32)
     block_l, block_s = (16, 32) if interpreting() else (32, 128)
     try:
@@ -258,6 +264,9 @@ def mask_summary(mask):
             BLOCK_L=block_l, BLOCK_S=block_s, ADDITIVE=additive, num_warps=4))
         rows(_row_stats_kernel, (blocks(Lm, block_l), B * Hm), MASK=base, STATS=stats,
              num_heads=Hm, L=Lm, S=S)
+        # the same statistics of the columns: each key's first and last query that sees it
+        rows(_row_stats_kernel, (blocks(S, block_l), B * Hm), MASK=base.transpose(2, 3),
+             STATS=column_stats, num_heads=Hm, L=S, S=Lm)
         heads = fixed_plan(("mask_summary", block_l, rows_are_queries, additive), lambda: dict(
             BLOCK_L=block_l * 8, ROWS_ARE_QUERIES=rows_are_queries, ADDITIVE=additive,
             num_warps=4))
@@ -267,7 +276,25 @@ def mask_summary(mask):
         log.warning("Triton mask-summary kernels failed to build (%s); summarizing masks "
                     "with PyTorch ops", error_summary(e))
         return summarize_with_torch(mask)
-    return summary.expand(mask.shape[0], mask.shape[1], 1, 3)
+    return _with_ranges(summary, stats[..., 1:3], column_stats[..., 0], column_stats[..., 1:3],
+                        mask.shape)
+
+
+def _with_ranges(summary, row_ranges, column_counts, column_ranges, shape):
+    """KEY_RANGE: the (B, Hm, 1, 3) summary, then each query row's (first, end) of the keys it
+    sees and each key's (first, end) of the queries that see it, (B, Hq, 1, 3 + 2L + 2S)
+    int32 with broadcast heads at stride 0. A mask whose one row is broadcast over the
+    queries (key padding) gives that row's range to every query, and [0, L) to each key
+    it lets be seen."""
+    B, Hq, L, S = shape
+    if row_ranges.shape[2] != L:
+        row_ranges = row_ranges.expand(-1, -1, L, -1)
+        everyone = torch.tensor([0, L], dtype=torch.int32, device=summary.device)
+        no_one = torch.tensor([L, 0], dtype=torch.int32, device=summary.device)
+        column_ranges = torch.where(column_counts[..., None] > 0, everyone, no_one)
+    ranges = torch.cat((summary, row_ranges.flatten(2)[:, :, None],
+                        column_ranges.flatten(2)[:, :, None]), -1)
+    return ranges.expand(B, Hq, 1, ranges.shape[-1])
 
 
 def summarize_with_torch(mask):
@@ -296,5 +323,12 @@ def summarize_with_torch(mask):
         below_only = (at_or_below == count).all(-1)
         structure = torch.where((structure == READ_THE_MASK) & below_only,
                                 READ_THE_MASK_CAUSAL, structure)
-    summary = torch.stack((first, end, structure.to(torch.int32)), -1)
-    return summary[:, :, None, :].expand(mask.shape[0], mask.shape[1], 1, 3)
+    summary = torch.stack((first, end, structure.to(torch.int32)), -1)[:, :, None, :]
+    positions = torch.arange(S, device=mask.device, dtype=torch.int32)
+    row_ranges = torch.stack((torch.where(visible, positions, S).amin(-1),
+                              torch.where(visible, positions + 1, 0).amax(-1)), -1)
+    queries = torch.arange(L, device=mask.device, dtype=torch.int32)[:, None]
+    column_ranges = torch.stack((torch.where(visible, queries, L).amin(-2),
+                                 torch.where(visible, queries + 1, 0).amax(-2)), -1)
+    return _with_ranges(summary, row_ranges.to(torch.int32), visible.sum(-2),
+                        column_ranges.to(torch.int32), mask.shape)

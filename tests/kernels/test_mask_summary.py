@@ -28,8 +28,15 @@ def padding(lengths, left=False):
 def summary(mask):
     full = mask.expand(B, H, L, S) if mask.dim() == 4 else mask
     out = summarize_with_torch(full)
-    assert out.shape == (B, H, 1, 3) and out.dtype == torch.int32
-    return out[:, 0, 0].tolist()     # per batch: [first, end, structure]
+    assert out.shape == (B, H, 1, 3 + 2 * L + 2 * S) and out.dtype == torch.int32
+    return out[:, 0, 0, :3].tolist()     # per batch: [first, end, structure]
+
+
+def ranges(mask):
+    """Per batch: each query's [first, end) of the keys it sees, and each key's [first, end)
+    of the queries that see it."""
+    out = summarize_with_torch(mask.expand(B, H, L, S))[:, 0, 0, 3:]
+    return (out[:, :2 * L].view(B, L, 2).tolist(), out[:, 2 * L:].view(B, S, 2).tolist())
 
 
 def test_key_padding_is_a_key_range():
@@ -154,12 +161,12 @@ def test_nothing_is_reused_across_forwards_or_changed_masks(summaries_made):
     summary_of_forward(stored.expand(B, H, L, S), False)
     stored.data[1, ..., 5] = True                       # unseen by the version counter
     assert summary(stored)[1] == [0, 6, READ_THE_MASK]
-    assert summary_of_forward(stored.expand(B, H, L, S), False)[1, 0, 0].tolist() == \
+    assert summary_of_forward(stored.expand(B, H, L, S), False)[1, 0, 0, :3].tolist() == \
         [0, 6, READ_THE_MASK]                           # the next forward sees it
     assert len(made) == 2
     stored[1, ..., 4] = True                            # in place: the version changes
     kept = summary_of_forward(stored.expand(B, H, L, S), True)
-    assert kept[1, 0, 0].tolist() == [0, 6, KEYS_IN_RANGE] and len(made) == 3
+    assert kept[1, 0, 0, :3].tolist() == [0, 6, KEYS_IN_RANGE] and len(made) == 3
     assert summary_of_forward(stored[:, :, :, :].expand(B, H, L, S), True) is kept  # same view
     other = padding([7, 4, 2])                          # same contents, another tensor
     summary_of_forward(other.expand(B, H, L, S), True)
@@ -231,3 +238,18 @@ def test_a_launch_without_work_is_not_timed(monkeypatch):
     config, _ = tuning.choose_config("key", candidates, ran.append, 1,
                                              has_work=lambda: True)
     assert config == candidates[1] and written == [candidates[1]] and len(ran) == 3
+
+
+def test_per_row_and_per_key_ranges():
+    """What a read mask's kernels loop over: a sliding window's rows see the window, its
+    keys are seen by the next rows; an empty row and an unseen key give first > end;
+    key padding broadcast over the rows gives every query the padding's range and every
+    visible key all the queries."""
+    window = (KEYS <= ROWS) & (ROWS - KEYS < 3)
+    window[5] = False                                 # row 5 sees no key
+    rows, keys = ranges(window[None, None])
+    assert rows[0] == [[0, 1], [0, 2], [0, 3], [1, 4], [2, 5], [S, 0], [4, 7]]
+    assert keys[0] == [[0, 3], [1, 4], [2, 5], [3, 5], [4, 7], [6, 7], [6, 7]]
+    rows, keys = ranges(padding([7, 4, 0]))
+    assert rows[1] == [[0, 4]] * L and keys[1] == [[0, L]] * 4 + [[L, 0]] * 3
+    assert rows[2] == [[S, 0]] * L and keys[2] == [[L, 0]] * S

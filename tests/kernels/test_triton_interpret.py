@@ -106,13 +106,19 @@ def cast_like(expected, actual):
     return [e.to(a.dtype) if e.dtype != a.dtype else e for e, a in zip(expected, actual)]
 
 
-def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None, dropout_p=0.0):
+def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None, dropout_p=0.0,
+                   reference_mask=None):
+    """Every kernel's outputs against float64 math; `reference_mask`: the mask the reference
+    applies, where it differs from the kernels' only where they must not read it."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     # forward
     params = AttentionParams(scale=scale, causal=causal, mask=mask, dropout_p=dropout_p,
                              dropout_seed=torch.tensor(1234567890123) if dropout_p else None)
+    exact = params if reference_mask is None else AttentionParams(
+        scale=scale, causal=causal, mask=reference_mask, dropout_p=dropout_p,
+        dropout_seed=params.dropout_seed)
     o, lse = triton_attention.forward(q, k, v, params)
-    ro, rlse = reference.forward(*f64(q, k, v), params)
+    ro, rlse = reference.forward(*f64(q, k, v), exact)
     assert o.dtype == q.dtype and lse.dtype == torch.float32
     check("o", o, ro.to(o.dtype) if dtype == torch.float32 else ro.to(o.dtype), dtype)
     if rlse.numel():
@@ -125,7 +131,7 @@ def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None, dropou
     do = torch.randn_like(o)
     dlse = torch.randn_like(lse) if with_dlse else None
     grads = triton_attention.backward(q, k, v, o, lse, do, dlse, params)
-    expected = reference.backward(*f64(q, k, v, o, lse, do, dlse), params)
+    expected = reference.backward(*f64(q, k, v, o, lse, do, dlse), exact)
     for name, a, e in zip(("dq", "dk", "dv"), grads, expected):
         check(name, a, e.to(a.dtype), dtype)
 
@@ -133,14 +139,14 @@ def run_all_orders(q, k, v, causal, present, with_dlse, dtype, mask=None, dropou
     cot = [torch.randn(t.shape, dtype=t.dtype) if keep else None
            for t, keep in zip((q, k, v), present)]
     outs = triton_attention.bob(q, k, v, o, lse, do, dlse, *cot, params)
-    expected = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), params)
+    expected = reference.bob(*f64(q, k, v, o, lse, do, dlse, *cot), exact)
     for name, a, e in zip(reference.BOB_OUTPUTS, outs, expected):
         check(name, a, e.to(a.dtype), dtype)
 
     # the folded form (one schedule of its own: the row pass, then the column pass)
     # R recomputed in its row pass, and read from the first backward's dq (as autograd runs it)
     if not settings.current().bob_row_atomics:
-        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+        expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), exact)
         for dq, tag in ((None, ""), (grads[0], " (dq given)")):
             outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, dq, params)
             for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
@@ -389,6 +395,48 @@ def test_hf_masks_every_output(monkeypatch, kind, left, extra_key, schedule):
     run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=mask)
 
 
+def sliding_window_and_documents(L):
+    """Batch 0: a causal sliding window of 9 keys; batch 1: two packed documents [0, L/2)
+    and [L/2, L), each seeing all of itself (bidirectional)."""
+    rows, keys = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    window = (keys <= rows) & (rows - keys < 9)
+    documents = (rows < L // 2) == (keys < L // 2)
+    return torch.stack((window, documents))[:, None]
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+def test_read_masks_visit_only_the_blocks_their_rows_see(monkeypatch, schedule):
+    """A sliding window and packed documents are read per tile, each row block over the key
+    blocks its own rows see and each key block over the query blocks that see it
+    (KEY_RANGE's per-row and per-column ranges), not the whole square: the additive mask
+    holds NaN far from any visible pair (queries < 16 with keys >= 80 and the converse,
+    beyond any tile of <= 32 that holds a visible pair), which a kernel reading it would
+    spread into its outputs; every order still equals the reference's with -inf there."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, L = 2, 2, 96
+    visible = sliding_window_and_documents(L).expand(B, Hq, L, L)
+    clean = torch.zeros(B, Hq, L, L).masked_fill(~visible, float("-inf"))
+    poisoned = clean.clone()
+    poisoned[1, :, :16, 80:] = float("nan")
+    poisoned[1, :, 80:, :16] = float("nan")
+    poisoned[0, :, :16, 80:] = float("nan")
+    q, k, v = make_inputs(B, Hq, 2, L, L, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=poisoned,
+                   reference_mask=clean)
+
+
+@in_interpreter
+def test_read_masks_keep_every_order_exact_with_is_causal():
+    """The same masks as booleans under is_causal=True (the documents then causal too)."""
+    B, Hq, L = 2, 2, 70
+    mask = sliding_window_and_documents(L).expand(B, Hq, L, L)
+    q, k, v = make_inputs(B, Hq, 1, L, L, 16, 16, torch.float32)
+    run_all_orders(q, k, v, True, (True, True, True), True, torch.float32, mask=mask)
+
+
 def summary_cases():
     """Masks for the summary kernels: every structure, broadcast heads and rows, L != S,
     additive fills and biases, empty rows and batches."""
@@ -412,6 +460,7 @@ def summary_cases():
     holes = causal & (torch.rand(4, 1, L, S, generator=g) > 0.2)
     yield "causal with holes", holes.expand(4, 3, L, S)
     yield "one row", causal[:, :, :1].expand(4, 2, 1, S)
+    yield "sliding window and documents", sliding_window_and_documents(L).expand(2, 3, L, L)
 
 
 @in_interpreter
