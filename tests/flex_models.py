@@ -58,8 +58,9 @@ class FlexBlock(torch.nn.Module):
     adds a parameter table read by the score_mod (its gradient flows through the op)."""
 
     def __init__(self, length, mask_mod, score_mod, kv_heads=H, learned_bias=False,
-                 device="cpu"):
+                 device="cpu", head_dim=E):
         super().__init__()
+        self.head_dim = E = head_dim
         self.length, self.kv_heads, self.reference = length, kv_heads, False
         self.qkv = torch.nn.Linear(E * H, E * (H + 2 * kv_heads))
         self.out = torch.nn.Linear(E * H, E * H)
@@ -81,6 +82,7 @@ class FlexBlock(torch.nn.Module):
         return score
 
     def heads(self, x):
+        E = self.head_dim
         q, k, v = self.qkv(x).split([E * H, E * self.kv_heads, E * self.kv_heads], -1)
         return [t.unflatten(-1, (-1, E)).transpose(1, 2) for t in (q, k, v)]
 
@@ -99,7 +101,7 @@ class FlexBlock(torch.nn.Module):
         L = q.shape[-2]
         b, h, q_idx, kv_idx = (torch.arange(n, device=q.device).view([-1 if i == d else 1 for i in range(4)])
                                for d, n in enumerate((B, H, L, L)))
-        scores = q @ k.transpose(-1, -2) / E ** 0.5
+        scores = q @ k.transpose(-1, -2) / self.head_dim ** 0.5
         scores = self.score_mod(scores, b, h, q_idx, kv_idx) if self.modifies_scores else scores
         if self.mask_mod is not None:
             scores = scores.masked_fill(~self.mask_mod(b, h, q_idx, kv_idx), float("-inf"))
@@ -126,13 +128,15 @@ CASES = {   # name: (length, mask_mod, score_mod, kv heads, learned bias)
 REPLACED = {name: case[2] not in (softcap_30, softcap_50) for name, case in CASES.items()}
 
 
-def make(name, device="cpu", dtype=torch.float64):
+def make(name, device="cpu", dtype=torch.float64, head_dim=E):
     """The case's block and two batches. Cases whose mods read module-level tensors
-    (documents, the relative buffer) are CPU-only."""
+    (documents, the relative buffer) are CPU-only; PyTorch's flex kernels on CUDA need
+    head_dim >= 16."""
     length, mask_mod, score_mod, kv_heads, learned = CASES[name]
     torch.manual_seed(0)
-    model = FlexBlock(length, mask_mod, score_mod, kv_heads, learned, device).to(device, dtype)
+    model = FlexBlock(length, mask_mod, score_mod, kv_heads, learned, device, head_dim).to(
+        device, dtype)
     g = torch.Generator(device).manual_seed(1)
-    batches = [torch.randn(B, length, E * H, dtype=dtype, device=device, generator=g)
+    batches = [torch.randn(B, length, head_dim * H, dtype=dtype, device=device, generator=g)
                for _ in range(2)]
     return model, batches

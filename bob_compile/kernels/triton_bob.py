@@ -557,11 +557,20 @@ strides_of(_finish_rows_kernel, O="so", DO="sd")
 # Host side
 # --------------------------------------------------------------------------------------
 def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False, read=False,
-                   masked=False):
+                   masked=False, dropout=False):
     """Launch configs of the row pass, the measured best first (the choice without tuning).
     fold: the folded form's row pass with B accumulated; reads_dq: R read from dq, not
     accumulated (what autograd runs); read: for a mask read per tile; masked: with a mask
-    (read or from indices)."""
+    (read or from indices); dropout: with attention dropout."""
+    if dropout and fold and reads_dq and not read and not interpreting() \
+            and row_bytes(dtype, head_dim, head_dim_v) <= 128:
+        # The mask's regeneration needs registers the 128 x 64 tile spills for: with
+        # dropout 0.1 at 16K causal (H100, bench_row_configs.py --dropout 0.1), 128 x 32
+        # with 8 warps took the step from 26.4 to 19.1 ms, and the tuner, given the list,
+        # chose it (docs/measurements.md, "Dropout")
+        return [dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)]
     candidates = _row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq, masked or read)
     # 64 x 32: the fastest row pass reading its mask on a padded batch ("Masks")
     return read_path_first(candidates, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
@@ -732,7 +741,8 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
                 (*flag_key(path), int(has_dlse), int(has_dq), int(has_b))
                 + ((1,) if split else ()) + (("edge_split",) if edges else ()),
                 lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq,
-                                       read=path == READ_PATH, masked=mask_kind != NO_MASK),
+                                       read=path == READ_PATH, masked=mask_kind != NO_MASK,
+                                       dropout=dropout),
                 lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
                              SPLIT_SBAR=split, SPLIT_EDGES=edges), launch_rows, L * S,
                 has_work=mask_path_work(key_range, path)))

@@ -1,0 +1,114 @@
+"""FlexAttention's masks in a second-order step (issue 41): a sliding window and packed
+documents, against the causal op on the same number of visible pairs.
+
+Problem (the issue's): B = 1, H = 12, N = 16384, d = 64, bf16. Each row times one full
+second-order step through autograd (forward, grad(create_graph=True), second grad w.r.t.
+q, k, v, dO):
+- `causal op`: bob_compile.attention(is_causal=True), the reference per visible pair;
+- `sliding window (flex)`: bob_compile.flex_attention with a BlockMask of a causal window of
+  --window keys (the mask materialized per call, read per tile by the kernels, each row
+  block over the key blocks its rows see);
+- `sliding window (bool mask)`: the same mask passed to bob_compile.attention directly (the
+  step without the BlockMask's materialization);
+- `documents (flex)`, `documents (bool mask)`: packed documents of random lengths in
+  [--min-doc, --max-doc], causal inside each.
+Per row: the CUDA-event median, the visible pairs, the time per visible pair relative to
+the causal op's (the issue's target: <= 1.15), and the peak memory beyond the inputs.
+
+    python benchmarks/bench_flex.py --out results/ [--n 16384] [--window 1024]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import bob_compile  # noqa: E402
+from bench_masks import median_ms  # noqa: E402  (benchmarks/, the script's folder)
+from run_record import run_record  # noqa: E402
+
+
+def second_order(attend, q, k, v, do, cotangents):
+    q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
+    grads = torch.autograd.grad(attend(q, k, v), (q, k, v), do, create_graph=True)
+    return torch.autograd.grad(grads, (q, k, v, do), cotangents)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results")
+    p.add_argument("--n", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--min-doc", type=int, default=1024)
+    p.add_argument("--max-doc", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_flex.py needs a CUDA device")
+        return
+    N, H, d, dev = args.n, args.heads, args.d, "cuda"
+    g = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < N:
+        lengths.append(int(torch.randint(args.min_doc, args.max_doc + 1, (), generator=g)))
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:N].to(dev)
+    window = args.window
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    def documents(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+    rows_, keys = torch.arange(N, device=dev)[:, None], torch.arange(N, device=dev)[None, :]
+    dense = {"sliding window": (keys <= rows_) & (rows_ - keys < window),
+             "documents": (ids[:, None] == ids[None, :]) & (keys <= rows_)}
+    block_masks = {"sliding window": create_block_mask(sliding_window, None, None, N, N, device=dev),
+                   "documents": create_block_mask(documents, None, None, N, N, device=dev)}
+    torch.manual_seed(0)
+    q, k, v, do, *cot = (torch.randn(1, H, N, d, device=dev, dtype=torch.bfloat16)
+                         for _ in range(7))
+
+    def measure(name, attend, pairs):
+        second_order(attend, q, k, v, do, cot)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ms = median_ms(lambda: second_order(attend, q, k, v, do, cot), args.reps)
+        extra = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+        return dict(row=name, ms=ms, visible_pairs=pairs, extra_mib=extra)
+
+    causal_pairs = H * N * (N + 1) // 2
+    results = [measure("causal op", lambda q, k, v: bob_compile.attention(q, k, v, is_causal=True),
+                       causal_pairs)]
+    for name in ("sliding window", "documents"):
+        pairs = H * int(dense[name].sum())
+        mask, block_mask = dense[name], block_masks[name]
+        results.append(measure(f"{name} (flex)", lambda q, k, v: bob_compile.flex_attention(
+            q, k, v, block_mask=block_mask), pairs))
+        results.append(measure(f"{name} (bool mask)", lambda q, k, v: bob_compile.attention(
+            q, k, v, attn_mask=mask), pairs))
+    per_pair = results[0]["ms"] / causal_pairs
+    print(f"\nN={N} H={H} d={d} bf16, second-order step; window {window}, "
+          f"{len(lengths)} documents")
+    print(f"{'row':28s} {'ms':>8s} {'visible pairs':>14s} {'per pair vs causal':>19s} "
+          f"{'extra MiB':>10s}")
+    for r in results:
+        r["per_pair_vs_causal"] = r["ms"] / r["visible_pairs"] / per_pair
+        print(f"{r['row']:28s} {r['ms']:8.2f} {r['visible_pairs']:14.3g} "
+              f"{r['per_pair_vs_causal']:19.2f} {r['extra_mib']:10.0f}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_flex_{N}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=dict(**run_record(), device=torch.cuda.get_device_name(),
+                                 N=N, H=H, d=d, window=window, documents=lengths),
+                       rows=results), f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
