@@ -193,8 +193,8 @@ strides_of(_row_stats_kernel, MASK="sm")
 # Pass 2: per (batch, head), the key range and whether every row is exactly it
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _summary_kernel(STATS, SUMMARY, L, S, BLOCK_L: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr,
-                    ADDITIVE: tl.constexpr):
+def _summary_kernel(STATS, COLUMN_STATS, SUMMARY, L, S, QUERIES, BLOCK_L: tl.constexpr,
+                    ROWS_ARE_QUERIES: tl.constexpr, ADDITIVE: tl.constexpr):
     pid_bh = tl.program_id(0)
     stats = STATS + pid_bh.to(tl.int64) * L * 5
     zero = tl.zeros([], tl.int32)     # loop-carried scalars must start as tensors
@@ -232,10 +232,32 @@ def _summary_kernel(STATS, SUMMARY, L, S, BLOCK_L: tl.constexpr, ROWS_ARE_QUERIE
         structure = tl.where(adds == 0, structure, 0)
     if ROWS_ARE_QUERIES:    # read, but no row sees a key above the diagonal
         structure = tl.where((structure == 0) & (not_below == 0), 3, structure)
-    out = SUMMARY + pid_bh.to(tl.int64) * 3
+    out = SUMMARY + pid_bh.to(tl.int64) * (3 + 2 * QUERIES + 2 * S)
     tl.store(out, first)
     tl.store(out + 1, end)
     tl.store(out + 2, structure)
+    # each query's (first, end) of its keys (one row broadcast: that row's, for every query)
+    for l0 in range(0, QUERIES, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        rows = offs_l < QUERIES
+        source = offs_l
+        if not ROWS_ARE_QUERIES:
+            source = offs_l * 0
+        tl.store(out + 3 + 2 * offs_l, tl.load(stats + source * 5 + 1, mask=rows), mask=rows)
+        tl.store(out + 4 + 2 * offs_l, tl.load(stats + source * 5 + 2, mask=rows), mask=rows)
+    # each key's (first, end) of the queries that see it (one row broadcast: all or none)
+    columns = COLUMN_STATS + pid_bh.to(tl.int64) * S * 5
+    for s0 in range(0, S, BLOCK_L):
+        offs_s = s0 + tl.arange(0, BLOCK_L)
+        keys = offs_s < S
+        seen_first = tl.load(columns + offs_s * 5 + 1, mask=keys)
+        seen_end = tl.load(columns + offs_s * 5 + 2, mask=keys)
+        if not ROWS_ARE_QUERIES:
+            seen = tl.load(columns + offs_s * 5, mask=keys, other=0) > 0
+            seen_first = tl.where(seen, 0, QUERIES)
+            seen_end = tl.where(seen, QUERIES, 0)
+        tl.store(out + 3 + 2 * QUERIES + 2 * offs_s, seen_first, mask=keys)
+        tl.store(out + 4 + 2 * QUERIES + 2 * offs_s, seen_end, mask=keys)
 
 
 strides_of(_summary_kernel)
@@ -257,7 +279,10 @@ def mask_summary(mask):
     additive = base.dtype != torch.bool
     stats = torch.empty((B, Hm, Lm, 5), device=mask.device, dtype=torch.int32)
     column_stats = torch.empty((B, Hm, S, 5), device=mask.device, dtype=torch.int32)
-    summary = torch.empty((B, Hm, 1, 3), device=mask.device, dtype=torch.int32)
+    L = mask.shape[2]
+    # only fresh tensors, views and Triton launches: the C++ node records and replays the
+    # stage (bob_compile/eager/programs.py), and CUDA graphs capture it
+    summary = torch.empty((B, Hm, 1, 3 + 2 * L + 2 * S), device=mask.device, dtype=torch.int32)
     block_l, block_s = (16, 32) if interpreting() else (32, 128)
     try:
         rows = fixed_plan(("mask_row_stats", block_l, block_s, additive), lambda: dict(
@@ -270,31 +295,14 @@ def mask_summary(mask):
         heads = fixed_plan(("mask_summary", block_l, rows_are_queries, additive), lambda: dict(
             BLOCK_L=block_l * 8, ROWS_ARE_QUERIES=rows_are_queries, ADDITIVE=additive,
             num_warps=4))
-        heads(_summary_kernel, (B * Hm, 1), STATS=stats, SUMMARY=summary, L=Lm, S=S)
+        heads(_summary_kernel, (B * Hm, 1), STATS=stats, COLUMN_STATS=column_stats,
+              SUMMARY=summary, L=Lm, S=S, QUERIES=L)
     except BUILD_ERRORS as e:
         _build_failed.append(e)
         log.warning("Triton mask-summary kernels failed to build (%s); summarizing masks "
                     "with PyTorch ops", error_summary(e))
         return summarize_with_torch(mask)
-    return _with_ranges(summary, stats[..., 1:3], column_stats[..., 0], column_stats[..., 1:3],
-                        mask.shape)
-
-
-def _with_ranges(summary, row_ranges, column_counts, column_ranges, shape):
-    """KEY_RANGE: the (B, Hm, 1, 3) summary, then each query row's (first, end) of the keys it
-    sees and each key's (first, end) of the queries that see it, (B, Hq, 1, 3 + 2L + 2S)
-    int32 with broadcast heads at stride 0. A mask whose one row is broadcast over the
-    queries (key padding) gives that row's range to every query, and [0, L) to each key
-    it lets be seen."""
-    B, Hq, L, S = shape
-    if row_ranges.shape[2] != L:
-        row_ranges = row_ranges.expand(-1, -1, L, -1)
-        everyone = torch.tensor([0, L], dtype=torch.int32, device=summary.device)
-        no_one = torch.tensor([L, 0], dtype=torch.int32, device=summary.device)
-        column_ranges = torch.where(column_counts[..., None] > 0, everyone, no_one)
-    ranges = torch.cat((summary, row_ranges.flatten(2)[:, :, None],
-                        column_ranges.flatten(2)[:, :, None]), -1)
-    return ranges.expand(B, Hq, 1, ranges.shape[-1])
+    return summary.expand(mask.shape[0], mask.shape[1], 1, summary.shape[-1])
 
 
 def summarize_with_torch(mask):
@@ -324,11 +332,21 @@ def summarize_with_torch(mask):
         structure = torch.where((structure == READ_THE_MASK) & below_only,
                                 READ_THE_MASK_CAUSAL, structure)
     summary = torch.stack((first, end, structure.to(torch.int32)), -1)[:, :, None, :]
+    # the per-query and per-key ranges (one row broadcast over the queries: that row's range
+    # for every query, and all of them or none for each key)
+    queries = mask.shape[2]
     positions = torch.arange(S, device=mask.device, dtype=torch.int32)
     row_ranges = torch.stack((torch.where(visible, positions, S).amin(-1),
                               torch.where(visible, positions + 1, 0).amax(-1)), -1)
-    queries = torch.arange(L, device=mask.device, dtype=torch.int32)[:, None]
-    column_ranges = torch.stack((torch.where(visible, queries, L).amin(-2),
-                                 torch.where(visible, queries + 1, 0).amax(-2)), -1)
-    return _with_ranges(summary, row_ranges.to(torch.int32), visible.sum(-2),
-                        column_ranges.to(torch.int32), mask.shape)
+    if rows_are_queries:
+        rows = torch.arange(L, device=mask.device, dtype=torch.int32)[:, None]
+        column_ranges = torch.stack((torch.where(visible, rows, L).amin(-2),
+                                     torch.where(visible, rows + 1, 0).amax(-2)), -1)
+    else:
+        row_ranges = row_ranges.expand(-1, -1, queries, -1)
+        seen = visible.any(-2)
+        column_ranges = torch.stack((torch.where(seen, 0, queries),
+                                     torch.where(seen, queries, 0)), -1)
+    ranges = torch.cat((summary, row_ranges.to(torch.int32).flatten(2)[:, :, None],
+                        column_ranges.to(torch.int32).flatten(2)[:, :, None]), -1)
+    return ranges.expand(mask.shape[0], mask.shape[1], 1, ranges.shape[-1])

@@ -464,6 +464,28 @@ def summary_cases():
 
 
 @in_interpreter
+@pytest.mark.parametrize("name,mask", [c for c in summary_cases() if c[0] in (
+    "key padding, rows and heads broadcast", "sliding window and documents")],
+    ids=["key padding", "sliding window and documents"])
+def test_mask_summary_makes_only_what_a_replay_can_make(monkeypatch, name, mask):
+    """The summary is part of a masked call's recorded stage (bob_compile/eager/programs.py):
+    fresh tensors, views and Triton launches only, no other ATen op (a copy, a cat, a host
+    tensor: the C++ node could not replay it, and a CUDA graph could not capture a copy
+    from the host)."""
+    from bob_compile.eager import programs
+    from bob_compile.kernels import triton_masks
+    launches = []
+    # the launches recorded, not run: the interpreter's own tensor copies are not the stage's
+    monkeypatch.setattr(triton_masks, "fixed_plan", lambda key, kwargs: (
+        lambda kernel, grid, **arguments: launches.append(kernel.fn.__name__)))
+    made = programs._MadeTensors()
+    with made:
+        triton_masks.mask_summary(mask)
+    assert made.refused is None, made.refused
+    assert launches == ["_row_stats_kernel", "_row_stats_kernel", "_summary_kernel"]
+
+
+@in_interpreter
 @pytest.mark.parametrize("name,mask", list(summary_cases()), ids=[n for n, _ in summary_cases()])
 def test_mask_summary_kernels_match_torch(name, mask):
     from bob_compile.kernels.triton_masks import mask_summary, summarize_with_torch
