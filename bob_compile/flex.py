@@ -88,51 +88,102 @@ class Blocks:
     full_kv_indices: torch.Tensor
     mask_mod: object
     mask_mod_buffers: tuple = ()
+    # whether the mask_mod reads the batch index, the head index (mask_mod_reads)
+    mask_mod_reads: tuple = (True, True)
 
     @classmethod
     def of(cls, block_mask):
         return cls(tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
                    block_mask.kv_num_blocks, block_mask.kv_indices,
                    block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                   block_mask.mask_mod)
+                   block_mask.mask_mod, (), mask_mod_reads(block_mask.mask_mod))
 
     @classmethod
-    def of_tuple(cls, block_tuple, mask_mod_buffers=()):
+    def of_tuple(cls, block_tuple, mask_mod_buffers=(), mask_mod_reads=(True, True)):
         """From the tuple the higher-order op takes (BlockMask.as_tuple(): the lengths and
         the kv block tensors first; the block sizes and the mask_mod last)."""
         L, S, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = block_tuple[:6]
         q_block, kv_block, mask_mod = block_tuple[-3:]
         return cls((L, S), (q_block, kv_block), kv_num_blocks, kv_indices, full_kv_num_blocks,
-                   full_kv_indices, mask_mod, tuple(mask_mod_buffers))
+                   full_kv_indices, mask_mod, tuple(mask_mod_buffers), tuple(mask_mod_reads))
 
 
-def visible_pairs(blocks, L, S, device):
-    """The bool (B or 1, H or 1, L, S) mask `blocks` (a Blocks) applies to an L x S call."""
+# mask_mod evaluations per chunk of query blocks: bounds the index tensors (int64, four of
+# them) that evaluating a chunk's listed blocks makes, 32 MiB each
+_EVALUATIONS_PER_CHUNK = 1 << 22
+
+
+def visible_pairs(blocks, L, S, device, batch, heads):
+    """The bool (B or 1, H or 1, L, S) mask `blocks` (a Blocks) applies to a (batch, heads,
+    L, S) call: its full blocks, and its partial blocks where the mask_mod says so,
+    evaluated at the call's batch entries and heads where it reads them (as FlexAttention
+    does, whatever the BlockMask's own sizes). The mask_mod is evaluated on the partial
+    blocks only (a sliding window's or packed documents' few per row of blocks), a chunk of
+    query blocks at a time."""
     # a block longer than the call (flex_attention's mask for calls without one: lengths
     # (1, 1), blocks of 2^30) covers it once
     q_block, kv_block = min(blocks.block_size[0], L), min(blocks.block_size[1], S)
-    kv_blocks = -(-S // kv_block)
+    q_blocks, kv_blocks = -(-L // q_block), -(-S // kv_block)
+    listed_batch, listed_heads = blocks.kv_num_blocks.shape[:2]
+    reads_batch, reads_head = blocks.mask_mod_reads
+    sizes = (batch if reads_batch else listed_batch, heads if reads_head else listed_heads)
+    visible = _partial_blocks(blocks, L, S, q_block, kv_block, q_blocks, kv_blocks, sizes,
+                              device)
+    if blocks.full_kv_num_blocks is not None:
+        full = _listed(blocks.full_kv_num_blocks[..., :q_blocks],
+                       blocks.full_kv_indices[..., :q_blocks, :], kv_blocks, device)
+        visible = visible | full.repeat_interleave(q_block, -2).repeat_interleave(
+            kv_block, -1)[..., :L, :S]
+    return visible
 
-    def pairs(num_blocks, indices):
-        """The listed blocks, expanded to the pairs they cover."""
-        listed = torch.arange(indices.shape[-1], device=device) < num_blocks[..., None]
-        listed_blocks = torch.zeros(*indices.shape[:-1], kv_blocks + 1, dtype=torch.bool,
-                                    device=device)
-        listed_blocks = listed_blocks.scatter(-1, torch.where(listed, indices.long(), kv_blocks),
-                                              True)[..., :kv_blocks]
-        return listed_blocks.repeat_interleave(q_block, -2).repeat_interleave(kv_block, -1)[
-            ..., :L, :S]
 
-    batch, heads = blocks.kv_num_blocks.shape[:2]
+def _listed(num_blocks, indices, kv_blocks, device):
+    """(..., query blocks, key blocks) bool: the blocks a row of the lists names."""
+    listed = torch.arange(indices.shape[-1], device=device) < num_blocks[..., None]
+    blocks = torch.zeros(*indices.shape[:-1], kv_blocks + 1, dtype=torch.bool, device=device)
+    return blocks.scatter(-1, torch.where(listed, indices.long(), kv_blocks), True)[
+        ..., :kv_blocks]
+
+
+def _partial_blocks(blocks, L, S, q_block, kv_block, q_blocks, kv_blocks, sizes, device):
+    """The pairs of the listed partial blocks that the mask_mod lets be seen, at `sizes`
+    (batch, heads), to which the lists broadcast: (batch, heads, L, S)."""
+    batch, heads = sizes
+    num = blocks.kv_num_blocks[..., :q_blocks].expand(batch, heads, -1)
+    indices = blocks.kv_indices[..., :q_blocks, :].expand(batch, heads, -1, -1)
+    slots = indices.shape[-1]
+    listed = torch.arange(slots, device=device) < num[..., None]          # (Bm, Hm, nq, K)
+    slot_blocks = torch.where(listed, indices.long(), 0).clamp_max(kv_blocks - 1)
     buffers = blocks.mask_mod_buffers
 
     def mask_mod(b, h, q_idx, kv_idx):
         return blocks.mask_mod(b, h, q_idx, kv_idx, *buffers)
-    by_mask_mod = _over_indices(mask_mod, (batch, heads, L, S), device)
-    visible = pairs(blocks.kv_num_blocks, blocks.kv_indices) & by_mask_mod
-    if blocks.full_kv_num_blocks is not None:
-        visible = visible | pairs(blocks.full_kv_num_blocks, blocks.full_kv_indices)
-    return visible
+    in_block_rows = torch.arange(q_block, device=device)
+    in_block_keys = torch.arange(kv_block, device=device)
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1, 1, 1)
+    per_block = batch * heads * slots * q_block * kv_block
+    chunk = max(1, _EVALUATIONS_PER_CHUNK // max(per_block, 1))
+    pieces = []
+    for first in range(0, q_blocks, chunk):
+        last = min(q_blocks, first + chunk)
+        shape = (batch, heads, last - first, slots, q_block, kv_block)
+        q_idx = ((torch.arange(first, last, device=device) * q_block)[:, None]
+                 + in_block_rows).view(1, 1, -1, 1, q_block, 1)
+        kv_idx = (slot_blocks[:, :, first:last, :, None] * kv_block + in_block_keys)[..., None, :]
+        inside = (q_idx < L) & (kv_idx < S) & listed[:, :, first:last, :, None, None]
+        indices_ = [t.expand(shape).reshape(-1) for t in (
+            b, h, q_idx.clamp_max(L - 1), kv_idx.clamp_max(S - 1))]
+        seen = torch.vmap(mask_mod)(*indices_).view(shape) & inside
+        # into block layout (Bm, Hm, chunk, key blocks, q_block, kv_block); an unlisted
+        # slot adds nothing wherever its index points
+        into = torch.zeros(batch, heads, last - first, kv_blocks, q_block, kv_block,
+                           dtype=torch.uint8, device=device)
+        pieces.append(into.scatter_add(
+            3, slot_blocks[:, :, first:last, :, None, None].expand(shape), seen.to(torch.uint8)))
+    partial = torch.cat(pieces, 2) > 0
+    return partial.permute(0, 1, 2, 4, 3, 5).reshape(
+        batch, heads, q_blocks * q_block, kv_blocks * kv_block)[..., :L, :S]
 
 
 # ------------------------------------------------------------------ the score_mod
@@ -150,20 +201,9 @@ def score_mod_form(score_mod, dtype, buffers=()):
     traced graph is additive in the score, else a phrase saying what it does instead.
     `buffers`: tensors (real, fake or meta) standing for the captured tensors Dynamo passes
     as extra arguments."""
-    try:
-        # traced as written, outside any torch.func level (the example inputs made there
-        # too: made under a transform, make_fx takes them for constants); one-element
-        # tensors, not 0-d ones (indexing a buffer with a 0-d index reads its value), one
-        # per input (make_fx takes one tensor passed twice for one input); on the meta
-        # device, where the buffers are, so that no value is read
-        with torch._C._DisableFuncTorch():
-            device = buffers[0].device if buffers else "cpu"
-            examples = [torch.zeros(1, dtype=dtype, device=device),
-                        *(torch.zeros(1, dtype=torch.int64, device=device) for _ in range(4))]
-            graph = make_fx(lambda *indices: score_mod(*indices, *buffers))(*examples).graph
-    except Exception as e:       # data-dependent Python control flow, unsupported ops
-        return (f"could not be traced ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})")
+    graph = _traced(score_mod, dtype, buffers)
+    if isinstance(graph, str):
+        return f"could not be traced ({graph})"
     score, b, h = graph.find_nodes(op="placeholder")[:3]
     result = graph.output_node().args[0]
     if isinstance(result, (tuple, list)):
@@ -177,6 +217,38 @@ def score_mod_form(score_mod, dtype, buffers=()):
                 (result.target is _ADD and operands[1] is score and not _reads(operands[0], score)):
             return AdditiveScoreMod(False, bool(b.users), bool(h.users))
     return "is not score plus a term without the score"
+
+
+def _traced(function, score_dtype, buffers, with_score=True):
+    """function's aten graph, traced with (score,) b, h, q_idx, kv_idx and `buffers`
+    (tensors, real, fake or meta, standing for the captured tensors Dynamo passes as extra
+    arguments); or why it could not be traced."""
+    try:
+        # traced as written, outside any torch.func level (the example inputs made there
+        # too: made under a transform, make_fx takes them for constants); one-element
+        # tensors, not 0-d ones (indexing a buffer with a 0-d index reads its value), one
+        # per input (make_fx takes one tensor passed twice for one input); on the meta
+        # device, where the buffers are, so that no value is read
+        with torch._C._DisableFuncTorch():
+            device = buffers[0].device if buffers else "cpu"
+            examples = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(4)]
+            if with_score:
+                examples.insert(0, torch.zeros(1, dtype=score_dtype, device=device))
+            return make_fx(lambda *indices: function(*indices, *buffers))(*examples).graph
+    except Exception as e:       # data-dependent Python control flow, unsupported ops
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def mask_mod_reads(mask_mod, buffers=()):
+    """(reads the batch index, reads the head index) of `mask_mod(b, h, q_idx, kv_idx,
+    *buffers)`, from its traced graph; both where it cannot be traced. FlexAttention
+    evaluates a mask_mod at the call's own batch entry and head, whatever the BlockMask's
+    batch and head sizes."""
+    graph = _traced(mask_mod, None, buffers, with_score=False)
+    if isinstance(graph, str):
+        return True, True
+    b, h = graph.find_nodes(op="placeholder")[:2]
+    return bool(b.users), bool(h.users)
 
 
 def _reads(value, node):
@@ -229,7 +301,8 @@ def _over_indices(function, sizes, device, score=None):
 # ------------------------------------------------------------------ running the call
 def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale, enable_gqa):
     L, S = query.shape[-2], key.shape[-2]
-    mask = None if blocks is None else visible_pairs(blocks, L, S, query.device)
+    mask = None if blocks is None else visible_pairs(blocks, L, S, query.device,
+                                                     *query.shape[:2])
     if score_mod is not None and not form.identity:
         bias = additive_bias(score_mod, query, L, S, form, score_mod_buffers)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
@@ -239,14 +312,16 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
 
 
 def flex_call(query, key, value, score_mod, block_mask, scale, kernel_options,
-              score_mod_other_buffers=(), mask_mod_other_buffers=(), *, additive, masked=True):
+              score_mod_other_buffers=(), mask_mod_other_buffers=(), *, additive, masked=True,
+              mask_mod_reads=(True, True)):
     """torch.ops.higher_order.flex_attention's call (same arguments; `block_mask` the
     BlockMask's tuple) through bob_compile.attention, for a score_mod additive in the score
     (`additive`: AdditiveScoreMod's fields as a tuple, found by the pass); `masked` False
     where the BlockMask is the one flex_attention makes when given none (every pair
-    visible). Returns (output,): the op's first output; the pass puts it only where nothing
+    visible); `mask_mod_reads`: mask_mod_reads's, found by the pass. Returns (output,): the op's first output; the pass puts it only where nothing
     reads the others (the logsumexp, the maximum)."""
-    blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers) if masked else None
+    blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers, mask_mod_reads) \
+        if masked else None
     return (_attend(query, key, value, blocks, score_mod, AdditiveScoreMod(*additive),
                     tuple(score_mod_other_buffers), scale,
                     enable_gqa=query.shape[1] != key.shape[1]),)
@@ -272,7 +347,8 @@ def flex_math(query, key, value, score_mod, block_mask, scale, kernel_options,
         return score_mod(score, b, h, q_idx, kv_idx, *buffers)
     scores = _over_indices(modified, scores.shape, query.device, score=scores)
     blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers)
-    scores = scores.masked_fill(~visible_pairs(blocks, L, S, query.device), float("-inf"))
+    scores = scores.masked_fill(~visible_pairs(blocks, L, S, query.device, *query.shape[:2]),
+                                float("-inf"))
     sees_a_key = (scores != float("-inf")).any(-1, keepdim=True)
     # rows that see no key: softmax of zeros, then zeroed (no NaN in any derivative)
     safe_scores = torch.where(sees_a_key, scores, 0.0)

@@ -29,7 +29,7 @@ import torch.nn.attention.flex_attention as flex_module
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..flex import flex_call, score_mod_form
+from ..flex import flex_call, mask_mod_reads, score_mod_form
 from .erase import erase_unused
 from .nodes import example_tensor, shape_text, user_code
 from .report import Site
@@ -65,7 +65,8 @@ def _rewrite_call(gm, node):
     erase_unused(gm.graph, [n for u in node.users if u.args[1] != 0 for n in _downstream(u)])
     masked = not _is_flex_default_mask(gm, node.args[4])
     node.target = flex_call
-    node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked}
+    node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked,
+                   "mask_mod_reads": _mask_mod_reads(gm, node.args[4][-1], node.args[8])}
     site.replaced = True
     site.enable_gqa = _heads(query) != _heads(key)
     site.mask = ", ".join(what for what, present in (
@@ -115,6 +116,24 @@ def _downstream(node):
 def _score_mod_form(gm, score_mod, query, buffers):
     if not (isinstance(score_mod, fx.Node) and score_mod.op == "get_attr"):
         return f"{score_mod} is not a graph the pass can read"
+    examples = _meta_examples(buffers)
+    if isinstance(examples, str):
+        return examples
+    dtype = example_tensor(query).dtype if example_tensor(query) is not None else torch.float32
+    return score_mod_form(getattr(gm, score_mod.target), dtype, examples)
+
+
+def _mask_mod_reads(gm, mask_fn, buffers):
+    """mask_mod_reads of the BlockMask's mask_mod graph: which of the batch and head
+    indices it reads (both where the pass cannot tell)."""
+    examples = _meta_examples(buffers)
+    if isinstance(examples, str) or not (isinstance(mask_fn, fx.Node) and mask_fn.op == "get_attr"):
+        return True, True
+    return mask_mod_reads(getattr(gm, mask_fn.target), examples)
+
+
+def _meta_examples(buffers):
+    """Meta tensors standing for a mod's captured tensors (graph nodes), or why not."""
     examples = []
     for buffer in buffers:
         value = example_tensor(buffer)
@@ -125,8 +144,7 @@ def _score_mod_form(gm, score_mod, query, buffers):
                                         device="meta"))
         except Exception:       # sizes that are symbolic without a hint
             return f"captures {buffer.name} of symbolic shape {tuple(value.shape)}"
-    dtype = example_tensor(query).dtype if example_tensor(query) is not None else torch.float32
-    return score_mod_form(getattr(gm, score_mod.target), dtype, tuple(examples))
+    return tuple(examples)
 
 
 def _heads(node):

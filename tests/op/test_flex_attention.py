@@ -214,3 +214,26 @@ def test_inside_a_compiled_model(fresh_dynamo):
     got = hvp(torch.compile(model, backend="flashbob", options={"compiler": "aot_eager"}))
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
+def test_a_mask_mod_reading_the_batch_is_evaluated_per_batch_entry():
+    """A BlockMask built once for every batch entry (B=None) whose mask_mod reads b (packed
+    documents that differ per sequence): FlexAttention evaluates the mask_mod at each
+    entry's own b, and so does the op; its block lists broadcast."""
+    L = 21
+    ids = torch.stack([torch.arange(L) // 7, torch.arange(L) // 4])
+
+    def per_sequence_documents(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+    block_mask = create_block_mask(per_sequence_documents, None, None, L, L, device="cpu",
+                                   BLOCK_SIZE=32)
+    q, k, v = inputs(L, L, seed=6)
+    visible = (ids[:, None, :, None] == ids[:, None, None, :])
+    want = math_attention(q, k, v, visible)
+    got = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask), want,
+                               rtol=1e-12, atol=1e-12)
+    from bob_compile.flex import mask_mod_reads
+    assert mask_mod_reads(per_sequence_documents) == (True, False)
+    assert mask_mod_reads(causal) == (False, False)

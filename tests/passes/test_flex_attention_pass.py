@@ -145,3 +145,35 @@ def test_a_logsumexp_computed_and_dropped_is_not_read():
     assert max_error(actual, expected) <= TOLERANCE
     site, = [s for r in recent_reports for s in r.sites]
     assert site.replaced
+
+
+def test_a_mask_mod_reading_the_batch_entry_through_the_pass():
+    """The pass finds, on the mask_mod's graph (its captured document ids a graph input),
+    that it reads b: the mask is evaluated per batch entry although the BlockMask was
+    built once for all (B=None), as FlexAttention evaluates it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    L = 37
+    ids = torch.stack([torch.arange(L) // 9, torch.arange(L) // 5])
+
+    def per_sequence_documents(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+    block_mask = create_block_mask(per_sequence_documents, None, None, L, L, device="cpu",
+                                   BLOCK_SIZE=64)
+    visible = (ids[:, None, :, None] == ids[:, None, None, :]) & \
+        torch.ones(L, L, dtype=torch.bool).tril()
+    g = torch.Generator().manual_seed(7)
+    q0, k0, v0 = (torch.randn(2, 2, L, E, dtype=torch.float64, generator=g) for _ in range(3))
+
+    def hvp(attend):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        grads = torch.autograd.grad(attend(q, k, v).sin().sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad(grads, (q, k, v), [torch.ones_like(t) for t in grads])
+
+    def math(q, k, v):
+        scores = (q @ k.transpose(-1, -2) / E ** 0.5).masked_fill(~visible, float("-inf"))
+        return scores.softmax(-1) @ v
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask),
+                             backend=flashbob, options=OPTIONS)
+    assert max_error(hvp(compiled), hvp(math)) <= TOLERANCE
+    site, = [s for r in recent_reports for s in r.sites]
+    assert site.replaced
