@@ -52,13 +52,15 @@ def _gradient_and_hvp(model, kwargs, labels):
     return torch.cat([g.detach().flatten() for g in grads]), torch.cat([h.flatten() for h in hvps])
 
 
-@pytest.mark.parametrize("name, reference, tol, replaced", [
+@pytest.mark.parametrize("name, reference, tol, replaced, checkpointing", [
     # 1e-6: the RMSNorms compute in float32 (and Gemma's eager softmax); the compiled graph
     # orders those float32 ops otherwise than eager does
-    ("llama", "sdpa", 1e-6, True),
-    ("gemma2", "eager", 1e-6, False),
+    ("llama", "sdpa", 1e-6, True, False),
+    ("gemma2", "eager", 1e-6, False, False),
+    # gradient_checkpointing_enable(): the calls inside the checkpointed bodies
+    ("llama", "sdpa", 1e-6, True, True),
 ])
-def test_flex_attention_models(name, reference, tol, replaced):
+def test_flex_attention_models(name, reference, tol, replaced, checkpointing):
     ids = torch.randint(1, 32, (2, 10), generator=torch.Generator().manual_seed(1))
     padding = torch.ones(2, 10, dtype=torch.long)
     padding[1, 7:] = 0                  # right padding: every query still sees a key
@@ -66,6 +68,8 @@ def test_flex_attention_models(name, reference, tol, replaced):
     with sdpa_kernel(SDPBackend.MATH):
         expected = _gradient_and_hvp(_model(name, reference), kwargs, ids)
     model = _model(name, "flex_attention")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     actual = _gradient_and_hvp(torch.compile(model, backend="flashbob", options=OPTIONS),
                                kwargs, ids)
     for a, e in zip(actual, expected):
@@ -73,3 +77,5 @@ def test_flex_attention_models(name, reference, tol, replaced):
     sites = [s for r in recent_reports for s in r.sites]
     assert len(sites) == 2 and all(s.kind == "flex_attention" for s in sites)
     assert all(s.replaced == replaced for s in sites), [s.line() for s in sites]
+    if checkpointing:       # found inside the checkpointed bodies ("<body>.<node>")
+        assert all("." in s.node for s in sites), [s.node for s in sites]
