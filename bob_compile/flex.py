@@ -230,7 +230,7 @@ def _traced(function, score_dtype, buffers, with_score=True):
         # per input (make_fx takes one tensor passed twice for one input); on the meta
         # device, where the buffers are, so that no value is read
         with torch._C._DisableFuncTorch():
-            device = buffers[0].device if buffers else "cpu"
+            device = next((b.device for b in buffers if isinstance(b, torch.Tensor)), "cpu")
             examples = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(4)]
             if with_score:
                 examples.insert(0, torch.zeros(1, dtype=score_dtype, device=device))

@@ -31,7 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..flex import flex_call, mask_mod_reads, score_mod_form
 from .erase import erase_unused
-from .nodes import example_tensor, shape_text, user_code
+from .nodes import example, example_tensor, shape_text, user_code
 from .report import Site
 
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
@@ -136,9 +136,16 @@ def _meta_examples(buffers):
     """Meta tensors standing for a mod's captured tensors (graph nodes), or why not."""
     examples = []
     for buffer in buffers:
-        value = example_tensor(buffer)
-        if value is None:
-            return f"captures {buffer}, which has no recorded tensor value"
+        value = example(buffer)
+        if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+            # a size under dynamic shapes (a length the mod reads): its hint
+            hint = value if isinstance(value, int) else value.node.hint
+            if hint is None:
+                return f"captures {buffer.name}, a size without a hint"
+            examples.append(int(hint))
+            continue
+        if not isinstance(value, torch.Tensor):
+            return f"captures {buffer}, which has no recorded tensor or size value"
         try:
             examples.append(torch.empty(tuple(int(s) for s in value.shape), dtype=value.dtype,
                                         device="meta"))

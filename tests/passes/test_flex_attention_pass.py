@@ -177,3 +177,15 @@ def test_a_mask_mod_reading_the_batch_entry_through_the_pass():
     assert max_error(hvp(compiled), hvp(math)) <= TOLERANCE
     site, = [s for r in recent_reports for s in r.sites]
     assert site.replaced
+
+
+@pytest.mark.parametrize("name", ["prefix-LM + relative buffer", "soft-capping 50 + causal"])
+def test_dynamic_shapes(name):
+    """torch.compile(dynamic=True): the mods may capture sizes (SymInts) beside tensors;
+    the pass reads them at their hints, and every order stays exact."""
+    model, batches = make(name)
+    expected = hutchinson_hvp(reference(model), batches[:1])
+    actual = hutchinson_hvp(torch.compile(model, backend=flashbob, dynamic=True,
+                                          options=OPTIONS), batches[:1])
+    assert max_error(actual, expected) <= TOLERANCE
+    assert_report(name)
