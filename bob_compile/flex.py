@@ -19,8 +19,8 @@ call's visible pairs and additive scores as one attention mask of bob_compile.at
 Both are materialized at the call's (B or 1, H or 1, L, S) shape: memory O(L S) per distinct
 batch and head of the BlockMask, and of the bias where it reads b or h (broadcast once
 otherwise), not the O(partial blocks) that reading the blocks in the kernels would cost.
-Other score_mods (tanh soft-capping, anything nonlinear in the score) are refused with
-NotImplementedError, never approximated.
+Other score_mods (tanh soft-capping, anything nonlinear in the score), and return_lse=True,
+run as math with a warning: exact at every order, N x N in memory.
 
 The passes (bob_compile/passes/flex_attention.py) put `flex_call` in place of the
 higher-order op Dynamo records for torch.nn.attention.flex_attention (its arguments, the
@@ -30,6 +30,7 @@ and `flex_math` where the score_mod is not additive: the same function written a
 """
 import dataclasses
 import math
+import warnings
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -44,13 +45,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                    enable_gqa=False, return_lse=False, kernel_options=None):
     """torch.nn.attention.flex_attention's call, through bob_compile.attention (module doc).
 
-    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev); score_mod None or
-    additive in the score; block_mask None or a BlockMask built for (L, S); scale defaults
-    to 1 / sqrt(E). kernel_options (FlexAttention's Triton options) are ignored;
-    return_lse is not supported. Rows that see no key give zeros, as in FlexAttention."""
-    if return_lse:
-        raise NotImplementedError("bob_compile.flex_attention: return_lse=True is not supported; "
-                                  "call torch.nn.attention.flex_attention for the logsumexp")
+    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev); score_mod None or any
+    elementwise function of the score and indices; block_mask None or a BlockMask built for
+    (L, S); scale defaults to 1 / sqrt(E). kernel_options (FlexAttention's Triton options)
+    are ignored. Rows that see no key give zeros, as in FlexAttention. A score_mod that is
+    not additive in the score, or return_lse=True, runs as math (exact at every order, N x N
+    in memory), with a warning."""
     if query.dim() != 4:
         raise ValueError(f"bob_compile.flex_attention: query must be (B, H, L, E), got "
                          f"{tuple(query.shape)}")
@@ -62,15 +62,16 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                              f"{blocks.seq_lengths} (query, key) lengths, the call has "
                              f"({query.shape[-2]}, {key.shape[-2]}); build it for the call's "
                              f"lengths")
-    form = None
-    if score_mod is not None:
-        form = score_mod_form(score_mod, query.dtype)
-        if isinstance(form, str):
-            raise NotImplementedError(
-                f"bob_compile.flex_attention: the score_mod "
-                f"{getattr(score_mod, '__name__', score_mod)} {form}; only score + bias(b, h, "
-                f"q_idx, kv_idx) is supported (ALiBi, relative biases); soft-capping and other "
-                f"nonlinear score_mods are not yet")
+    form = None if score_mod is None else score_mod_form(score_mod, query.dtype)
+    if isinstance(form, str) or return_lse:
+        why = "return_lse=True" if not isinstance(form, str) else (
+            f"its score_mod {getattr(score_mod, '__name__', score_mod)} {form} (only "
+            f"score + bias(b, h, q_idx, kv_idx) runs fused)")
+        warnings.warn(f"bob_compile.flex_attention runs this call as math, N x N in memory, "
+                      f"exact at every order: {why}", stacklevel=2)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        output, logsumexp, _ = _math(query, key, value, score_mod, blocks, scale)
+        return (output, logsumexp) if return_lse else output
     return _attend(query, key, value, blocks, score_mod, form, (), scale, enable_gqa)
 
 
@@ -329,11 +330,21 @@ def flex_call(query, key, value, score_mod, block_mask, scale, kernel_options,
 
 def flex_math(query, key, value, score_mod, block_mask, scale, kernel_options,
               score_mod_other_buffers=(), mask_mod_other_buffers=()):
-    """torch.ops.higher_order.flex_attention's call as math, for any score_mod: the scores
-    (B, H, L, S) through the score_mod, the BlockMask's hidden pairs at -inf, softmax,
-    times value; a row that sees no key gives zeros. Differentiable at every order, N x N
-    in memory. Returns the op's three outputs: the output, and the logsumexp and maximum
-    of the rows' scores in base 2 (as the op gives them; -inf for a row that sees none)."""
+    """torch.ops.higher_order.flex_attention's call as math, for any score_mod (_math).
+    Returns the op's three outputs: the output, and the logsumexp and maximum of the rows'
+    scores in base 2, as the op gives them."""
+    blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers)
+    output, logsumexp, maximum = _math(query, key, value, score_mod, blocks, scale,
+                                       tuple(score_mod_other_buffers))
+    return output, logsumexp / math.log(2), maximum / math.log(2)
+
+
+def _math(query, key, value, score_mod, blocks, scale, score_mod_buffers=()):
+    """FlexAttention's function in plain ops: the scores (B, H, L, S) through the score_mod
+    (any), the pairs `blocks` hides (None: none) at -inf, softmax, times value; a row that
+    sees no key gives zeros. Differentiable at every order, N x N in memory. Returns the
+    output, and the rows' logsumexp and maximum of their scores (-inf for a row that sees
+    none)."""
     L, S = query.shape[-2], key.shape[-2]
     groups = query.shape[1] // key.shape[1]
     if groups != 1:
@@ -341,23 +352,20 @@ def flex_math(query, key, value, score_mod, block_mask, scale, kernel_options,
     # in float32 at least, as FlexAttention's kernels compute the scores
     compute = torch.promote_types(query.dtype, torch.float32)
     scores = query.to(compute) @ key.to(compute).transpose(-1, -2) * scale
-    buffers = tuple(score_mod_other_buffers)
-
-    def modified(score, b, h, q_idx, kv_idx):
-        return score_mod(score, b, h, q_idx, kv_idx, *buffers)
-    scores = _over_indices(modified, scores.shape, query.device, score=scores)
-    blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers)
-    scores = scores.masked_fill(~visible_pairs(blocks, L, S, query.device, *query.shape[:2]),
-                                float("-inf"))
+    if score_mod is not None:
+        def modified(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, q_idx, kv_idx, *score_mod_buffers)
+        scores = _over_indices(modified, scores.shape, query.device, score=scores)
+    if blocks is not None:
+        scores = scores.masked_fill(
+            ~visible_pairs(blocks, L, S, query.device, *query.shape[:2]), float("-inf"))
     sees_a_key = (scores != float("-inf")).any(-1, keepdim=True)
     # rows that see no key: softmax of zeros, then zeroed (no NaN in any derivative)
     safe_scores = torch.where(sees_a_key, scores, 0.0)
     probabilities = torch.where(sees_a_key, torch.softmax(safe_scores, -1), 0.0)
     output = (probabilities @ value.to(compute)).to(query.dtype)
     unseen = torch.where(sees_a_key[..., 0], 0.0, float("-inf"))
-    logsumexp = safe_scores.logsumexp(-1) + unseen
-    maximum = safe_scores.amax(-1) + unseen
-    return output, logsumexp / math.log(2), maximum / math.log(2)
+    return output, safe_scores.logsumexp(-1) + unseen, safe_scores.amax(-1) + unseen
 
 
 # ------------------------------------------------------------------ torch.func

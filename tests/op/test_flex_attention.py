@@ -175,12 +175,26 @@ def test_a_learned_bias_in_the_score_mod_gets_its_gradient():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
-def test_what_is_refused():
+def test_nonlinear_score_mods_and_the_logsumexp_run_as_math_with_a_warning():
+    """Soft-capping (not additive in the score) and return_lse=True: exact at every order as
+    math (N x N), with a warning that says so; a BlockMask built for other lengths is an
+    error."""
     q, k, v = inputs(20, 20)
-    with pytest.raises(NotImplementedError, match="soft-capping"):
-        bob_compile.flex_attention(q, k, v, score_mod=softcap)
-    with pytest.raises(NotImplementedError, match="return_lse"):
-        bob_compile.flex_attention(q, k, v, return_lse=True)
+    block_mask = create_block_mask(causal, None, None, 20, 20, device="cpu", BLOCK_SIZE=BLOCK)
+
+    def capped(q, k, v):
+        scores = 30 * torch.tanh(q @ k.transpose(-1, -2) / E ** 0.5 / 30)
+        return scores.masked_fill(~dense(causal, 20, 20), float("-inf")).softmax(-1) @ v
+    with pytest.warns(UserWarning, match="runs this call as math.*is not score plus"):
+        ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
+            q, k, v, score_mod=softcap, block_mask=block_mask), q, k, v)
+    for a, e in zip(ours, second_orders(capped, q, k, v)):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+    with pytest.warns(UserWarning, match="return_lse"):
+        out, lse = bob_compile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    want_out, want_lse = flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     other_lengths = create_block_mask(causal, None, None, 32, 32, device="cpu", BLOCK_SIZE=BLOCK)
     with pytest.raises(ValueError, match="build it for the call's lengths"):
         bob_compile.flex_attention(q, k, v, block_mask=other_lengths)
