@@ -10,11 +10,11 @@ On the CPU PyTorch's flex_attention refuses inputs that require grad; the fixtur
 that check (the backend replaces the op)."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention import flex_attention as flex_module
 
 from bob_compile.backend import recent_reports
+from test_hf_architectures import _gradient_and_hvp
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,15 +41,6 @@ def _model(name, attn_implementation):
     torch.manual_seed(0)
     return cls._from_config(config, attn_implementation=attn_implementation,
                             dtype=torch.float64).train()
-
-
-def _gradient_and_hvp(model, kwargs, labels):
-    params = [p for p in model.parameters() if p.requires_grad]
-    logits = model(**kwargs).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-    grads = torch.autograd.grad(loss, params, create_graph=True)
-    hvps = torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
-    return torch.cat([g.detach().flatten() for g in grads]), torch.cat([h.flatten() for h in hvps])
 
 
 @pytest.mark.parametrize("name, reference, tol, replaced, checkpointing", [
