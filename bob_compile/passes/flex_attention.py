@@ -50,8 +50,7 @@ def _rewrite_call(gm, node):
     site = Site("flex_attention", node.name, user_code(node),
                 shapes=f"q{shape_text(query)} k{shape_text(key)} v{shape_text(value)}",
                 scale=f"{node.args[5]:.6g}" if isinstance(node.args[5], float) else "?")
-    if any(not (u.target is operator.getitem and u.args[1] == 0) and _is_read(u)
-           for u in node.users):
+    if any(not _is_output(u) and _is_read(u) for u in node.users):
         site.reason = ("the call's logsumexp or maximum is read (return_lse/return_aux); "
                        "flashbob's op gives the output only, so PyTorch's kernel stays (it "
                        "has no double backward)")
@@ -62,7 +61,7 @@ def _rewrite_call(gm, node):
                        f"fused, so the call stays PyTorch's where nothing differentiates it "
                        f"twice")
         return site
-    erase_unused(gm.graph, [n for u in node.users if u.args[1] != 0 for n in _downstream(u)])
+    erase_unused(gm.graph, [n for u in node.users if not _is_output(u) for n in _downstream(u)])
     masked = not _is_flex_default_mask(gm, node.args[4])
     node.target = flex_call
     node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked,
@@ -94,6 +93,11 @@ def _is_flex_default_mask(gm, block_tuple):
     return getattr(result, "target", None) in (torch.ops.aten.new_ones.default,
                                                 torch.ops.aten.ones.default) and \
         result.kwargs.get("dtype") == torch.bool
+
+
+def _is_output(user):
+    """Whether a user of the op's node takes its first output (the attention output)."""
+    return user.target is operator.getitem and user.args[1] == 0
 
 
 def _is_read(node):
