@@ -251,3 +251,21 @@ def test_a_mask_mod_reading_the_batch_is_evaluated_per_batch_entry():
     from bob_compile.flex import mask_mod_reads
     assert mask_mod_reads(per_sequence_documents) == (True, False)
     assert mask_mod_reads(causal) == (False, False)
+
+
+@pytest.mark.parametrize("score_mod,additive", [
+    (lambda s, b, h, i, j: s + SLOPES[h] * (j - i), True),                 # ALiBi
+    (lambda s, b, h, i, j: s - 0.5 * (i - j).abs(), True),                # a distance penalty
+    (lambda s, b, h, i, j: (i - j) * 0.1 + s, True),                      # bias first
+    (lambda s, b, h, i, j: s, True),                                      # identity
+    (lambda s, b, h, i, j: s + torch.tanh(s), False),                     # reads the score twice
+    (lambda s, b, h, i, j: (i - j) * 0.1 - s, False),                     # the score negated
+    (lambda s, b, h, i, j: s * 2, False),                                 # scaled
+    (lambda s, b, h, i, j: torch.where(i >= j, s, -float("inf")), False),  # a mask in disguise
+    (lambda s, b, h, i, j: s + (s > 0).to(s.dtype), False),               # depends on its sign
+])
+def test_which_score_mods_are_additive(score_mod, additive):
+    """Only score + (a term that never reads the score) runs fused; anything else is math
+    (exact), never mistaken for a bias."""
+    from bob_compile.flex import AdditiveScoreMod, score_mod_form
+    assert isinstance(score_mod_form(score_mod, torch.float64), AdditiveScoreMod) == additive
