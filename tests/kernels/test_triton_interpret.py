@@ -429,6 +429,25 @@ def test_read_masks_visit_only_the_blocks_their_rows_see(monkeypatch, schedule):
 
 
 @in_interpreter
+def test_read_masks_of_one_gqa_group_narrow_each_head_on_its_own():
+    """Two query heads of one key/value group, one with the sliding window and one with the
+    documents: the key-block-major kernels, which walk the group's heads for each key block,
+    narrow each head's query loop by that head's own ranges (NaN where only the other
+    head's tiles would reach)."""
+    B, Hq, L = 1, 2, 96
+    visible = sliding_window_and_documents(L).transpose(0, 1)        # (1, 2, L, L)
+    clean = torch.zeros(B, Hq, L, L).masked_fill(~visible, float("-inf"))
+    poisoned = clean.clone()
+    poisoned[0, 0, :16, 80:] = float("nan")          # the window's head: far above and below
+    poisoned[0, 0, 80:, :16] = float("nan")
+    poisoned[0, 1, :16, 80:] = float("nan")          # the documents' head
+    poisoned[0, 1, 80:, :16] = float("nan")
+    q, k, v = make_inputs(B, Hq, 1, L, L, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=poisoned,
+                   reference_mask=clean)
+
+
+@in_interpreter
 def test_read_masks_keep_every_order_exact_with_is_causal():
     """The same masks as booleans under is_causal=True (the documents then causal too)."""
     B, Hq, L = 2, 2, 70
