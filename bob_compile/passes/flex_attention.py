@@ -16,10 +16,10 @@ PyTorch's op has no double backward (and no torch.func.grad rule), so:
   bob_compile/flex.py reads its traced graph) becomes bob_compile.flex.flex_call: the op,
   with the BlockMask's mask and the bias materialized per call, in every route but
   inference, where the op goes back to PyTorch's (bob_compile/passes/inference.py);
-- any other score_mod (soft-capping, ...) stays, and runs as bob_compile.flex.flex_math
-  wherever the graph may be differentiated twice or under torch.func (sdpa_math.py),
-  exact and N x N in memory, the report saying so;
-- a call whose logsumexp or maximum is read stays as written.
+- a call with any other score_mod (soft-capping, ...), or whose logsumexp or maximum is
+  read, stays: PyTorch's op for the first order, bob_compile.flex.flex_math (all three
+  outputs, exact, N x N in memory) wherever the graph is differentiated twice
+  (sdpa_math.py) or under torch.func (flex.py's rules for the op), the report saying so.
 """
 import dataclasses
 import operator
