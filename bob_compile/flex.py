@@ -202,7 +202,7 @@ def score_mod_form(score_mod, dtype, buffers=()):
     traced graph is additive in the score, else a phrase saying what it does instead.
     `buffers`: tensors (real, fake or meta) standing for the captured tensors Dynamo passes
     as extra arguments."""
-    graph = _traced(score_mod, dtype, buffers)
+    graph = trace_mod(score_mod, buffers, dtype)
     if isinstance(graph, str):
         return f"could not be traced ({graph})"
     score, b, h = graph.find_nodes(op="placeholder")[:3]
@@ -220,10 +220,11 @@ def score_mod_form(score_mod, dtype, buffers=()):
     return "is not score plus a term without the score"
 
 
-def _traced(function, score_dtype, buffers, with_score=True):
-    """function's aten graph, traced with (score,) b, h, q_idx, kv_idx and `buffers`
-    (tensors, real, fake or meta, standing for the captured tensors Dynamo passes as extra
-    arguments); or why it could not be traced."""
+def trace_mod(function, buffers=(), score_dtype=None):
+    """A mod's aten graph: a score_mod's (score_dtype given: traced with score, b, h, q_idx,
+    kv_idx) or a mask_mod's (b, h, q_idx, kv_idx), then `buffers` (tensors, real, fake or
+    meta, or sizes, standing for what Dynamo passes as extra arguments); or why it could
+    not be traced."""
     try:
         # traced as written, outside any torch.func level (the example inputs made there
         # too: made under a transform, make_fx takes them for constants); one-element
@@ -233,7 +234,7 @@ def _traced(function, score_dtype, buffers, with_score=True):
         with torch._C._DisableFuncTorch():
             device = next((b.device for b in buffers if isinstance(b, torch.Tensor)), "cpu")
             examples = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(4)]
-            if with_score:
+            if score_dtype is not None:
                 examples.insert(0, torch.zeros(1, dtype=score_dtype, device=device))
             return make_fx(lambda *indices: function(*indices, *buffers))(*examples).graph
     except Exception as e:       # data-dependent Python control flow, unsupported ops
@@ -245,10 +246,14 @@ def mask_mod_reads(mask_mod, buffers=()):
     *buffers)`, from its traced graph; both where it cannot be traced. FlexAttention
     evaluates a mask_mod at the call's own batch entry and head, whatever the BlockMask's
     batch and head sizes."""
-    graph = _traced(mask_mod, None, buffers, with_score=False)
-    if isinstance(graph, str):
+    return index_reads(trace_mod(mask_mod, buffers))
+
+
+def index_reads(mask_mod_graph):
+    """mask_mod_reads from the mask_mod's traced graph (or why it was not traced)."""
+    if isinstance(mask_mod_graph, str):
         return True, True
-    b, h = graph.find_nodes(op="placeholder")[:2]
+    b, h = mask_mod_graph.find_nodes(op="placeholder")[:2]
     return bool(b.users), bool(h.users)
 
 
@@ -319,8 +324,9 @@ def flex_call(query, key, value, score_mod, block_mask, scale, kernel_options,
     BlockMask's tuple) through bob_compile.attention, for a score_mod additive in the score
     (`additive`: AdditiveScoreMod's fields as a tuple, found by the pass); `masked` False
     where the BlockMask is the one flex_attention makes when given none (every pair
-    visible); `mask_mod_reads`: mask_mod_reads's, found by the pass. Returns (output,): the op's first output; the pass puts it only where nothing
-    reads the others (the logsumexp, the maximum)."""
+    visible); `mask_mod_reads`: mask_mod_reads's, found by the pass. Returns (output,): the
+    op's first output; the pass puts it only where nothing reads the others (the
+    logsumexp, the maximum)."""
     blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers, mask_mod_reads) \
         if masked else None
     return (_attend(query, key, value, blocks, score_mod, AdditiveScoreMod(*additive),

@@ -23,8 +23,8 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3 + 2L + 2S) int32:
                  their visible blocks, not the whole (causal) square).
 
 The summary is computed on the device by every forward, by three small kernels (per-row
-counts, per-column counts, then per (batch, head)) without a host synchronization; the backwards of that call
-reuse it ("One summary per forward" below). Nothing about a mask's contents is carried from
+counts, per-column counts, then per (batch, head)) without a host synchronization; the
+backwards of that call reuse it ("One summary per forward" below). Nothing about a mask's contents is carried from
 one forward to the next, as a write through `.data` would not show in its version counter
 and a CUDA graph's outputs reuse their memory. `summarize_with_torch` is the same summary in
 PyTorch ops: the tests' reference, and the fallback where Triton cannot build the kernels.
@@ -250,9 +250,10 @@ def _summary_kernel(STATS, COLUMN_STATS, SUMMARY, L, S, QUERIES, BLOCK_L: tl.con
     for s0 in range(0, S, BLOCK_L):
         offs_s = s0 + tl.arange(0, BLOCK_L)
         keys = offs_s < S
-        seen_first = tl.load(columns + offs_s * 5 + 1, mask=keys)
-        seen_end = tl.load(columns + offs_s * 5 + 2, mask=keys)
-        if not ROWS_ARE_QUERIES:
+        if ROWS_ARE_QUERIES:
+            seen_first = tl.load(columns + offs_s * 5 + 1, mask=keys)
+            seen_end = tl.load(columns + offs_s * 5 + 2, mask=keys)
+        else:
             seen = tl.load(columns + offs_s * 5, mask=keys, other=0) > 0
             seen_first = tl.where(seen, 0, QUERIES)
             seen_end = tl.where(seen, QUERIES, 0)

@@ -27,9 +27,8 @@ import operator
 import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch import fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..flex import flex_call, mask_mod_reads, score_mod_form
+from ..flex import flex_call, index_reads, score_mod_form, trace_mod
 from .erase import erase_unused
 from .nodes import example, example_tensor, shape_text, user_code
 from .report import Site
@@ -62,10 +61,12 @@ def _rewrite_call(gm, node):
                        f"twice")
         return site
     erase_unused(gm.graph, [n for u in node.users if not _is_output(u) for n in _downstream(u)])
-    masked = not _is_flex_default_mask(gm, node.args[4])
+    block_tuple, mask_buffers = node.args[4], node.args[8]
+    mask_mod_graph = _mask_mod_graph(gm, block_tuple[-1], mask_buffers)
+    masked = not _is_flex_default_mask(block_tuple, mask_mod_graph)
     node.target = flex_call
     node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked,
-                   "mask_mod_reads": _mask_mod_reads(gm, node.args[4][-1], node.args[8])}
+                   "mask_mod_reads": index_reads(mask_mod_graph)}
     site.replaced = True
     site.enable_gqa = _heads(query) != _heads(key)
     site.mask = ", ".join(what for what, present in (
@@ -74,22 +75,15 @@ def _rewrite_call(gm, node):
     return site
 
 
-def _is_flex_default_mask(gm, block_tuple):
+def _is_flex_default_mask(block_tuple, mask_mod_graph):
     """Whether the BlockMask is the one flex_attention makes when the call has none
     (_create_empty_block_mask: lengths (1, 1), one block of _LARGE_SPARSE_BLOCK_SIZE listed,
     noop_mask): every pair visible."""
     large = getattr(flex_module, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
-    mask_fn = block_tuple[-1]
     if tuple(block_tuple[:2]) != (1, 1) or tuple(block_tuple[-3:-1]) != (large, large) or \
-            not (isinstance(mask_fn, fx.Node) and mask_fn.op == "get_attr"):
+            isinstance(mask_mod_graph, str):
         return False
-    try:
-        with torch._C._DisableFuncTorch():
-            indices = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
-            graph = make_fx(getattr(gm, mask_fn.target))(*indices).graph
-    except Exception:
-        return False
-    result = graph.output_node().args[0]
+    result = mask_mod_graph.output_node().args[0]
     return getattr(result, "target", None) in (torch.ops.aten.new_ones.default,
                                                 torch.ops.aten.ones.default) and \
         result.kwargs.get("dtype") == torch.bool
@@ -108,13 +102,13 @@ def _is_read(node):
 
 def _downstream(node):
     """`node` and every node that reads it, directly or not."""
-    seen, stack = [], [node]
+    seen, stack = {}, [node]          # a dict: insertion-ordered, constant-time lookups
     while stack:
         current = stack.pop()
         if current not in seen:
-            seen.append(current)
+            seen[current] = None
             stack.extend(current.users)
-    return seen
+    return list(seen)
 
 
 def _score_mod_form(gm, score_mod, query, buffers):
@@ -127,13 +121,14 @@ def _score_mod_form(gm, score_mod, query, buffers):
     return score_mod_form(getattr(gm, score_mod.target), dtype, examples)
 
 
-def _mask_mod_reads(gm, mask_fn, buffers):
-    """mask_mod_reads of the BlockMask's mask_mod graph: which of the batch and head
-    indices it reads (both where the pass cannot tell)."""
+def _mask_mod_graph(gm, mask_fn, buffers):
+    """The BlockMask's mask_mod graph traced to aten (trace_mod), or why it was not."""
     examples = _meta_examples(buffers)
-    if isinstance(examples, str) or not (isinstance(mask_fn, fx.Node) and mask_fn.op == "get_attr"):
-        return True, True
-    return mask_mod_reads(getattr(gm, mask_fn.target), examples)
+    if isinstance(examples, str):
+        return examples
+    if not (isinstance(mask_fn, fx.Node) and mask_fn.op == "get_attr"):
+        return f"{mask_fn} is not a graph the pass can read"
+    return trace_mod(getattr(gm, mask_fn.target), examples)
 
 
 def _meta_examples(buffers):

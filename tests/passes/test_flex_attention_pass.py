@@ -189,3 +189,12 @@ def test_dynamic_shapes(name):
                                           options=OPTIONS), batches[:1])
     assert max_error(actual, expected) <= TOLERANCE
     assert_report(name)
+
+
+def test_a_call_without_a_block_mask_materializes_no_mask():
+    """flex_attention without a BlockMask passes the one it makes itself (lengths (1, 1), one
+    block of 2^30, noop_mask): the pass recognizes it, and only the bias goes to the op."""
+    model, batches = make("ALiBi alone, GQA")
+    hutchinson_hvp(torch.compile(model, backend=flashbob, options=OPTIONS), batches[:1])
+    site, = [s for r in recent_reports for s in r.sites]
+    assert site.replaced and site.mask == "score_mod's additive bias (materialized per call)"
