@@ -109,18 +109,19 @@ class Blocks:
                    full_kv_indices, mask_mod, tuple(mask_mod_buffers), tuple(mask_mod_reads))
 
 
-# mask_mod evaluations per chunk of query blocks: bounds the index tensors (int64, four of
-# them) that evaluating a chunk's listed blocks makes, 32 MiB each
-_EVALUATIONS_PER_CHUNK = 1 << 22
+# mask_mod evaluations per chunk of query rows: bounds the index-sized intermediates (int64
+# for a document-id lookup) that evaluating a chunk makes, 128 MiB each
+_EVALUATIONS_PER_CHUNK = 1 << 24
 
 
 def visible_pairs(blocks, L, S, device, batch, heads):
     """The bool (B or 1, H or 1, L, S) mask `blocks` (a Blocks) applies to a (batch, heads,
-    L, S) call: its full blocks, and its partial blocks where the mask_mod says so,
-    evaluated at the call's batch entries and heads where it reads them (as FlexAttention
-    does, whatever the BlockMask's own sizes). The mask_mod is evaluated on the partial
-    blocks only (a sliding window's or packed documents' few per row of blocks), a chunk of
-    query blocks at a time."""
+    L, S) call, as FlexAttention applies it: every pair of its full blocks, the pairs of its
+    partial blocks where the mask_mod says so, nothing elsewhere; the mask_mod evaluated at
+    the call's batch entries and heads where it reads them (whatever the BlockMask's own
+    sizes), a chunk of query rows at a time (a few elementwise launches per chunk, the
+    index intermediates bounded; measured on an H100 against evaluating only the listed
+    blocks, which gathered and scattered per block: docs/measurements.md, "FlexAttention")."""
     # a block longer than the call (flex_attention's mask for calls without one: lengths
     # (1, 1), blocks of 2^30) covers it once
     q_block, kv_block = min(blocks.block_size[0], L), min(blocks.block_size[1], S)
@@ -128,13 +129,31 @@ def visible_pairs(blocks, L, S, device, batch, heads):
     listed_batch, listed_heads = blocks.kv_num_blocks.shape[:2]
     reads_batch, reads_head = blocks.mask_mod_reads
     sizes = (batch if reads_batch else listed_batch, heads if reads_head else listed_heads)
-    visible = _partial_blocks(blocks, L, S, q_block, kv_block, q_blocks, kv_blocks, sizes,
-                              device)
+    partial = _listed(blocks.kv_num_blocks[..., :q_blocks],
+                      blocks.kv_indices[..., :q_blocks, :], kv_blocks, device)
+    full = None
     if blocks.full_kv_num_blocks is not None:
         full = _listed(blocks.full_kv_num_blocks[..., :q_blocks],
                        blocks.full_kv_indices[..., :q_blocks, :], kv_blocks, device)
-        visible = visible | full.repeat_interleave(q_block, -2).repeat_interleave(
-            kv_block, -1)[..., :L, :S]
+    buffers = blocks.mask_mod_buffers
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return blocks.mask_mod(b, h, q_idx, kv_idx, *buffers)
+    visible = torch.empty(*sizes, L, S, dtype=torch.bool, device=device)
+    rows = max(1, _EVALUATIONS_PER_CHUNK // (sizes[0] * sizes[1] * S))
+    batch_index, head_index = (torch.arange(n, device=device) for n in sizes)
+    keys = torch.arange(S, device=device)
+    for first in range(0, L, rows):
+        last = min(L, first + rows)
+        of_row = torch.arange(first, last, device=device) // q_block
+
+        def pairs(block_map):       # (Bm, Hm, rows, S) from (Bm, Hm, q blocks, key blocks)
+            return block_map[..., of_row, :].repeat_interleave(kv_block, -1)[..., :S]
+        seen = _over_index_vectors(mask_mod, (batch_index, head_index, torch.arange(
+            first, last, device=device), keys)).to(torch.bool) & pairs(partial)
+        if full is not None:
+            seen = seen | pairs(full)
+        visible[:, :, first:last] = seen
     return visible
 
 
@@ -144,47 +163,6 @@ def _listed(num_blocks, indices, kv_blocks, device):
     blocks = torch.zeros(*indices.shape[:-1], kv_blocks + 1, dtype=torch.bool, device=device)
     return blocks.scatter(-1, torch.where(listed, indices.long(), kv_blocks), True)[
         ..., :kv_blocks]
-
-
-def _partial_blocks(blocks, L, S, q_block, kv_block, q_blocks, kv_blocks, sizes, device):
-    """The pairs of the listed partial blocks that the mask_mod lets be seen, at `sizes`
-    (batch, heads), to which the lists broadcast: (batch, heads, L, S)."""
-    batch, heads = sizes
-    num = blocks.kv_num_blocks[..., :q_blocks].expand(batch, heads, -1)
-    indices = blocks.kv_indices[..., :q_blocks, :].expand(batch, heads, -1, -1)
-    slots = indices.shape[-1]
-    listed = torch.arange(slots, device=device) < num[..., None]          # (Bm, Hm, nq, K)
-    slot_blocks = torch.where(listed, indices.long(), 0).clamp_max(kv_blocks - 1)
-    buffers = blocks.mask_mod_buffers
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return blocks.mask_mod(b, h, q_idx, kv_idx, *buffers)
-    in_block_rows = torch.arange(q_block, device=device)
-    in_block_keys = torch.arange(kv_block, device=device)
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1, 1, 1)
-    per_block = batch * heads * slots * q_block * kv_block
-    chunk = max(1, _EVALUATIONS_PER_CHUNK // max(per_block, 1))
-    pieces = []
-    for first in range(0, q_blocks, chunk):
-        last = min(q_blocks, first + chunk)
-        shape = (batch, heads, last - first, slots, q_block, kv_block)
-        q_idx = ((torch.arange(first, last, device=device) * q_block)[:, None]
-                 + in_block_rows).view(1, 1, -1, 1, q_block, 1)
-        kv_idx = (slot_blocks[:, :, first:last, :, None] * kv_block + in_block_keys)[..., None, :]
-        inside = (q_idx < L) & (kv_idx < S) & listed[:, :, first:last, :, None, None]
-        indices_ = [t.expand(shape).reshape(-1) for t in (
-            b, h, q_idx.clamp_max(L - 1), kv_idx.clamp_max(S - 1))]
-        seen = torch.vmap(mask_mod)(*indices_).view(shape) & inside
-        # into block layout (Bm, Hm, chunk, key blocks, q_block, kv_block); an unlisted
-        # slot adds nothing wherever its index points
-        into = torch.zeros(batch, heads, last - first, kv_blocks, q_block, kv_block,
-                           dtype=torch.uint8, device=device)
-        pieces.append(into.scatter_add(
-            3, slot_blocks[:, :, first:last, :, None, None].expand(shape), seen.to(torch.uint8)))
-    partial = torch.cat(pieces, 2) > 0
-    return partial.permute(0, 1, 2, 4, 3, 5).reshape(
-        batch, heads, q_blocks * q_block, kv_blocks * kv_block)[..., :L, :S]
 
 
 # ------------------------------------------------------------------ the score_mod
@@ -290,9 +268,14 @@ def additive_bias(score_mod, query, L, S, form=None, buffers=()):
 
 def _over_indices(function, sizes, device, score=None):
     """function(b, h, q_idx, kv_idx) (or function(score, b, h, q_idx, kv_idx) with score of
-    `sizes`) at every index of `sizes`: one vmap per index, innermost the key's (as
-    FlexAttention evaluates its mods)."""
-    indices = [torch.arange(n, device=device) for n in sizes]
+    `sizes`) at every index of `sizes`."""
+    return _over_index_vectors(function, [torch.arange(n, device=device) for n in sizes],
+                               score)
+
+
+def _over_index_vectors(function, indices, score=None):
+    """function at every combination of the four index vectors (b, h, q_idx, kv_idx): one
+    vmap per index, innermost the key's (as FlexAttention evaluates its mods)."""
     if score is None:
         for in_dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None),
                         (0, None, None, None)):

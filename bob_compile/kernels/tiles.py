@@ -183,21 +183,27 @@ def visibility_mask(offs_m, offs_n, S, CAUSAL: tl.constexpr, TRANSPOSED: tl.cons
 
 
 @triton.jit
-def load_mask_summary(summary_ptr, sre):
-    """(first, end, structure) of one (batch, head), from KEY_RANGE (triton_masks.py)."""
-    return tl.load(summary_ptr), tl.load(summary_ptr + sre), tl.load(summary_ptr + 2 * sre)
-
-
-@triton.jit
-def _range_of_block(ranges_ptr, sre, start, n, BLOCK: tl.constexpr):
-    """The smallest first and largest end of the (first, end) pairs [start, start + BLOCK)
-    of a list of n (KEY_RANGE's per-row or per-column ranges, triton_masks.py): where a
-    block's rows see keys (or its columns are seen by queries); first > end if nowhere."""
-    offs = start + tl.arange(0, BLOCK)
+def _ranges_at(ranges_ptr, sre, offs, n):
+    """The (first, end) pairs at offs of a list of n (KEY_RANGE's per-row or per-column
+    ranges, triton_masks.py); past n: (2^31 - 1, 0), nothing."""
     inside = offs < n
     firsts = tl.load(ranges_ptr + 2 * offs * sre, mask=inside, other=2147483647)
     ends = tl.load(ranges_ptr + (2 * offs + 1) * sre, mask=inside, other=0)
-    return tl.min(firsts, 0), tl.max(ends, 0)
+    return firsts, ends
+
+
+@triton.jit
+def key_intervals_of_rows(summary_ptr, sre, offs_m, L):
+    """Per query row of offs_m, the keys [first, end) it sees (exactly those on the
+    INDICES_PATH: mask_from_indices)."""
+    return _ranges_at(summary_ptr + 3 * sre, sre, offs_m, L)
+
+
+@triton.jit
+def query_intervals_of_keys(summary_ptr, sre, offs_n, L, S):
+    """Per key of offs_n, the queries [first, end) that see it (exactly those on the
+    INDICES_PATH)."""
+    return _ranges_at(summary_ptr + (3 + 2 * L) * sre, sre, offs_n, S)
 
 
 @triton.jit
@@ -205,80 +211,62 @@ def key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary_ptr, sre, L, BLOCK_M: 
                           BLOCK_N: tl.constexpr):
     """A row-block-major kernel's two key loops [lo1, hi1) and [lo2, hi2) (lo1, lo2
     multiples of BLOCK_N) for rows [m0, m0 + BLOCK_M), restricted to the key blocks holding
-    keys its (batch, head)'s mask lets them see: keys in [first, end), for a mask that is
-    read the keys these very rows see (a sliding window's, a packed document's), and where
-    no row sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL) none
-    past the block's last row; then the summary (first, end, structure) from KEY_RANGE
-    (triton_masks.py)."""
-    first, end, structure = load_mask_summary(summary_ptr, sre)
-    rows_first, rows_end = _range_of_block(summary_ptr + 3 * sre, sre, m0, L, BLOCK_M)
-    read = (structure == 0) | (structure == 3)
-    seen_first = tl.where(read, tl.maximum(first, rows_first), first)
-    seen_end = tl.where(read, tl.minimum(end, rows_end), end)
-    below_diagonal = (structure == 2) | (structure == 3)
-    seen_end = tl.where(below_diagonal, tl.minimum(seen_end, m0 + BLOCK_M), seen_end)
+    keys these rows see (KEY_RANGE's per-row ranges, triton_masks.py: a padded batch's
+    visible keys, a sliding window's, a packed document's, none above the diagonal of a
+    causal mask)."""
+    firsts, ends = key_intervals_of_rows(summary_ptr, sre, m0 + tl.arange(0, BLOCK_M), L)
+    seen_first = tl.min(firsts, 0)
+    seen_end = tl.max(ends, 0)
     block_of_first = (seen_first // BLOCK_N) * BLOCK_N
     return (tl.maximum(lo1, block_of_first), tl.minimum(hi1, seen_end),
-            tl.maximum(lo2, block_of_first), tl.minimum(hi2, seen_end), first, end, structure)
+            tl.maximum(lo2, block_of_first), tl.minimum(hi2, seen_end))
 
 
 @triton.jit
 def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, L, S, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     """A key-block-major kernel's two query loops [m_lo, m_mid) and [m_mid, m_hi) for keys
-    [n0, n0 + BLOCK_N), restricted by its (batch, head)'s mask: none when it hides every
-    key of the block, for a mask that is read only the queries that see these very keys,
-    and where no row sees a key above the diagonal (KEYS_IN_RANGE_CAUSAL,
-    READ_THE_MASK_CAUSAL) no query block above it; then the summary (first, end,
-    structure) from KEY_RANGE."""
-    first, end, structure = load_mask_summary(summary_ptr, sre)
-    below_diagonal = (structure == 2) | (structure == 3)
-    m_lo = tl.where(below_diagonal, tl.maximum(m_lo, (n0 // BLOCK_M) * BLOCK_M), m_lo)
-    columns_first, columns_end = _range_of_block(summary_ptr + (3 + 2 * L) * sre, sre, n0, S,
-                                                 BLOCK_N)
-    read = (structure == 0) | (structure == 3)
-    m_lo = tl.where(read, tl.maximum(m_lo, (columns_first // BLOCK_M) * BLOCK_M), m_lo)
-    m_mid = tl.maximum(m_mid, m_lo)
-    m_hi_read = tl.maximum(tl.minimum(m_hi, columns_end), m_lo)
-    m_mid = tl.where(read, tl.minimum(m_mid, m_hi_read), m_mid)
-    m_hi = tl.where(read, m_hi_read, m_hi)
-    unseen = (n0 >= end) | (n0 + BLOCK_N <= first)
-    return (m_lo, tl.where(unseen, m_lo, m_mid), tl.where(unseen, m_lo, m_hi), first, end,
-            structure)
+    [n0, n0 + BLOCK_N), restricted to the query blocks that see these keys (KEY_RANGE's
+    per-key ranges): none when the mask hides every key of the block."""
+    firsts, ends = query_intervals_of_keys(summary_ptr, sre, n0 + tl.arange(0, BLOCK_N), L, S)
+    seen_first = tl.minimum(tl.min(firsts, 0), L)
+    seen_end = tl.max(ends, 0)
+    m_lo = tl.maximum(m_lo, (seen_first // BLOCK_M) * BLOCK_M)
+    m_hi = tl.maximum(tl.minimum(m_hi, seen_end), m_lo)
+    m_mid = tl.minimum(tl.maximum(m_mid, m_lo), m_hi)
+    return m_lo, m_mid, m_hi
 
 
 @triton.jit
-def unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end, structure,
-                                 BLOCK_N: tl.constexpr):
-    """For a mask applied from indices (a key range [first, end), with the causal mask folded
-    in for KEYS_IN_RANGE_CAUSAL), after key_loops_within_mask: (a_end, b_end) splitting a
-    row block's visible key blocks [lo1, hi2) into [lo1, a_end), the partial block holding
-    `first`; [a_end, b_end), blocks wholly inside the range that every row of the block sees
-    (no mask at all); and [b_end, hi2), the blocks at the range's end and the diagonal. The
-    first and last need the mask; the middle is the unmasked kernel's loop."""
-    full_lo = ((first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    full_hi = tl.minimum(hi1, (end // BLOCK_N) * BLOCK_N)
-    # KEYS_IN_RANGE_CAUSAL: a key block is seen by every row iff its last key <= m0
-    full_hi = tl.where(structure == 2, tl.minimum(full_hi, ((m0 + 1) // BLOCK_N) * BLOCK_N),
-                       full_hi)
+def unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N: tl.constexpr):
+    """On the INDICES_PATH, after key_loops_within_mask, with the rows' key intervals
+    (key_intervals_of_rows): (a_end, b_end) splitting a row block's visible key blocks
+    [lo1, hi2) into [lo1, a_end), blocks holding some row's first key; [a_end, b_end),
+    blocks every row of the block sees whole (no mask at all); and [b_end, hi2), blocks
+    holding some row's end (or the diagonal). The first and last need the mask."""
+    inner_first = tl.max(tl.where(offs_m < L, firsts, 0), 0)
+    inner_end = tl.min(tl.where(offs_m < L, ends, 2147483647), 0)
+    full_lo = ((inner_first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(hi1, (inner_end // BLOCK_N) * BLOCK_N)
     a_end = tl.maximum(tl.minimum(full_lo, hi2), lo1)
     b_end = tl.maximum(full_hi, a_end)
     return a_end, b_end
 
 
 @triton.jit
-def unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end, structure, L,
-                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For a mask applied from indices, after row_loops_within_mask: where a key block's
-    query loop [m_lo, m_hi) can drop the mask. A key block wholly inside [first, end) is
-    seen by every query block past the diagonal (past m_mid, or with the causal mask folded
-    in, past the first one below the block's last key); one holding an end of the range
-    needs the mask on every query block."""
-    inside = (n0 >= first) & (n0 + BLOCK_N <= end)
-    _, causal_start = row_blocks_of_key_block(n0, L, BLOCK_M, BLOCK_N, True)
-    split = tl.where(structure == 2, tl.maximum(m_mid, causal_start), m_mid)
-    split = tl.where(inside, split, m_hi)
-    return tl.minimum(tl.maximum(split, m_lo), m_hi)
+def unmasked_query_blocks(m_lo, m_mid, m_hi, firsts, ends, L, BLOCK_M: tl.constexpr):
+    """On the INDICES_PATH, after row_loops_within_mask, with the keys' query intervals
+    (query_intervals_of_keys): (a, b) such that the query blocks [a, b) see every key of
+    the key block (past the diagonal's m_mid); [m_lo, a) and [b, m_hi) need the mask. A
+    key past S has no queries, so a partial last key block is masked throughout (the
+    atomic row outputs need its padded keys hidden)."""
+    inner_first = tl.minimum(tl.max(firsts, 0), L)
+    inner_end = tl.min(ends, 0)
+    a = tl.maximum(((inner_first + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, m_mid)
+    b = tl.where(inner_end >= L, m_hi, (inner_end // BLOCK_M) * BLOCK_M)
+    a = tl.minimum(tl.maximum(a, m_lo), m_hi)
+    b = tl.maximum(tl.minimum(b, m_hi), a)
+    return a, b
 
 
 # Where a loop's apply_mask_tile takes the mask from (its SOURCE), fixed per loop (a per-tile
@@ -305,8 +293,9 @@ READ_PATH = tl.constexpr(2)
 
 @triton.jit
 def mask_from_indices(structure):
-    """Whether a (batch, head)'s mask applies from indices (KEYS_IN_RANGE[_CAUSAL])."""
-    return (structure == 1) | (structure == 2)
+    """Whether a (batch, head)'s mask applies from indices (KEYS_IN_RANGE[_CAUSAL],
+    KEY_INTERVALS: triton_masks.py)."""
+    return (structure == 1) | (structure == 2) | (structure == 4)
 
 
 @triton.jit
@@ -334,29 +323,25 @@ def group_on_mask_path(summary_ptr, srh, sre, kv_group, MASK_PATH: tl.constexpr)
 
 
 @triton.jit
-def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, first, end, structure,
+def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, firsts, ends,
                     MASK_KIND: tl.constexpr, TRANSPOSED: tl.constexpr, SOURCE: tl.constexpr):
     """Base-2 scores s2 ([M, N], or [N, M] when TRANSPOSED) with the mask applied as
     AttentionParams defines it: bool False hides the pair; an additive value is added
     (times log2 e), and one at or below -1e4 (HIDDEN_AT_OR_BELOW) hides the pair. Where the
-    (batch, head)'s mask is a key range [first, end) (with key <= query for
-    KEYS_IN_RANGE_CAUSAL), from indices (SOURCE MASK_FROM_INDICES); else from a tile of the
-    mask (MASK_READ), pairs outside [0, L) x [0, S) reading as hidden."""
+    (batch, head)'s mask is intervals, from indices (SOURCE MASK_FROM_INDICES): each row's
+    keys [firsts, ends) (key_intervals_of_rows), or TRANSPOSED each key's queries
+    (query_intervals_of_keys); else from a tile of the mask (MASK_READ), pairs outside
+    [0, L) x [0, S) reading as hidden."""
     if SOURCE == MASK_FROM_INDICES:
-        s2 = _mask_from_indices(s2, offs_m, offs_n, first, end, structure, TRANSPOSED)
+        if TRANSPOSED:
+            other = offs_m[None, :]
+        else:
+            other = offs_n[None, :]
+        visible = (other >= firsts[:, None]) & (other < ends[:, None])
+        s2 = tl.where(visible, s2, float("-inf"))
     else:
         s2 = _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND, TRANSPOSED)
     return s2
-
-
-@triton.jit
-def _mask_from_indices(s2, offs_m, offs_n, first, end, structure, TRANSPOSED: tl.constexpr):
-    if TRANSPOSED:
-        keys, rows = offs_n[:, None], offs_m[None, :]
-    else:
-        keys, rows = offs_n[None, :], offs_m[:, None]
-    in_range = (keys >= first) & (keys < end) & ((structure == 1) | (keys <= rows))
-    return tl.where(in_range, s2, float("-inf"))
 
 
 @triton.jit

@@ -41,7 +41,8 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask,
                     load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
                     row_blocks_of_key_block, row_loops_within_mask, store_tile,
-                    unmasked_key_blocks_of_range, unmasked_query_blocks_of_range, visibility_mask)
+                    key_intervals_of_rows, query_intervals_of_keys, unmasked_key_blocks,
+                    unmasked_query_blocks, visibility_mask)
 from .tuning import Untimed, interpreting, row_bytes, wide_candidates
 from . import settings
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
@@ -88,7 +89,7 @@ def _dot_halves(x, y, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
-               mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo, n_hi,
+               mask_base, sml, sme, firsts, ends, offs_m, offs_e, offs_ev, n_lo, n_hi,
                gap_lo, gap_len, L, S, qk_scale_log2, scale, seed_ptr, head, m0, drop_threshold,
                keep_scale, gdm_base, sgml, sgme, HEAD_DIM: tl.constexpr,
                HEAD_DIM_V: tl.constexpr,
@@ -113,8 +114,7 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                 structure, MASK_KIND, False, MASK_SOURCE)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p_v = p         # where P meets gdv: dropped
@@ -227,27 +227,28 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     gdm_base = GDM + b * sgmb + h * sgmh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    first, end, structure = 0, S, 0
-    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
-        lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
-            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, L, BLOCK_M, BLOCK_N)
+    summary = KEY_RANGE + b * srb + h * srh
+    firsts, ends = 0, S     # the rows' key intervals, on the INDICES_PATH
+    if MASK_KIND != 0:      # only the key blocks holding keys these rows see
+        lo1, hi1, lo2, hi2 = key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary, sre, L,
+                                                   BLOCK_M, BLOCK_N)
     # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
     # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
     if MASK_PATH == INDICES_PATH:
-        a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end,
-                                                    structure, BLOCK_N)
+        firsts, ends = key_intervals_of_rows(summary, sre, offs_m, L)
+        a_end, b_end = unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
             scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
             HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
             NO_MASK_SOURCE, DROPOUT, HAS_GDM)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
             qk_scale_log2, scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
@@ -255,16 +256,16 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     else:
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
             SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
             MASK_READ, DROPOUT, HAS_GDM)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
-            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
+            gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
             SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
@@ -304,7 +305,7 @@ strides_of(_row_kernel, Q="sq", K="sk", V="sv", O="so", DO="sd", GDQ="sgq", GDK=
 @triton.jit
 def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_ptr,
                   alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
-                  first, end, structure, m_lo, m_hi, n0, L, S, qk_scale_log2, scale, GQ_ACC,
+                  firsts, ends, m_lo, m_hi, gap_lo, gap_len, n0, L, S, qk_scale_log2, scale, GQ_ACC,
                   GDO_ACC, DG_ACC, SBAR_ACC, seed_ptr, head, drop_threshold, keep_scale,
                   gdm_base, gm_base, sgml, sgme, sbgl, sbge,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -323,7 +324,10 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
-    for m0 in range(m_lo, m_hi, BLOCK_M):
+    # the query blocks [m_lo, m_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over
+    # the blocks at both ends of the queries' intervals: one pipeline)
+    for m in range(m_lo, m_hi - gap_len, BLOCK_M):
+        m0 = m + tl.where(m >= gap_lo, gap_len, 0)
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = load_tile(q_base, offs_m, offs_e, sql, sqe, L, HEAD_DIM, True, PAD_E)
         do = load_tile(do_base, offs_m, offs_ev, sdl, sde, L, HEAD_DIM_V, True, PAD_EV)
@@ -338,8 +342,7 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
-            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                  structure, MASK_KIND, True, MASK_SOURCE)
+            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, True, MASK_SOURCE)
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:     # Z wherever P or its cotangents meet V, gdv or dO (dropout.py)
@@ -467,20 +470,20 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
         gdm_base = GDM + b * sgmb + h * sgmh
         gm_base = GM + b * sbgb + h * sbgh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
-        first, end, structure = 0, S, 0
+        summary = KEY_RANGE + b * srb + h * srh
+        firsts, ends = 0, S     # the keys' query intervals, on the INDICES_PATH
         if MASK_KIND != 0:      # only the query blocks that see keys of this block
-            m_lo, m_mid, m_hi, first, end, structure = row_loops_within_mask(
-                m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, L, S, BLOCK_M,
-                BLOCK_N)
+            m_lo, m_mid, m_hi = row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary, sre, L,
+                                                      S, BLOCK_M, BLOCK_N)
         # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
         # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
         if MASK_PATH == INDICES_PATH:
-            m_split = unmasked_query_blocks_of_range(m_lo, m_mid, m_hi, n0, first, end,
-                                                     structure, L, BLOCK_M, BLOCK_N)
+            firsts, ends = query_intervals_of_keys(summary, sre, offs_n, L, S)
+            m_a, m_b = unmasked_query_blocks(m_lo, m_mid, m_hi, firsts, ends, L, BLOCK_M)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                sme, first, end, structure, m_lo, m_split, n0, L, S, qk_scale_log2, scale,
+                sme, firsts, ends, m_lo, m_hi, m_a, m_b - m_a, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
                 gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
@@ -488,7 +491,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                sme, first, end, structure, m_split, m_hi, n0, L, S, qk_scale_log2, scale,
+                sme, firsts, ends, m_a, m_b, 0, 0, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
                 gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
@@ -497,7 +500,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                sme, first, end, structure, m_lo, m_mid, n0, L, S, qk_scale_log2, scale,
+                sme, firsts, ends, m_lo, m_mid, 0, 0, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
                 gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
@@ -505,7 +508,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
-                sme, first, end, structure, m_mid, m_hi, n0, L, S, qk_scale_log2, scale,
+                sme, firsts, ends, m_mid, m_hi, 0, 0, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
                 gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
                 BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,

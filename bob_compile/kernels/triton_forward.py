@@ -16,7 +16,7 @@ from .launching import launch_plan, read_path_first, strides_of
 from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH, NO_MASK_SOURCE,
                     READ_PATH, apply_mask_tile, blocks, dot_precision, key_blocks_of_row_block,
                     key_loops_within_mask, load_tile, on_mask_path, padded_dim, row_block_program,
-                    store_tile, unmasked_key_blocks_of_range, visibility_mask)
+                    key_intervals_of_rows, store_tile, unmasked_key_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
@@ -31,7 +31,7 @@ def _max_keeping_nan(a, b):
 
 @triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
-                   mask_base, sml, sme, first, end, structure, offs_m, offs_e, offs_ev, n_lo,
+                   mask_base, sml, sme, firsts, ends, offs_m, offs_e, offs_ev, n_lo,
                    n_hi, gap_lo, gap_len, L, S, qk_scale_log2, seed_ptr, head, m0,
                    drop_threshold, keep_scale, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr,
@@ -50,8 +50,7 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, first, end,
-                                 structure, MASK_KIND, False, MASK_SOURCE)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, False, MASK_SOURCE)
         m_new = _max_keeping_nan(m_i, tl.reduce(s2, 1, _max_keeping_nan))
         # rows whose scores are all -inf so far keep a finite reference point (no inf - inf)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -96,10 +95,11 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
     acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    first, end, structure = 0, S, 0
-    if MASK_KIND != 0:      # only the key blocks holding keys this (b, h) sees
-        lo1, hi1, lo2, hi2, first, end, structure = key_loops_within_mask(
-            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, L, BLOCK_M, BLOCK_N)
+    summary = KEY_RANGE + b * srb + h * srh
+    firsts, ends = 0, S     # the rows' key intervals, on the INDICES_PATH
+    if MASK_KIND != 0:      # only the key blocks holding keys these rows see
+        lo1, hi1, lo2, hi2 = key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary, sre, L,
+                                                   BLOCK_M, BLOCK_N)
     # A mask's source is fixed per launch (MASK_PATH), not decided per tile: each loop body
     # holds one kind of masking, without a branch or the other kind's mask load (with the
     # branch in its loop, the masked forward took ~2.6x the unmasked one's time per visible
@@ -107,29 +107,29 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
     # blocks wholly inside the range unmasked and its edge blocks in one loop; else no
     # mask, or the mask read per tile.
     if MASK_PATH == INDICES_PATH:
-        a_end, b_end = unmasked_key_blocks_of_range(lo1, hi1, hi2, m0, first, end, structure,
-                                                    BLOCK_N)
+        firsts, ends = key_intervals_of_rows(summary, sre, offs_m, L)
+        a_end, b_end = unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N)
         acc, l_i, m_i = _forward_steps(
-            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
             SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
             CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
         acc, l_i, m_i = _forward_steps(
-            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
             qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_FROM_INDICES, DROPOUT)
     else:
         acc, l_i, m_i = _forward_steps(
-            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
             SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_READ, DROPOUT)
         acc, l_i, m_i = _forward_steps(
-            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, first,
-            end, structure, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
+            acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
+            ends, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
             SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
             MASK_READ, DROPOUT)

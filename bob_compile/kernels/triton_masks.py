@@ -15,7 +15,10 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3 + 2L + 2S) int32:
                  row_loops_within_mask). READ_THE_MASK_CAUSAL: any other mask whose rows
                  see no key above the diagonal (a causal mask with holes, packed sequences'
                  block-diagonal causal masks): read, with the blocks above the diagonal
-                 skipped as well.
+                 skipped as well. KEY_INTERVALS: every query sees exactly its own interval
+                 of keys and every key is seen by exactly an interval of queries (a sliding
+                 window, causal packed documents, prefix-LM), the mask adding nothing to a
+                 visible score: applied from the ranges below, never read.
     ranges       then, per query row, the (first, end) of the keys it sees, and per key,
                  the (first, end) of the queries that see it: a read mask's row block
                  loops over the key blocks its own rows see, and a key block over the
@@ -45,7 +48,8 @@ log = logging.getLogger("bob_compile.kernels")
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
 # a summary's structure (the kernels test these numbers: tiles.py)
-READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL = 0, 1, 2, 3
+READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL, KEY_INTERVALS = 0, 1, 2, 3, 4
+FROM_INDICES = (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, KEY_INTERVALS)   # tiles.mask_from_indices
 
 
 def mask_kind_and_tensor(params, fallback, reuse=False):
@@ -117,7 +121,7 @@ def mask_path_has_work(summary, path, kv_group=1):
     key-block-major kernel's, whose programs take a GQA group (the key-range launch only the
     groups whose heads' masks are all key ranges)."""
     structure = summary[..., 0, 2]
-    in_range = (structure == KEYS_IN_RANGE) | (structure == KEYS_IN_RANGE_CAUSAL)
+    in_range = (structure[..., None] == structure.new_tensor(FROM_INDICES)).any(-1)
     if path == 1:
         return bool(in_range.unflatten(1, (-1, kv_group)).all(-1).any())
     return bool((~in_range).any())
@@ -212,6 +216,7 @@ def _summary_kernel(STATS, COLUMN_STATS, SUMMARY, L, S, QUERIES, BLOCK_L: tl.con
     not_range = zero
     not_causal = zero
     not_below = zero
+    not_intervals = zero
     adds = zero
     for l0 in range(0, L, BLOCK_L):
         offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -224,10 +229,25 @@ def _summary_kernel(STATS, COLUMN_STATS, SUMMARY, L, S, QUERIES, BLOCK_L: tl.con
         off_causal = (count != in_causal_range) | (below != count)
         not_causal += tl.sum((rows & off_causal).to(tl.int32), 0)
         not_below += tl.sum((rows & (below != count)).to(tl.int32), 0)
+        row_first = tl.load(stats + offs_l * 5 + 1, mask=rows, other=0)
+        row_end = tl.load(stats + offs_l * 5 + 2, mask=rows, other=0)
+        not_intervals += tl.sum((rows & (count != tl.maximum(row_end - row_first, 0)))
+                                .to(tl.int32), 0)
         adds += tl.sum((rows & (zeros != count)).to(tl.int32), 0)
+    columns = COLUMN_STATS + pid_bh.to(tl.int64) * S * 5
+    if ROWS_ARE_QUERIES:    # and each key's queries an interval too
+        for s0 in range(0, S, BLOCK_L):
+            offs_s = s0 + tl.arange(0, BLOCK_L)
+            keys = offs_s < S
+            seen = tl.load(columns + offs_s * 5, mask=keys, other=0)
+            seen_first = tl.load(columns + offs_s * 5 + 1, mask=keys, other=0)
+            seen_end = tl.load(columns + offs_s * 5 + 2, mask=keys, other=0)
+            not_intervals += tl.sum((keys & (seen != tl.maximum(seen_end - seen_first, 0)))
+                                    .to(tl.int32), 0)
     structure = tl.where(not_range == 0, 1, 0)
     if ROWS_ARE_QUERIES:
         structure = tl.where((structure == 0) & (not_causal == 0), 2, structure)
+        structure = tl.where((structure == 0) & (not_intervals == 0), 4, structure)
     if ADDITIVE:
         structure = tl.where(adds == 0, structure, 0)
     if ROWS_ARE_QUERIES:    # read, but no row sees a key above the diagonal
@@ -246,7 +266,6 @@ def _summary_kernel(STATS, COLUMN_STATS, SUMMARY, L, S, QUERIES, BLOCK_L: tl.con
         tl.store(out + 3 + 2 * offs_l, tl.load(stats + source * 5 + 1, mask=rows), mask=rows)
         tl.store(out + 4 + 2 * offs_l, tl.load(stats + source * 5 + 2, mask=rows), mask=rows)
     # each key's (first, end) of the queries that see it (one row broadcast: all or none)
-    columns = COLUMN_STATS + pid_bh.to(tl.int64) * S * 5
     for s0 in range(0, S, BLOCK_L):
         offs_s = s0 + tl.arange(0, BLOCK_L)
         keys = offs_s < S
@@ -325,6 +344,8 @@ def summarize_with_torch(mask):
         at_or_below = visible.tril().sum(-1, dtype=torch.int32)
         range_causal = ((count == in_causal_range) & (at_or_below == count)).all(-1)
         structure = torch.where(range_causal & ~range_only, KEYS_IN_RANGE_CAUSAL, structure)
+        structure = torch.where((structure == READ_THE_MASK) & _intervals(visible, -1)
+                                & _intervals(visible, -2), KEY_INTERVALS, structure)
     if base.dtype != torch.bool:
         adds_nothing = ((base == 0).sum(-1, dtype=torch.int32) == count).all(-1)
         structure = torch.where(adds_nothing, structure, READ_THE_MASK)
@@ -351,3 +372,13 @@ def summarize_with_torch(mask):
     ranges = torch.cat((summary, row_ranges.to(torch.int32).flatten(2)[:, :, None],
                         column_ranges.to(torch.int32).flatten(2)[:, :, None]), -1)
     return ranges.expand(mask.shape[0], mask.shape[1], 1, ranges.shape[-1])
+
+
+def _intervals(visible, dim):
+    """Whether each row (dim=-1) or column (dim=-2) of a bool mask is one interval (or
+    empty): as many visible entries as from its first to its last."""
+    positions = torch.arange(visible.shape[dim], device=visible.device, dtype=torch.int32)
+    positions = positions if dim == -1 else positions[:, None]
+    first = torch.where(visible, positions, visible.shape[dim]).amin(dim)
+    end = torch.where(visible, positions + 1, 0).amax(dim)
+    return (visible.sum(dim, dtype=torch.int32) == (end - first).clamp_min(0)).all(-1)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from bob_compile.kernels.triton_masks import (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,  # noqa: E402
-                                              READ_THE_MASK, READ_THE_MASK_CAUSAL,
-                                              summarize_with_torch)
+from bob_compile.kernels.triton_masks import (KEY_INTERVALS, KEYS_IN_RANGE,  # noqa: E402
+                                              KEYS_IN_RANGE_CAUSAL, READ_THE_MASK,
+                                              READ_THE_MASK_CAUSAL, summarize_with_torch)
 
 B, H, L, S = 3, 2, 7, 7
 ROWS, KEYS = torch.arange(L)[:, None], torch.arange(S)[None, :]
@@ -67,9 +67,10 @@ def test_additive_masks_that_add_nothing_to_visible_scores():
 
 
 @pytest.mark.parametrize("change", ["a hole", "an extra key", "a diagonal shifted by one"])
-def test_almost_structured_masks_are_read(change):
-    """Read; where no row sees a key above the diagonal (a hole in a causal mask), with the
-    blocks above it skipped (READ_THE_MASK_CAUSAL)."""
+def test_almost_structured_masks_are_intervals_or_read(change):
+    """A key more or a shifted diagonal leave every row and every column one interval
+    (KEY_INTERVALS: applied from the ranges); a hole does not: read, and where no row sees
+    a key above the diagonal, with the blocks above it skipped (READ_THE_MASK_CAUSAL)."""
     mask = (padding([7, 5, 3]) & (KEYS <= ROWS)).expand(B, 1, L, S).clone()
     if change == "a hole":
         mask[1, 0, 4, 2] = False
@@ -78,17 +79,43 @@ def test_almost_structured_masks_are_read(change):
     else:
         mask[1] = padding([5])[0] & (KEYS <= ROWS + 1)
     rows = summary(mask)
-    assert rows[1][2] == (READ_THE_MASK_CAUSAL if change == "a hole" else READ_THE_MASK)
+    assert rows[1][2] == (READ_THE_MASK_CAUSAL if change == "a hole" else KEY_INTERVALS)
     assert rows[0][2] == rows[2][2] == KEYS_IN_RANGE_CAUSAL
 
 
-def test_block_diagonal_causal_masks_skip_the_blocks_above_the_diagonal():
-    """Packed sequences (a causal mask within each document): read, nothing above the
-    diagonal; the same pattern broadcast over rows cannot say so."""
-    document = torch.tensor([0, 0, 0, 1, 1, 2, 2])
-    packed = (document[:, None] == document[None, :]) & (KEYS <= ROWS)
-    assert [r[2] for r in summary(packed[None, None].expand(B, 1, L, S))] == \
-        [READ_THE_MASK_CAUSAL] * 3
+DOCUMENTS = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+INTERVAL_MASKS = {
+    # packed sequences (a causal mask within each document)
+    "documents": (DOCUMENTS[:, None] == DOCUMENTS[None, :]) & (KEYS <= ROWS),
+    # a causal sliding window of 3 keys (Mistral, Gemma 2's local layers)
+    "sliding window": (KEYS <= ROWS) & (KEYS > ROWS - 3),
+    # prefix-LM: the first 3 positions see each other, the rest causally
+    "prefix-LM": (KEYS <= ROWS) | (KEYS < 3),
+    # bidirectional documents (an encoder over packed sequences)
+    "bidirectional documents": DOCUMENTS[:, None] == DOCUMENTS[None, :],
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTERVAL_MASKS))
+def test_masks_of_intervals_apply_from_indices(name):
+    """Each row sees one interval of keys and each key is seen by one interval of rows:
+    KEY_INTERVALS, the kernels apply it from the per-row and per-key ranges."""
+    mask = INTERVAL_MASKS[name]
+    assert [r[2] for r in summary(mask[None, None].expand(B, 1, L, S))] == [KEY_INTERVALS] * 3
+    hidden = torch.finfo(torch.float32).min
+    additive = torch.zeros(L, S).masked_fill(~mask, hidden)
+    assert summary(additive[None, None].expand(B, 1, L, S))[0][2] == KEY_INTERVALS
+    additive[4, 4] = 0.25               # a bias on one visible pair: read
+    assert summary(additive[None, None].expand(B, 1, L, S))[0][2] in (READ_THE_MASK,
+                                                                       READ_THE_MASK_CAUSAL)
+
+
+def test_rows_of_intervals_whose_columns_are_not_are_read():
+    """Every row one interval, but key 0 seen by rows 0 and 2 and not by row 1: the
+    key-block-major kernels apply a mask from the keys' intervals, so it is read."""
+    mask = torch.zeros(L, S, dtype=torch.bool)
+    mask[0, 0:2] = mask[1, 3:5] = mask[2:, 0:2] = True
+    assert summary(mask[None, None].expand(B, 1, L, S))[0][2] == READ_THE_MASK
     one_row = torch.zeros(B, 1, 1, S, dtype=torch.bool)
     one_row[..., ::2] = True
     assert [r[2] for r in summary(one_row)] == [READ_THE_MASK] * 3

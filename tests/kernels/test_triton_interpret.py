@@ -419,6 +419,7 @@ def test_read_masks_visit_only_the_blocks_their_rows_see(monkeypatch, schedule):
     B, Hq, L = 2, 2, 96
     visible = sliding_window_and_documents(L).expand(B, Hq, L, L)
     clean = torch.zeros(B, Hq, L, L).masked_fill(~visible, float("-inf"))
+    clean[:, :, 40, 40] = 0.5       # a bias on one visible pair: read (not KEY_INTERVALS)
     poisoned = clean.clone()
     poisoned[1, :, :16, 80:] = float("nan")
     poisoned[1, :, 80:, :16] = float("nan")
@@ -437,6 +438,7 @@ def test_read_masks_of_one_gqa_group_narrow_each_head_on_its_own():
     B, Hq, L = 1, 2, 96
     visible = sliding_window_and_documents(L).transpose(0, 1)        # (1, 2, L, L)
     clean = torch.zeros(B, Hq, L, L).masked_fill(~visible, float("-inf"))
+    clean[:, :, 40, 40] = 0.5       # read (not KEY_INTERVALS)
     poisoned = clean.clone()
     poisoned[0, 0, :16, 80:] = float("nan")          # the window's head: far above and below
     poisoned[0, 0, 80:, :16] = float("nan")
@@ -445,6 +447,51 @@ def test_read_masks_of_one_gqa_group_narrow_each_head_on_its_own():
     q, k, v = make_inputs(B, Hq, 1, L, L, 16, 16, torch.float32)
     run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=poisoned,
                    reference_mask=clean)
+
+
+def interval_masks(L):
+    """Masks whose rows and columns are each one interval (KEY_INTERVALS), wide enough that
+    the interpreter's 16 x 16 tiles hold blocks seen whole: a causal sliding window of 40
+    keys, packed causal documents of 20-40 tokens, prefix-LM with a 37-token prefix."""
+    rows, keys = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    starts = torch.tensor([0, 23, 43, 83])
+    document = (torch.arange(L)[:, None] >= starts).sum(-1)
+    window = (keys <= rows) & (rows - keys < 40)
+    documents = (document[:, None] == document[None, :]) & (keys <= rows)
+    prefix = (keys <= rows) | (keys < 37)
+    return torch.stack((window, documents, prefix))[:, None]
+
+
+@in_interpreter
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+def test_masks_of_intervals_are_applied_without_reading_them(monkeypatch, schedule):
+    """A sliding window, packed documents and prefix-LM are KEY_INTERVALS: every kernel
+    applies them from each row's key interval (each key's query interval in the key-block
+    major passes), with the blocks every row sees whole unmasked. NaN in every hidden pair
+    of the additive mask (below the -1e4 that hides a pair) would spread into any output of
+    a kernel that read it; every order equals the reference's with -inf there."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    from bob_compile.kernels.triton_masks import KEY_INTERVALS, mask_summary
+    B, Hq, L = 3, 2, 99
+    visible = interval_masks(L).expand(B, Hq, L, L)
+    clean = torch.zeros(B, Hq, L, L).masked_fill(~visible, float("-inf"))
+    poisoned = clean.masked_fill(~visible, float("nan"))
+    assert mask_summary(poisoned)[:, :, 0, 2].unique().tolist() == [KEY_INTERVALS]
+    q, k, v = make_inputs(B, Hq, 1, L, L, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=poisoned,
+                   reference_mask=clean)
+
+
+@in_interpreter
+def test_masks_of_intervals_as_booleans_with_gqa():
+    """The same masks as booleans, three query heads per key/value head with different
+    intervals (the key-block-major passes walk the group's heads)."""
+    B, Hq, L = 1, 6, 77
+    mask = interval_masks(L).transpose(0, 1).repeat(1, 2, 1, 1)     # a group's 3 heads differ
+    q, k, v = make_inputs(B, Hq, 2, L, L, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=mask)
 
 
 @in_interpreter
@@ -480,6 +527,7 @@ def summary_cases():
     yield "causal with holes", holes.expand(4, 3, L, S)
     yield "one row", causal[:, :, :1].expand(4, 2, 1, S)
     yield "sliding window and documents", sliding_window_and_documents(L).expand(2, 3, L, L)
+    yield "intervals", interval_masks(L).expand(3, 2, L, L)
 
 
 @in_interpreter
