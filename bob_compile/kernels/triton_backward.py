@@ -85,8 +85,8 @@ def row_dot(do, o, dlse):
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
-                  sql, sqe, sdl, sde, sql_acc, sml, sme, firsts, ends, m_lo, m_hi, gap_lo, gap_len, n0,
-                  L, S, qk_scale_log2,
+                  sql, sqe, sdl, sde, sql_acc, sml, sme, firsts, ends, m_lo, m_hi, gap_lo,
+                  gap_len, n0, L, S, qk_scale_log2,
                   scale, seed_ptr, head, drop_threshold, keep_scale, dm_base, sdml, sdme,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
@@ -113,7 +113,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
-            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, True, MASK_SOURCE)
+            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends,
+                                  MASK_KIND, True, MASK_SOURCE)
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:     # Z where P meets V: in dV = (P Z)ᵀ dO and in dP = Z (dO Vᵀ)
@@ -245,7 +246,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, False, MASK_SOURCE)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends,
+                                 MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:

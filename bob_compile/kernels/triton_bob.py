@@ -114,7 +114,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, False, MASK_SOURCE)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends,
+                                 MASK_KIND, False, MASK_SOURCE)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p_v = p         # where P meets gdv: dropped
@@ -342,7 +343,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
-            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, True, MASK_SOURCE)
+            s2t = apply_mask_tile(s2t, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends,
+                                  MASK_KIND, True, MASK_SOURCE)
         pt = tl.math.exp2(s2t - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:     # Z wherever P or its cotangents meet V, gdv or dO (dropout.py)

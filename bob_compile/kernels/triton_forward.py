@@ -50,7 +50,8 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
-            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends, MASK_KIND, False, MASK_SOURCE)
+            s2 = apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sme, L, S, firsts, ends,
+                                 MASK_KIND, False, MASK_SOURCE)
         m_new = _max_keeping_nan(m_i, tl.reduce(s2, 1, _max_keeping_nan))
         # rows whose scores are all -inf so far keep a finite reference point (no inf - inf)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
