@@ -18,6 +18,7 @@ Differences found so far (docs/torch-behaviour.md lists them with the rest):
   Python up to 2.13, and in C (`_C._FunctionBase.apply`) on 2.14.
 """
 import functools
+import inspect
 
 import torch
 
@@ -95,6 +96,15 @@ def inductor_mode_options(mode):
         raise ValueError(f"flashbob: unknown mode={mode!r}; torch.compile modes on torch "
                          f"{torch.__version__} are {sorted(modes)}")
     return dict(list_mode_options(mode))
+
+
+def ignoring_shape_env(compile_function, ignore):
+    """The keyword that tells compile_fx / aot_module_simplified to trace static shapes
+    although the tracing context's fake mode has a shape environment ({} where not asked,
+    or where this torch's function has no such argument)."""
+    if not ignore or "ignore_shape_env" not in inspect.signature(compile_function).parameters:
+        return {}
+    return {"ignore_shape_env": True}
 
 
 def compile_with_inductor(gm, example_inputs, config_patches):

@@ -216,17 +216,19 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
     # fallback_random (both compilers: the decompositions depend on it): aten's random ops,
     # not inductor's seeds-and-offsets form, whose draws a replay could not be handed
     # (draws.py)
+    context, ignore_shape_env = _tracing_context(example_inputs, nested)
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
                                        donated_buffer=donate, enable_autograd_cache=False), \
             torch._inductor.config.patch(fallback_random=True), \
             torch.enable_grad(), \
             without_inductor_attention_fusion(), \
-            _tracing_context(example_inputs, nested):
+            context:
         if compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
             compile_fx(copy.deepcopy(gm), example_inputs,
                        inner_compile=capture(None, compile_fx_inner, reports_strides=True),
-                       config_patches={**dict(config_patches), "fallback_random": True})
+                       config_patches={**dict(config_patches), "fallback_random": True},
+                       **_compat.ignoring_shape_env(compile_fx, ignore_shape_env))
         else:
             from functorch.compile import min_cut_rematerialization_partition
             from torch._functorch.aot_autograd import aot_module_simplified
@@ -240,7 +242,9 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
                                   fw_compiler=capture("forward", nop, reports_strides=False),
                                   bw_compiler=capture("backward", nop, reports_strides=False),
                                   partition_fn=min_cut_rematerialization_partition,
-                                  decompositions=select_decomp_table())
+                                  decompositions=select_decomp_table(),
+                                  **_compat.ignoring_shape_env(aot_module_simplified,
+                                                               ignore_shape_env))
     if "backward" not in captured:
         raise NotSupported(f"AOTAutograd produced no backward for {what}")
     return _pair(captured, len(example_inputs), what, static_inputs)
@@ -352,14 +356,22 @@ def _clone_outputs(gm, indices):
 def _tracing_context(example_inputs, nested):
     """Dynamo's tracing context for the graph Dynamo handed us; a fresh one (on the same
     fake mode and shape environment) for graphs we derive from it, so that our compiles
-    never overwrite what AOTAutograd published for Dynamo's graph."""
+    never overwrite what AOTAutograd published for Dynamo's graph. Returns it and whether
+    AOTAutograd must ignore its shape environment (below)."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     current = TracingContext.try_get()
     if current is not None and not nested:
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(), False
     fake_mode = detect_fake_mode(example_inputs) or (current.fake_mode if current else None)
-    return tracing(TracingContext(fake_mode or FakeTensorMode()))
+    if fake_mode is not None:
+        return tracing(TracingContext(fake_mode)), False
+    # real inputs (the second order's VJP, compiled at its first call): a fake mode of our
+    # own. Its shape environment traces nothing symbolic (AOTAutograd told to ignore it: the
+    # shapes stay static); it is there because inductor's FX graph cache bypasses any graph
+    # compiled without one, and a new process would compile the VJP pair again
+    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), True
 
 
 def _pair(captured, num_inputs, what, static_inputs):

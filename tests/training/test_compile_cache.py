@@ -1,0 +1,57 @@
+"""Compiles a new process need not repeat: inductor's FX graph cache serves every graph of a
+second-order step, the VJP pair's too.
+
+The second order's VJP pair is compiled at the step's first create_graph backward, from real
+tensors. Without a shape environment in its tracing context, inductor bypassed its cache
+("No shape env"): a warm process still compiled that pair from scratch (GPT-2 small on an
+H200: 90 s to the first step with every cache on disk). A warm start must now hit the
+cache for every graph and give the same derivatives; a changed model must miss.
+A fresh Dynamo stands in for a new process: the FX graph cache has no in-memory layer, each
+lookup reads the cache directory, which the test owns.
+"""
+import pytest
+import torch
+
+from bob_compile.backend import flashbob
+from models import WIDTH, NanoGPTBlock
+from scenarios import hutchinson_hvp, max_error
+
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"), pytest.mark.slow]   # ~60 s of compiling
+OPTIONS = {"compiler": "inductor", "fallback": False}
+
+
+def cache_counts():
+    counts = torch._dynamo.utils.counters["inductor"]
+    return {k: counts[k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss",
+                                   "fxgraph_cache_bypass")}
+
+
+def compiled_hvp(model, x):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    hvp = hutchinson_hvp(torch.compile(model, backend=flashbob, options=OPTIONS), [x])
+    return hvp, cache_counts()
+
+
+def test_a_warm_start_hits_the_cache_for_every_order_and_is_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    torch.manual_seed(0)
+    model = NanoGPTBlock().double()
+    x = torch.randn(2, 12, WIDTH, dtype=torch.float64)
+    expected = hutchinson_hvp(model, [x])
+
+    cold, counts = compiled_hvp(model, x)
+    # the first-order pair and the VJP pair: two graphs each, none from the cache
+    assert counts == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 4,
+                      "fxgraph_cache_bypass": 0}, counts
+    warm, counts = compiled_hvp(model, x)
+    assert counts == {"fxgraph_cache_hit": 4, "fxgraph_cache_miss": 0,
+                      "fxgraph_cache_bypass": 0}, counts
+    assert max_error(cold, expected) <= 1e-10
+    assert max_error(warm, expected) <= 1e-10
+
+    # another model (a wider MLP) is another graph: it misses
+    other = NanoGPTBlock(dim=WIDTH * 2).double()
+    _, counts = compiled_hvp(other, torch.randn(2, 12, WIDTH * 2, dtype=torch.float64))
+    assert counts["fxgraph_cache_miss"] > 0 and counts["fxgraph_cache_bypass"] == 0, counts
