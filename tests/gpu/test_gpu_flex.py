@@ -20,6 +20,22 @@ def hvp(model, inputs):
     return torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
 
 
+def stock_inductor_refuses(model, x):
+    """PyTorch's reason, where stock torch.compile cannot compile the model's flex_attention
+    for a first-order step on this device (its Triton template finds no config: torch 2.11,
+    float32, a soft-capping score_mod); None where it can."""
+    try:
+        torch.compile(model, backend="inductor")(x).square().mean().backward()
+    except torch._inductor.exc.InductorError as e:
+        if "NoValidChoicesError" not in str(e):
+            raise
+        return str(e).splitlines()[0][:200]
+    finally:
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+    return None
+
+
 def relative_error(actual, expected):
     return max(((a.double() - e).norm() / e.norm()).item()
                for a, e in zip(actual, expected, strict=True))
@@ -30,6 +46,10 @@ def relative_error(actual, expected):
 @pytest.mark.parametrize("scenario", [hvp, maml_step], ids=lambda f: f.__name__)
 def test_flex_attention_every_order_on_cuda(name, scenario):
     model, batches = make(name, device="cuda", dtype=torch.float32, head_dim=16)
+    if not REPLACED[name]:      # PyTorch's kernel runs this site's first order
+        refused = stock_inductor_refuses(model, batches[0])
+        if refused:
+            pytest.skip(f"stock torch.compile cannot compile this flex_attention: {refused}")
     twin = reference(model).double()
     inputs = (tuple(batches[:1]), tuple(batches[1:])) if scenario is maml_step else batches[:1]
     twin_inputs = tuple(tuple(t.double() for t in i) for i in inputs) \
