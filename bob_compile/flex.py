@@ -109,8 +109,8 @@ class Blocks:
                    full_kv_indices, mask_mod, tuple(mask_mod_buffers), tuple(mask_mod_reads))
 
 
-# mask_mod evaluations per chunk of query rows: bounds the index-sized intermediates (int64
-# for a document-id lookup) that evaluating a chunk makes, 128 MiB each
+# mask_mod evaluations per chunk: bounds the index-sized intermediates (int64 for a
+# document-id lookup) that evaluating a chunk makes, 128 MiB each
 _EVALUATIONS_PER_CHUNK = 1 << 24
 
 
@@ -119,9 +119,10 @@ def visible_pairs(blocks, L, S, device, batch, heads):
     L, S) call, as FlexAttention applies it: every pair of its full blocks, the pairs of its
     partial blocks where the mask_mod says so, nothing elsewhere; the mask_mod evaluated at
     the call's batch entries and heads where it reads them (whatever the BlockMask's own
-    sizes), a chunk of query rows at a time (a few elementwise launches per chunk, the
-    index intermediates bounded; measured on an H100 against evaluating only the listed
-    blocks, which gathered and scattered per block: docs/measurements.md, "FlexAttention")."""
+    sizes). Run eagerly, the mask_mod is evaluated on the listed partial blocks only (a
+    sliding window's or packed documents' two or three per row of blocks: 1/40 of the
+    pairs at 16K), which costs one host synchronization to list them; inside a traced graph
+    or a CUDA graph capture, where none may be, over every pair a chunk of rows at a time."""
     # a block longer than the call (flex_attention's mask for calls without one: lengths
     # (1, 1), blocks of 2^30) covers it once
     q_block, kv_block = min(blocks.block_size[0], L), min(blocks.block_size[1], S)
@@ -139,6 +140,12 @@ def visible_pairs(blocks, L, S, device, batch, heads):
 
     def mask_mod(b, h, q_idx, kv_idx):
         return blocks.mask_mod(b, h, q_idx, kv_idx, *buffers)
+    evaluate = _by_block if _may_synchronize(partial) else _by_rows
+    return evaluate(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device)
+
+
+def _by_rows(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device):
+    """visible_pairs over every pair, a chunk of query rows at a time (no synchronization)."""
     visible = torch.empty(*sizes, L, S, dtype=torch.bool, device=device)
     rows = max(1, _EVALUATIONS_PER_CHUNK // (sizes[0] * sizes[1] * S))
     batch_index, head_index = (torch.arange(n, device=device) for n in sizes)
@@ -155,6 +162,44 @@ def visible_pairs(blocks, L, S, device, batch, heads):
             seen = seen | pairs(full)
         visible[:, :, first:last] = seen
     return visible
+
+
+def _by_block(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device):
+    """visible_pairs with the mask_mod evaluated on the listed partial blocks only (their
+    list read on the host), written into the (batch, head, query block, key block) tiles of
+    the padded mask, the full blocks' tiles set whole."""
+    q_blocks, kv_blocks = partial.shape[-2:]
+    visible = torch.zeros(*sizes, q_blocks * q_block, kv_blocks * kv_block, dtype=torch.bool,
+                          device=device)
+    tiles = visible.view(*sizes, q_blocks, q_block, kv_blocks, kv_block).permute(
+        0, 1, 2, 4, 3, 5)                       # (B, H, q blocks, key blocks, rows, keys)
+    if full is not None:
+        tiles.copy_(full.expand(*sizes, -1, -1)[..., None, None].expand(tiles.shape))
+    listed = partial.expand(*sizes, -1, -1).nonzero()          # (P, 4): the synchronization
+    in_rows = torch.arange(q_block, device=device)
+    in_keys = torch.arange(kv_block, device=device)
+    evaluate = mask_mod
+    for in_dims in ((None, None, None, 0), (None, None, 0, None), (0, 0, 0, 0)):
+        evaluate = torch.vmap(evaluate, in_dims=in_dims)   # keys, rows, then blocks
+    per_chunk = max(1, _EVALUATIONS_PER_CHUNK // (q_block * kv_block))
+    for chunk in listed.split(per_chunk):
+        b, h, row_block, key_block = chunk.unbind(1)
+        rows = (row_block[:, None] * q_block + in_rows).clamp_max(L - 1)
+        keys = (key_block[:, None] * kv_block + in_keys).clamp_max(S - 1)
+        # rows past L and keys past S (the padding) are cut off below
+        tiles[b, h, row_block, key_block] = evaluate(b, h, rows, keys).to(torch.bool)
+    return visible[..., :L, :S]
+
+
+def _may_synchronize(tensor):
+    """Whether reading `tensor` on the host is allowed here: a plain tensor, outside any
+    tracing (Dynamo, make_fx / AOTAutograd's fake and functional tensors, dispatch modes)
+    and outside a CUDA graph capture."""
+    if torch.compiler.is_compiling() or type(tensor) is not torch.Tensor:
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _listed(num_blocks, indices, kv_blocks, device):

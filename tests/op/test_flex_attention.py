@@ -269,3 +269,61 @@ def test_which_score_mods_are_additive(score_mod, additive):
     (exact), never mistaken for a bias."""
     from bob_compile.flex import AdditiveScoreMod, score_mod_form
     assert isinstance(score_mod_form(score_mod, torch.float64), AdditiveScoreMod) == additive
+
+
+def per_head_window(b, h, q_idx, kv_idx):       # a window per head (3, 6, 9 keys)
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 3 * (h + 1))
+
+
+class _no_synchronization:
+    """Makes visible_pairs take the route of traced graphs (flex._may_synchronize False)."""
+
+    def __enter__(self):
+        from bob_compile import flex
+        self._saved = flex._may_synchronize
+        flex._may_synchronize = lambda tensor: False
+
+    def __exit__(self, *exc):
+        from bob_compile import flex
+        flex._may_synchronize = self._saved
+
+
+@pytest.mark.parametrize("mask_mod,L,S,sizes", [
+    (sliding_window, 45, 45, (None, None)), (prefix_lm, 37, 29, (None, None)),
+    (per_head_window, 50, 50, (None, H)), (causal, 16, 16, (None, None))],
+    ids=["sliding window", "prefix-LM, L > S", "a window per head", "one block"])
+def test_both_ways_of_materializing_a_block_mask_give_its_pairs(mask_mod, L, S, sizes):
+    """Eagerly the mask_mod is evaluated on the listed partial blocks only (their list read
+    on the host); where no synchronization may happen (traced graphs, CUDA graph capture)
+    over every pair, a chunk of rows at a time. Both must give the BlockMask's pairs: its
+    mask_mod inside its listed blocks, nothing outside (odd lengths, L != S, heads)."""
+    from bob_compile import flex
+    block_mask = create_block_mask(mask_mod, *sizes, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    blocks = flex.Blocks.of(block_mask)
+    q_idx, kv_idx = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    heads = torch.arange(H).view(1, -1, 1, 1)
+    want = mask_mod(0, heads, q_idx, kv_idx).expand(1, H, L, S)
+    by_block = flex.visible_pairs(blocks, L, S, "cpu", B, H)
+    assert torch.equal(by_block.expand(1, H, L, S), want)
+    with _no_synchronization():
+        by_rows = flex.visible_pairs(blocks, L, S, "cpu", B, H)
+    assert torch.equal(by_rows, by_block)
+
+
+def test_a_traced_call_materializes_without_reading_the_block_lists():
+    """Inside make_fx (as AOTAutograd traces a compiled model's flex_call) the lists are fake
+    or functional tensors: the mask is evaluated over every pair, no nonzero in the graph."""
+    from bob_compile import flex
+    L = 40
+    block_mask = create_block_mask(prefix_lm, None, None, L, L, device="cpu",
+                                   BLOCK_SIZE=BLOCK)
+    blocks = flex.Blocks.of(block_mask)
+    lists = (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
+             blocks.full_kv_indices)
+    graph = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda *lists: flex.visible_pairs(
+            flex.Blocks((L, L), (BLOCK, BLOCK), *lists, prefix_lm, (), (False, False)),
+            L, L, "cpu", 1, 1))(*lists)
+    assert not any("nonzero" in str(n.target) for n in graph.graph.nodes)
+    assert torch.equal(graph(*lists), flex.visible_pairs(blocks, L, L, "cpu", 1, 1))
+    assert torch.equal(graph(*lists)[0, 0], dense(prefix_lm, L, L))
