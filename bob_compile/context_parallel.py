@@ -1,0 +1,170 @@
+"""Context parallelism with exact derivatives of every order: attention over a sequence
+that is sharded across ranks.
+
+Each rank holds a contiguous shard of the sequence (rank i the positions
+[i n, (i + 1) n), n = N / ranks) of every head. `attention` exchanges heads for positions
+with one all-to-all per input: each rank then holds the whole sequence of H / ranks of the
+heads, runs the op on them (fused kernels, every order), and a last all-to-all hands each
+rank its own positions of every head back. Every tensor a rank holds is 1 / ranks of the
+whole (O(N / ranks) per head), and the causal work is balanced without reordering the
+sequence: every rank computes every position of its heads.
+
+The exchanges are linear permutations across ranks, and each one's derivative is the
+other: both are autograd Functions whose backward is the other Function applied, itself
+differentiable. So reverse-mode autograd differentiates through them to any order, as
+through the op: first order, Hessian-vector products, MAML's outer gradient (forward-mode
+AD is not defined for them). Every rank must run the same derivatives in the same order
+(they are collectives, as DDP's are).
+
+A loss spread over ranks is the sum of each rank's loss on its positions; each rank's
+`torch.autograd.grad` gives its share of a derivative, `sum_over_ranks` the whole (it is
+differentiable: a MAML inner step's summed gradient can be differentiated again).
+
+In a model compiled with `torch.compile(..., backend="flashbob")` these calls run between
+the compiled graphs (a graph break each), the op inside them fused as in eager code.
+
+Limits (checked): the number of ranks must divide the query heads and the key/value heads
+(repeat the key/value heads for fewer); every rank holds the same shard length. A mask is
+given for the whole sequence, the same on every rank (key padding (B, 1, 1, N), or
+(B, H or 1, N, N)). With dropout, each rank draws the keep mask of its own heads, so the
+draws differ from a single process's.
+"""
+import torch
+import torch.distributed as dist
+
+from .attention import attention as _attention
+
+
+def _world(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("bob_compile.context_parallel: torch.distributed is not initialized;"
+                           " call torch.distributed.init_process_group first (or launch with "
+                           "torchrun)")
+    return dist.get_world_size(group)
+
+
+def _all_to_all(chunks, group):
+    """chunks: (ranks, ...) contiguous; chunk j goes to rank j; returns (ranks, ...) where
+    entry i came from rank i."""
+    received = torch.empty_like(chunks)
+    dist.all_to_all_single(received, chunks, group=group)
+    return received
+
+
+def _sequence_to_heads(x, group):
+    """(B, H, n, d) this rank's positions of every head -> (B, H / ranks, N, d) every
+    position of this rank's heads."""
+    ranks = _world(group)
+    B, H, n, d = x.shape
+    chunks = x.reshape(B, ranks, H // ranks, n, d).permute(1, 0, 2, 3, 4).contiguous()
+    received = _all_to_all(chunks, group)            # entry i: rank i's positions
+    return received.permute(1, 2, 0, 3, 4).reshape(B, H // ranks, ranks * n, d)
+
+
+def _heads_to_sequence(x, group):
+    """The inverse: (B, H / ranks, N, d) -> (B, H, n, d)."""
+    ranks = _world(group)
+    B, h, N, d = x.shape
+    chunks = x.reshape(B, h, ranks, N // ranks, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = _all_to_all(chunks, group)            # entry i: rank i's heads
+    return received.permute(1, 0, 2, 3, 4).reshape(B, ranks * h, N // ranks, d)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _HeadsToSequence.apply(grad, ctx.group), None
+
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SequenceToHeads.apply(grad, ctx.group), None
+
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """y = the sum of x over the ranks (on every rank); self-adjoint: the derivative sums
+    the ranks' cotangents."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.detach().clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverRanks.apply(grad, ctx.group), None
+
+
+
+@torch.compiler.disable     # collectives inside autograd Functions: run between graphs
+def sum_over_ranks(tensors, group=None):
+    """Each tensor summed over the ranks of `group`, differentiably (None entries stay
+    None): the whole of a derivative whose shares the ranks computed."""
+    _world(group)
+    return [None if t is None else _SumOverRanks.apply(t, group) for t in tensors]
+
+
+@torch.compiler.disable     # between compiled graphs (the op inside still runs fused)
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              group=None):
+    """`bob_compile.attention` over a sequence sharded across the ranks of `group`.
+
+    Args:
+        query: (B, Hq, n, E), this rank's n positions (rank i: [i n, (i + 1) n) of the
+            sequence); key: (B, Hkv, n, E); value: (B, Hkv, n, Ev), the same positions.
+        attn_mask: None, or a mask for the whole sequence as `bob_compile.attention` takes
+            it, broadcastable to (B, Hq, N, N), the same on every rank.
+        dropout_p, is_causal, scale: as `bob_compile.attention` (is_causal over the whole
+            sequence).
+
+    Returns (B, Hq, n, Ev): this rank's positions of the attention over the whole sequence,
+    differentiable to any order (collectives: every rank must differentiate alike).
+    """
+    ranks = _world(group)
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError("bob_compile.context_parallel.attention takes (B, H, n, E) shards")
+    Hq, Hkv = query.shape[1], key.shape[1]
+    if Hq % ranks or Hkv % ranks:
+        raise ValueError(f"bob_compile.context_parallel.attention: {ranks} ranks must divide "
+                         f"the query heads ({Hq}) and the key/value heads ({Hkv}); repeat "
+                         f"the key/value heads (as enable_gqa does) or use fewer ranks")
+    if not query.shape[2] == key.shape[2] == value.shape[2]:
+        raise ValueError("bob_compile.context_parallel.attention: query, key and value must "
+                         "hold the same positions of the sequence")
+    q, k, v = (_SequenceToHeads.apply(t, group) for t in (query, key, value))
+    mask = attn_mask
+    if mask is not None:
+        mask = _heads_of_this_rank(mask, Hq, ranks, group)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    out = _attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                     scale=scale, enable_gqa=Hq != Hkv)
+    return _HeadsToSequence.apply(out, group)
+
+
+def _heads_of_this_rank(mask, heads, ranks, group):
+    """The whole sequence's mask, cut to this rank's heads where it has a head dim."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[1] == 1:
+        return mask
+    if mask.shape[1] != heads:
+        raise ValueError(f"bob_compile.context_parallel.attention: a mask's head dim must be 1"
+                         f" or {heads}, got {mask.shape[1]}")
+    per_rank = heads // ranks
+    rank = dist.get_rank(group)
+    return mask[:, rank * per_rank:(rank + 1) * per_rank]

@@ -1,0 +1,112 @@
+"""The ranks of test_context_parallel.py: `python context_parallel_worker.py OUT PORT WORLD`
+spawns WORLD gloo ranks; each runs an attention layer on its shard of the sequence through
+bob_compile.context_parallel (float64, CPU) and saves what it computed to OUT/rank<r>.pt:
+its positions of the output, and its shares of the gradient, the Hessian-vector product
+and the MAML meta-gradient, for each case (causal or not, with key padding or not)."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.func import functional_call
+
+B, N, WIDTH, HEADS, KV_HEADS = 2, 24, 16, 4, 4
+CASES = {"causal": dict(is_causal=True), "not causal": dict(is_causal=False),
+         "key padding, causal": dict(is_causal=True, padding=True),
+         "grouped key/value heads": dict(is_causal=True, kv_heads=2),
+         "compiled with flashbob": dict(is_causal=True, compiled=True)}
+
+
+class Layer(torch.nn.Module):
+    """Projections, attention over the sequence (`attend`), an output projection."""
+
+    def __init__(self, kv_heads):
+        super().__init__()
+        self.kv_heads = kv_heads
+        head_dim = WIDTH // HEADS
+        self.q = torch.nn.Linear(WIDTH, WIDTH)
+        self.kv = torch.nn.Linear(WIDTH, 2 * kv_heads * head_dim)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, attend):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, HEADS, -1).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, -1).permute(2, 0, 3, 1, 4)
+        y = attend(q, k, v).transpose(1, 2).reshape(b, n, WIDTH)
+        return self.out(torch.tanh(y))
+
+
+def make(case):
+    torch.manual_seed(0)
+    model = Layer(CASES[case].get("kv_heads", KV_HEADS)).double()
+    g = torch.Generator().manual_seed(1)
+    support = torch.randn(B, N, WIDTH, dtype=torch.float64, generator=g)
+    query = torch.randn(B, N, WIDTH, dtype=torch.float64, generator=g)
+    mask = None
+    if CASES[case].get("padding"):
+        lengths = torch.tensor([N, N - 7])
+        mask = (torch.arange(N)[None, :] < lengths[:, None])[:, None, None, :]
+    vectors = [torch.randn(p.shape, dtype=torch.float64, generator=g)
+               for p in model.parameters()]
+    return model, support, query, mask, vectors
+
+
+def loss_of(y):
+    """A mean over the whole sequence's outputs: a rank's share is its positions' sum over
+    the same count, so that the shares add up to the one-process loss."""
+    return (y ** 2).sum() / (B * N * WIDTH)
+
+
+def derivatives(model, support, query, attend, total, inner_lr=0.1):
+    """The output on `support`, and the gradient, Hessian-vector product (vectors `total`'s
+    third entry) and MAML meta-gradient of the loss; `total` sums a derivative's shares
+    (over ranks, or the identity in one process)."""
+    sum_shares, vectors = total
+    params = dict(model.named_parameters())
+    names = list(params)
+    out = model(support, attend)
+    grads = torch.autograd.grad(loss_of(out), list(params.values()), create_graph=True)
+    hvp = torch.autograd.grad(grads, list(params.values()), vectors, retain_graph=True)
+    inner = sum_shares(list(grads))
+    fast = {n: params[n] - inner_lr * g for n, g in zip(names, inner)}
+    meta = torch.autograd.grad(loss_of(functional_call(model, fast, (query, attend))),
+                               list(params.values()))
+    return dict(out=out.detach(), grad=[g.detach() for g in grads], hvp=list(hvp),
+                meta=list(meta))
+
+
+def rank_main(rank, world, out_dir, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    import bob_compile  # noqa: F401  (registers the flashbob backend)
+    from bob_compile import context_parallel
+    results = {}
+    n = N // world
+    for case in CASES:
+        model, support, query, mask, vectors = make(case)
+        causal = CASES[case]["is_causal"]
+        if model.kv_heads % world:      # refused: the ranks must divide the heads
+            try:
+                context_parallel.attention(*(torch.zeros(B, h, n, 4, dtype=torch.float64)
+                                             for h in (HEADS, model.kv_heads, model.kv_heads)))
+            except ValueError as e:
+                results[case] = dict(refused=str(e))
+            continue
+
+        def attend(q, k, v):
+            return context_parallel.attention(q, k, v, attn_mask=mask, is_causal=causal)
+        shard = slice(rank * n, (rank + 1) * n)
+        if CASES[case].get("compiled"):
+            torch._dynamo.reset()
+            model = torch.compile(model, backend="flashbob")
+        results[case] = derivatives(model, support[:, shard], query[:, shard], attend,
+                                    (context_parallel.sum_over_ranks, vectors))
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out_dir, port, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    mp.spawn(rank_main, args=(world, out_dir, port), nprocs=world)

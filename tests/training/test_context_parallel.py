@@ -1,0 +1,86 @@
+"""Context parallelism (bob_compile/context_parallel.py): an attention layer over a
+sequence sharded across 2 and 4 gloo ranks (CPU, float64) against one process on the whole
+sequence with SDPA's math attention: each rank's positions of the output, and the sums
+over ranks of each rank's share of the gradient, the Hessian-vector product and the MAML
+meta-gradient (<= 1e-9); causal and not, key padding, grouped key/value heads; fewer
+key/value heads than ranks refused."""
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import context_parallel_worker as worker
+
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available"),
+              pytest.mark.spawns]
+TOL = 1e-9
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world):
+    out = pathlib.Path(tempfile.mkdtemp(prefix="bob_compile_context_parallel_"))
+    try:
+        done = subprocess.run([sys.executable, worker.__file__, str(out), str(free_port()),
+                               str(world)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+        return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def one_process(case):
+    model, support, query, mask, vectors = worker.make(case)
+    causal = worker.CASES[case]["is_causal"]
+    visible = torch.ones(1, 1, worker.N, worker.N, dtype=torch.bool)
+    if causal:
+        visible = visible & torch.ones(worker.N, worker.N, dtype=torch.bool).tril()
+    if mask is not None:
+        visible = visible & mask
+
+    def attend(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+    return worker.derivatives(model, support, query, attend, (lambda ts: ts, vectors))
+
+
+def check(world, ranks):
+    n = worker.N // world
+    for case in worker.CASES:
+        kv_heads = worker.CASES[case].get("kv_heads", worker.KV_HEADS)
+        if kv_heads % world:
+            assert all("must divide" in r[case]["refused"] for r in ranks), case
+            continue
+        expected = one_process(case)
+        for r in range(world):
+            torch.testing.assert_close(ranks[r][case]["out"],
+                                       expected["out"][:, r * n:(r + 1) * n], rtol=0, atol=TOL)
+        for what in ("grad", "hvp", "meta"):
+            summed = [sum(parts) for parts in zip(*(r[case][what] for r in ranks))]
+            error = max((a - e).abs().max().item() for a, e in zip(summed, expected[what]))
+            assert error <= TOL, (case, what, error)
+
+
+def test_two_ranks():
+    check(2, run_ranks(2))
+
+
+@pytest.mark.slow       # four ranks on two cores: ~40 s
+def test_four_ranks():
+    check(4, run_ranks(4))
