@@ -1,13 +1,16 @@
 """The mask summary (bob_compile/kernels/triton_masks.py): per (batch, head) the key range a mask lets
 any query see, and whether the mask is exactly that range (key padding), or that range with
-a top-left causal mask folded in (how Hugging Face builds its 4-D masks), so that the Triton
-kernels apply it from indices and never read it. Anything else must be read: a summary
+a top-left causal mask folded in (how Hugging Face builds its 4-D masks), or one interval of
+keys per row and of queries per key (KEY_INTERVALS: sliding windows, packed documents,
+prefix-LM), so that the Triton kernels apply it from indices and never read it. Anything else must be read: a summary
 that calls a mask structured when it is not would silently change the result.
 
 Here the PyTorch form (summarize_with_torch); test_triton_interpret.py checks that the
 Triton kernels compute the same summary."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from bob_compile.kernels.triton_masks import (KEY_INTERVALS, KEYS_IN_RANGE,  # noqa: E402
@@ -280,3 +283,50 @@ def test_per_row_and_per_key_ranges():
     rows, keys = ranges(padding([7, 4, 0]))
     assert rows[1] == [[0, 4]] * L and keys[1] == [[0, L]] * 4 + [[L, 0]] * 3
     assert rows[2] == [[S, 0]] * L and keys[2] == [[L, 0]] * S
+
+
+def applied_from_the_summary(out, L, S):
+    """The mask the kernels apply where the summary says it applies from indices: each
+    row's keys from the per-row ranges, and (key-block-major passes) each key's queries
+    from the per-key ranges; both must be the mask itself."""
+    rows = out[3:3 + 2 * L].view(L, 2)
+    columns = out[3 + 2 * L:].view(S, 2)
+    keys, queries = torch.arange(S)[None, :], torch.arange(L)[:, None]
+    by_rows = (keys >= rows[:, :1]) & (keys < rows[:, 1:])
+    by_columns = (queries >= columns[:, 0]) & (queries < columns[:, 1])
+    return by_rows, by_columns
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_mask_applied_from_indices_is_the_mask(data):
+    """Random masks near the structured ones (intervals per row with random ends, then a
+    few pairs flipped): wherever the summary says KEYS_IN_RANGE[_CAUSAL] or KEY_INTERVALS,
+    the mask rebuilt from its per-row ranges and from its per-key ranges is the mask
+    (an additive one adds nothing to a visible score); elsewhere it is read."""
+    L = data.draw(st.integers(1, 12))
+    S = data.draw(st.integers(1, 12))
+    firsts = torch.tensor(data.draw(st.lists(st.integers(0, S), min_size=L, max_size=L)))
+    widths = torch.tensor(data.draw(st.lists(st.integers(0, S), min_size=L, max_size=L)))
+    if data.draw(st.booleans()):            # monotone ends: columns are intervals too
+        firsts, widths = firsts.sort().values, widths.sort().values
+    keys = torch.arange(S)[None, :]
+    visible = (keys >= firsts[:, None]) & (keys < (firsts + widths)[:, None])
+    for _ in range(data.draw(st.integers(0, 2))):
+        i, j = data.draw(st.integers(0, L - 1)), data.draw(st.integers(0, S - 1))
+        visible[i, j] = ~visible[i, j]
+    additive = data.draw(st.booleans())
+    mask = visible
+    if additive:
+        mask = torch.zeros(L, S).masked_fill(~visible, float("-inf"))
+        if data.draw(st.booleans()) and visible.any():
+            i, j = visible.nonzero()[0].tolist()
+            mask[i, j] = 0.5                # a bias on a visible pair: must be read
+    out = summarize_with_torch(mask[None, None])[0, 0, 0]
+    structure = out[2].item()
+    if structure in (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, KEY_INTERVALS):
+        by_rows, by_columns = applied_from_the_summary(out, L, S)
+        assert torch.equal(by_rows, visible) and torch.equal(by_columns, visible)
+        assert not additive or bool((mask[visible] == 0).all())
+    else:
+        assert structure in (READ_THE_MASK, READ_THE_MASK_CAUSAL)
