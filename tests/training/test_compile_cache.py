@@ -35,7 +35,13 @@ def compiled_hvp(model, x):
 
 def test_a_warm_start_hits_the_cache_for_every_order_and_is_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    # the config module's own patch (monkeypatch's undo would hide the setting from every
+    # later test of this process)
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        check_warm_start()
+
+
+def check_warm_start():
     torch.manual_seed(0)
     model = NanoGPTBlock().double()
     x = torch.randn(2, 12, WIDTH, dtype=torch.float64)
