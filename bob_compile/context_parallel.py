@@ -81,7 +81,6 @@ class _SequenceToHeads(torch.autograd.Function):
         return _HeadsToSequence.apply(grad, ctx.group), None
 
 
-
 class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -91,7 +90,6 @@ class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _SequenceToHeads.apply(grad, ctx.group), None
-
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -107,7 +105,6 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _SumOverRanks.apply(grad, ctx.group), None
-
 
 
 @torch.compiler.disable     # collectives inside autograd Functions: run between graphs

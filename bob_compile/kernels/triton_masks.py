@@ -197,6 +197,17 @@ strides_of(_row_stats_kernel, MASK="sm")
 # Pass 2: per (batch, head), the key range and whether every row is exactly it
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _not_intervals(stats, offs, n):
+    """How many of the rows (or columns) offs of a statistics list of n see more than one
+    interval: fewer visible entries than from their first to their last."""
+    inside = offs < n
+    count = tl.load(stats + offs * 5, mask=inside, other=0)
+    first = tl.load(stats + offs * 5 + 1, mask=inside, other=0)
+    end = tl.load(stats + offs * 5 + 2, mask=inside, other=0)
+    return tl.sum((inside & (count != tl.maximum(end - first, 0))).to(tl.int32), 0)
+
+
+@triton.jit
 def _summary_kernel(STATS, COLUMN_STATS, SUMMARY, L, S, QUERIES, BLOCK_L: tl.constexpr,
                     ROWS_ARE_QUERIES: tl.constexpr, ADDITIVE: tl.constexpr):
     pid_bh = tl.program_id(0)
@@ -229,21 +240,12 @@ def _summary_kernel(STATS, COLUMN_STATS, SUMMARY, L, S, QUERIES, BLOCK_L: tl.con
         off_causal = (count != in_causal_range) | (below != count)
         not_causal += tl.sum((rows & off_causal).to(tl.int32), 0)
         not_below += tl.sum((rows & (below != count)).to(tl.int32), 0)
-        row_first = tl.load(stats + offs_l * 5 + 1, mask=rows, other=0)
-        row_end = tl.load(stats + offs_l * 5 + 2, mask=rows, other=0)
-        not_intervals += tl.sum((rows & (count != tl.maximum(row_end - row_first, 0)))
-                                .to(tl.int32), 0)
+        not_intervals += _not_intervals(stats, offs_l, L)
         adds += tl.sum((rows & (zeros != count)).to(tl.int32), 0)
     columns = COLUMN_STATS + pid_bh.to(tl.int64) * S * 5
     if ROWS_ARE_QUERIES:    # and each key's queries an interval too
         for s0 in range(0, S, BLOCK_L):
-            offs_s = s0 + tl.arange(0, BLOCK_L)
-            keys = offs_s < S
-            seen = tl.load(columns + offs_s * 5, mask=keys, other=0)
-            seen_first = tl.load(columns + offs_s * 5 + 1, mask=keys, other=0)
-            seen_end = tl.load(columns + offs_s * 5 + 2, mask=keys, other=0)
-            not_intervals += tl.sum((keys & (seen != tl.maximum(seen_end - seen_first, 0)))
-                                    .to(tl.int32), 0)
+            not_intervals += _not_intervals(columns, s0 + tl.arange(0, BLOCK_L), S)
     structure = tl.where(not_range == 0, 1, 0)
     if ROWS_ARE_QUERIES:
         structure = tl.where((structure == 0) & (not_causal == 0), 2, structure)
