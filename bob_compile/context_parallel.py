@@ -10,11 +10,12 @@ whole (O(N / ranks) per head), and the causal work is balanced without reorderin
 sequence: every rank computes every position of its heads.
 
 The exchanges are linear permutations across ranks, and each one's derivative is the
-other: both are autograd Functions whose backward is the other Function applied, itself
-differentiable. So reverse-mode autograd differentiates through them to any order, as
-through the op: first order, Hessian-vector products, MAML's outer gradient (forward-mode
-AD is not defined for them). Every rank must run the same derivatives in the same order
-(they are collectives, as DDP's are).
+other: both are autograd Functions whose backward is the other Function applied (and
+whose forward-mode tangent is the same exchange of the tangent), each differentiable
+again. So autograd differentiates through them to any order, as through the op: first
+order, Hessian-vector products (reverse over reverse, or forward over reverse with
+torch.autograd.forward_ad), MAML's outer gradient. Every rank must run the same
+derivatives in the same order (they are collectives, as DDP's are).
 
 A loss spread over ranks is the sum of each rank's loss on its positions; each rank's
 `torch.autograd.grad` gives its share of a derivative, `sum_over_ranks` the whole (it is
@@ -80,6 +81,10 @@ class _SequenceToHeads(torch.autograd.Function):
     def backward(ctx, grad):
         return _HeadsToSequence.apply(grad, ctx.group), None
 
+    @staticmethod
+    def jvp(ctx, tangent, _):
+        return _SequenceToHeads.apply(tangent, ctx.group)
+
 
 class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
@@ -90,6 +95,10 @@ class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _SequenceToHeads.apply(grad, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx, tangent, _):
+        return _HeadsToSequence.apply(tangent, ctx.group)
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -105,6 +114,10 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _SumOverRanks.apply(grad, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx, tangent, _):
+        return _SumOverRanks.apply(tangent, ctx.group)
 
 
 @torch.compiler.disable     # collectives inside autograd Functions: run between graphs

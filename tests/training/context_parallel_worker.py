@@ -72,8 +72,25 @@ def derivatives(model, support, query, attend, total, inner_lr=0.1):
     fast = {n: params[n] - inner_lr * g for n, g in zip(names, inner)}
     meta = torch.autograd.grad(loss_of(functional_call(model, fast, (query, attend))),
                                list(params.values()))
-    return dict(out=out.detach(), grad=[g.detach() for g in grads], hvp=list(hvp),
-                meta=list(meta))
+    results = dict(out=out.detach(), grad=[g.detach() for g in grads], hvp=list(hvp),
+                   meta=list(meta))
+    if not isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        # (a compiled graph's autograd Function has no forward-mode rule: torch.func.jvp
+        # is how forward over reverse runs compiled)
+        results["forward_over_reverse"] = forward_over_reverse(model, support, attend, vectors)
+    return results
+
+
+def forward_over_reverse(model, support, attend, vectors):
+    """The Hessian-vector product again, as the tangent of the gradient (forward-mode AD
+    over the backward)."""
+    import torch.autograd.forward_ad as fwAD
+    params = dict(model.named_parameters())
+    with fwAD.dual_level():
+        duals = {n: fwAD.make_dual(p, z) for (n, p), z in zip(params.items(), vectors)}
+        grads = torch.autograd.grad(loss_of(functional_call(model, duals, (support, attend))),
+                                    list(duals.values()), create_graph=True)
+        return [fwAD.unpack_dual(g).tangent.detach() for g in grads]
 
 
 def rank_main(rank, world, out_dir, port):
