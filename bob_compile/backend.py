@@ -23,8 +23,11 @@ For each graph Dynamo captures:
      attention as PyTorch's fused SDPA where that is the same function
      (bob_compile/passes/inference.py) unless kernel options ask for ours.
 3. report and dump (dump.py), the compiled graphs of every order included.
-A failure inside the backend warns and runs the untouched graph: never a crash, never a
-wrong result (options["fallback"]=False raises instead).
+A failure of the compiler on a training graph warns and runs the rewritten graph eagerly
+(exact at every order); a failure of the passes warns and runs the untouched graph, its
+SDPA and FlexAttention calls as math where gradients are on (PyTorch's fused kernels have
+no second order, FlexAttention's silently none). Never a crash, never a wrong result
+(options["fallback"]=False raises instead).
 """
 import collections
 import copy
@@ -106,10 +109,10 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
         log.info("flashbob could not compile graph %s", report.compile_id, exc_info=True)
         warnings.warn(f"flashbob could not compile graph {report.compile_id} "
                       f"({_first_line(report.error)}); "
-                      f"running it untouched, as backend='eager' would. Pass "
-                      f"options={{'fallback': False}} to raise instead, and please report it.",
-                      stacklevel=2)
-        compiled, after = untouched.forward, before
+                      f"running it untouched, as backend='eager' would, its attention as "
+                      f"math where gradients are on. Pass options={{'fallback': False}} to "
+                      f"raise instead, and please report it.", stacklevel=2)
+        compiled, after = _untouched_but_exact(untouched, report), before
     if report.route in ("untouched", "eager"):      # no AOTAutograd at run time
         _forget_aot_autograd_calls(aot_calls)
     count("graphs")
@@ -120,6 +123,24 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
     except OSError as e:
         warnings.warn(f"flashbob could not write its dump to {opts.dump_dir!r}: {e}", stacklevel=2)
     return compiled
+
+
+def _untouched_but_exact(untouched, report):
+    """The graph as Dynamo gave it, for a fallback: where gradients are on (it may be
+    differentiated twice), its SDPA and FlexAttention calls as PyTorch's math, whose
+    derivatives of every order exist (PyTorch's fused SDPA kernels refuse a double
+    backward; FlexAttention's backward is not differentiated again, silently)."""
+    if not torch.is_grad_enabled():
+        return untouched.forward
+    try:
+        as_math = fx.GraphModule(untouched, copy.deepcopy(untouched.graph))
+        if sdpa_calls_as_math(as_math, report):
+            report.route_reason += "; its attention runs as math (every order exact)"
+            return as_math.forward
+    except Exception:       # the untouched graph, then, as backend='eager' runs it
+        log.info("flashbob could not turn graph %s's attention into math", report.compile_id,
+                 exc_info=True)
+    return untouched.forward
 
 
 def _aot_autograd_calls():
@@ -194,6 +215,24 @@ def _compile(report, gm, example_inputs, opts):
         except training.NotSupported as e:
             report.route, report.route_reason = "eager", (
                 f"{e}; running the rewritten graph eagerly keeps every order exact")
+            route = "eager"
+        except Exception as e:
+            # the compiler failed (inductor cannot lower PyTorch's FlexAttention in float64
+            # on the CPU, say): the untouched graph would run such sites with PyTorch's
+            # kernels, whose second order is missing (FlexAttention's silently: its
+            # backward is not differentiated again); the rewritten graph, run eagerly, is
+            # exact at every order
+            if not opts.fallback or isinstance(e, torch._dynamo.exc.RestartAnalysis):
+                raise
+            reason = f"{type(e).__name__}: {_first_line(str(e))}"
+            log.info("flashbob could not compile graph %s", report.compile_id, exc_info=True)
+            warnings.warn(f"flashbob could not compile graph {report.compile_id} with "
+                          f"{opts.compiler} ({reason}); running its rewritten graph eagerly "
+                          f"(exact at every order). Pass options={{'fallback': False}} to "
+                          f"raise instead.", stacklevel=3)
+            report.route, report.route_reason = "eager", (
+                f"{opts.compiler} failed ({reason}); running the rewritten graph eagerly "
+                f"keeps every order exact")
             route = "eager"
     if route == "eager":
         sdpa_calls_as_math(gm, report)

@@ -198,3 +198,40 @@ def test_a_call_without_a_block_mask_materializes_no_mask():
     hutchinson_hvp(torch.compile(model, backend=flashbob, options=OPTIONS), batches[:1])
     site, = [s for r in recent_reports for s in r.sites]
     assert site.replaced and site.mask == "score_mod's additive bias (materialized per call)"
+
+
+# ---------------------------------------------------------------------------- fallbacks
+SOFT_CAPPED = "soft-capping 30 + sliding window"
+
+
+def test_a_compiler_failure_runs_the_rewritten_graph_eagerly_and_exactly():
+    """Inductor cannot lower PyTorch's FlexAttention in float64 on the CPU (the soft-capped
+    site keeps PyTorch's op for its first order). Running the untouched graph would give a
+    silently wrong Hessian-vector product: PyTorch's FlexAttention backward is not
+    differentiated again. The rewritten graph runs eagerly instead: exact, with a warning."""
+    model, batches = make(SOFT_CAPPED)
+    expected = hutchinson_hvp(reference(model), batches[:1])
+    with pytest.warns(UserWarning, match="with inductor .*running its rewritten graph eagerly"):
+        actual = hutchinson_hvp(torch.compile(model, backend=flashbob), batches[:1])
+    assert max_error(actual, expected) <= TOLERANCE
+    assert recent_reports[-1].route == "eager"
+    assert "inductor failed" in recent_reports[-1].route_reason
+
+
+def test_a_failure_of_the_passes_runs_the_untouched_graph_with_its_attention_as_math(
+        monkeypatch):
+    """Where the passes themselves fail, the untouched graph runs, its FlexAttention call as
+    math where gradients are on: PyTorch's own op would drop its second-order terms."""
+    from bob_compile import backend
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a pass failed")
+    monkeypatch.setattr(backend, "rewrite_attention", failing)
+    model, batches = make(SOFT_CAPPED)
+    expected = hutchinson_hvp(reference(model), batches[:1])
+    with pytest.warns(UserWarning, match="running it untouched"):
+        actual = hutchinson_hvp(torch.compile(model, backend=flashbob,
+                                              options={"compiler": "aot_eager"}), batches[:1])
+    assert max_error(actual, expected) <= TOLERANCE
+    assert recent_reports[-1].route == "untouched"
+    assert "its attention runs as math" in recent_reports[-1].route_reason
