@@ -233,6 +233,7 @@ def _compile(report, gm, example_inputs, opts):
             report.route, report.route_reason = "eager", (
                 f"{opts.compiler} failed ({reason}); running the rewritten graph eagerly "
                 f"keeps every order exact")
+            count("compiler_failed")
             route = "eager"
     if route == "eager":
         sdpa_calls_as_math(gm, report)

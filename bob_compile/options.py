@@ -41,8 +41,10 @@ OWN_OPTIONS = (
      "and generates no code (fast to compile, for debugging); `eager` runs every graph as "
      "rewritten"),
     ("fallback", "`True`, `False`", "`True`",
-     "if the backend fails on a graph, warn and run that graph untouched; `False` raises, "
-     "for debugging the backend itself"),
+     "if the backend fails on a graph, warn and run it anyway, exact at every order (the "
+     "rewritten graph eagerly where the compiler failed; else the graph untouched, its "
+     "attention as math where gradients are on); `False` raises, for debugging the backend "
+     "itself"),
 )
 VALID_KEYS = tuple(key for key, *_ in OWN_OPTIONS) + tuple(
     switch.option for switch in kernel_settings.SWITCHES if switch.option)
