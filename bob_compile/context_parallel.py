@@ -24,8 +24,9 @@ differentiable: a MAML inner step's summed gradient can be differentiated again)
 In a model compiled with `torch.compile(..., backend="flashbob")` these calls run between
 the compiled graphs (a graph break each), the op inside them fused as in eager code.
 
-Limits (checked): the number of ranks must divide the query heads and the key/value heads
-(repeat the key/value heads for fewer); every rank holds the same shard length. A mask is
+Limits (checked): the number of ranks must divide the query heads; key/value heads the
+ranks do not divide are repeated, one per query head, before the exchange (their memory
+grows by the group size); every rank holds the same shard length. A mask is
 given for the whole sequence, the same on every rank (key padding (B, 1, 1, N), or
 (B, H or 1, N, N)). With dropout, each rank draws the keep mask of its own heads, so the
 draws differ from a single process's.
@@ -148,10 +149,13 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError("bob_compile.context_parallel.attention takes (B, H, n, E) shards")
     Hq, Hkv = query.shape[1], key.shape[1]
-    if Hq % ranks or Hkv % ranks:
+    if Hq % ranks or Hq % Hkv:
         raise ValueError(f"bob_compile.context_parallel.attention: {ranks} ranks must divide "
-                         f"the query heads ({Hq}) and the key/value heads ({Hkv}); repeat "
-                         f"the key/value heads (as enable_gqa does) or use fewer ranks")
+                         f"the query heads ({Hq}), and the key/value heads ({Hkv}) must divide "
+                         f"them; use fewer ranks")
+    if Hkv % ranks:     # fewer key/value heads than ranks can split: one per query head
+        key, value = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (key, value))
+        Hkv = Hq
     if not query.shape[2] == key.shape[2] == value.shape[2]:
         raise ValueError("bob_compile.context_parallel.attention: query, key and value must "
                          "hold the same positions of the sequence")
