@@ -27,9 +27,9 @@ and a summary per (batch, head) as KEY_RANGE, (B, Hq, 1, 3 + 2L + 2S) int32:
 
 The summary is computed on the device by every forward, by three small kernels (per-row
 counts, per-column counts, then per (batch, head)) without a host synchronization; the
-backwards of that call reuse it ("One summary per forward" below). Nothing about a mask's contents is carried from
-one forward to the next, as a write through `.data` would not show in its version counter
-and a CUDA graph's outputs reuse their memory. `summarize_with_torch` is the same summary in
+backwards of that call reuse it ("One summary per forward" below). Nothing about a mask's
+contents is carried from one forward to the next, as a write through `.data` would not
+show in its version counter and a CUDA graph's outputs reuse their memory. `summarize_with_torch` is the same summary in
 PyTorch ops: the tests' reference, and the fallback where Triton cannot build the kernels.
 """
 import logging
@@ -121,10 +121,10 @@ def mask_path_has_work(summary, path, kv_group=1):
     key-block-major kernel's, whose programs take a GQA group (the key-range launch only the
     groups whose heads' masks are all key ranges)."""
     structure = summary[..., 0, 2]
-    in_range = (structure[..., None] == structure.new_tensor(FROM_INDICES)).any(-1)
+    from_indices = (structure[..., None] == structure.new_tensor(FROM_INDICES)).any(-1)
     if path == 1:
-        return bool(in_range.unflatten(1, (-1, kv_group)).all(-1).any())
-    return bool((~in_range).any())
+        return bool(from_indices.unflatten(1, (-1, kv_group)).all(-1).any())
+    return bool((~from_indices).any())
 
 
 def mask_path_work(summary, path, kv_group=1):
@@ -340,14 +340,20 @@ def summarize_with_torch(mask):
     first = torch.minimum(first, end)
     range_only = (count == (end - first)[..., None]).all(-1)
     structure = torch.where(range_only, KEYS_IN_RANGE, READ_THE_MASK)
+    row_first, row_end = _ranges_along(visible, -1)              # (B, Hm, L) each
     if rows_are_queries:
+        column_first, column_end = _ranges_along(visible, -2)    # (B, Hm, S) each
         rows = torch.arange(1, L + 1, device=mask.device, dtype=torch.int32)
         in_causal_range = (torch.minimum(end[..., None], rows) - first[..., None]).clamp_min(0)
         at_or_below = visible.tril().sum(-1, dtype=torch.int32)
         range_causal = ((count == in_causal_range) & (at_or_below == count)).all(-1)
         structure = torch.where(range_causal & ~range_only, KEYS_IN_RANGE_CAUSAL, structure)
-        structure = torch.where((structure == READ_THE_MASK) & _intervals(visible, -1)
-                                & _intervals(visible, -2), KEY_INTERVALS, structure)
+        # every row and every column one interval (or empty)
+        intervals = ((count == (row_end - row_first).clamp_min(0)).all(-1)
+                     & (visible.sum(-2, dtype=torch.int32)
+                        == (column_end - column_first).clamp_min(0)).all(-1))
+        structure = torch.where((structure == READ_THE_MASK) & intervals, KEY_INTERVALS,
+                                structure)
     if base.dtype != torch.bool:
         adds_nothing = ((base == 0).sum(-1, dtype=torch.int32) == count).all(-1)
         structure = torch.where(adds_nothing, structure, READ_THE_MASK)
@@ -359,16 +365,11 @@ def summarize_with_torch(mask):
     # the per-query and per-key ranges (one row broadcast over the queries: that row's range
     # for every query, and all of them or none for each key)
     queries = mask.shape[2]
-    positions = torch.arange(S, device=mask.device, dtype=torch.int32)
-    row_ranges = torch.stack((torch.where(visible, positions, S).amin(-1),
-                              torch.where(visible, positions + 1, 0).amax(-1)), -1)
+    row_ranges = torch.stack((row_first, row_end), -1)
     if rows_are_queries:
-        rows = torch.arange(L, device=mask.device, dtype=torch.int32)[:, None]
-        column_ranges = torch.stack((torch.where(visible, rows, L).amin(-2),
-                                     torch.where(visible, rows + 1, 0).amax(-2)), -1)
+        column_ranges = torch.stack((column_first, column_end), -1)
     else:
         row_ranges = row_ranges.expand(-1, -1, queries, -1)
-        seen = visible.any(-2)
         column_ranges = torch.stack((torch.where(seen, 0, queries),
                                      torch.where(seen, queries, 0)), -1)
     ranges = torch.cat((summary, row_ranges.to(torch.int32).flatten(2)[:, :, None],
@@ -376,11 +377,11 @@ def summarize_with_torch(mask):
     return ranges.expand(mask.shape[0], mask.shape[1], 1, ranges.shape[-1])
 
 
-def _intervals(visible, dim):
-    """Whether each row (dim=-1) or column (dim=-2) of a bool mask is one interval (or
-    empty): as many visible entries as from its first to its last."""
-    positions = torch.arange(visible.shape[dim], device=visible.device, dtype=torch.int32)
+def _ranges_along(visible, dim):
+    """Per row (dim=-1: its keys) or column (dim=-2: its queries) of a bool mask, the first
+    visible entry and one past the last; (n, 0) where none (n: the length along dim)."""
+    n = visible.shape[dim]
+    positions = torch.arange(n, device=visible.device, dtype=torch.int32)
     positions = positions if dim == -1 else positions[:, None]
-    first = torch.where(visible, positions, visible.shape[dim]).amin(dim)
-    end = torch.where(visible, positions + 1, 0).amax(dim)
-    return (visible.sum(dim, dtype=torch.int32) == (end - first).clamp_min(0)).all(-1)
+    return (torch.where(visible, positions, n).amin(dim),
+            torch.where(visible, positions + 1, 0).amax(dim))
