@@ -213,13 +213,14 @@ def key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary_ptr, sre, L, BLOCK_M: 
     multiples of BLOCK_N) for rows [m0, m0 + BLOCK_M), restricted to the key blocks holding
     keys these rows see (KEY_RANGE's per-row ranges, triton_masks.py: a padded batch's
     visible keys, a sliding window's, a packed document's, none above the diagonal of a
-    causal mask)."""
+    causal mask); then those per-row ranges (key_intervals_of_rows), which the INDICES_PATH
+    applies."""
     firsts, ends = key_intervals_of_rows(summary_ptr, sre, m0 + tl.arange(0, BLOCK_M), L)
     seen_first = tl.min(firsts, 0)
     seen_end = tl.max(ends, 0)
     block_of_first = (seen_first // BLOCK_N) * BLOCK_N
     return (tl.maximum(lo1, block_of_first), tl.minimum(hi1, seen_end),
-            tl.maximum(lo2, block_of_first), tl.minimum(hi2, seen_end))
+            tl.maximum(lo2, block_of_first), tl.minimum(hi2, seen_end), firsts, ends)
 
 
 @triton.jit
@@ -227,14 +228,15 @@ def row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary_ptr, sre, L, S, BLOCK_M
                           BLOCK_N: tl.constexpr):
     """A key-block-major kernel's two query loops [m_lo, m_mid) and [m_mid, m_hi) for keys
     [n0, n0 + BLOCK_N), restricted to the query blocks that see these keys (KEY_RANGE's
-    per-key ranges): none when the mask hides every key of the block."""
+    per-key ranges): none when the mask hides every key of the block; then those per-key
+    ranges (query_intervals_of_keys), which the INDICES_PATH applies."""
     firsts, ends = query_intervals_of_keys(summary_ptr, sre, n0 + tl.arange(0, BLOCK_N), L, S)
     seen_first = tl.minimum(tl.min(firsts, 0), L)
     seen_end = tl.max(ends, 0)
     m_lo = tl.maximum(m_lo, (seen_first // BLOCK_M) * BLOCK_M)
     m_hi = tl.maximum(tl.minimum(m_hi, seen_end), m_lo)
     m_mid = tl.minimum(tl.maximum(m_mid, m_lo), m_hi)
-    return m_lo, m_mid, m_hi
+    return m_lo, m_mid, m_hi, firsts, ends
 
 
 @triton.jit

@@ -22,8 +22,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask, load_lse2,
                     load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
                     row_blocks_of_key_block, row_loops_within_mask, store_tile,
-                    key_intervals_of_rows, query_intervals_of_keys, unmasked_key_blocks,
-                    unmasked_query_blocks, visibility_mask)
+                    unmasked_key_blocks, unmasked_query_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
@@ -175,15 +174,14 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, D
         mask_base = MASK + b * smb + h * smh
         dm_base = DM + b * sdmb + h * sdmh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
-        summary = KEY_RANGE + b * srb + h * srh
         firsts, ends = 0, S     # the keys' query intervals, on the INDICES_PATH
         if MASK_KIND != 0:      # only the query blocks that see keys of this block
-            m_lo, m_mid, m_hi = row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary, sre, L,
-                                                      S, BLOCK_M, BLOCK_N)
+            m_lo, m_mid, m_hi, firsts, ends = row_loops_within_mask(
+                m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, L, S,
+                BLOCK_M, BLOCK_N)
         # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
         # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
         if MASK_PATH == INDICES_PATH:
-            firsts, ends = query_intervals_of_keys(summary, sre, offs_n, L, S)
             m_a, m_b = unmasked_query_blocks(m_lo, m_mid, m_hi, firsts, ends, L, BLOCK_M)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
@@ -288,15 +286,14 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    summary = KEY_RANGE + b * srb + h * srh
     firsts, ends = 0, S     # the rows' key intervals, on the INDICES_PATH
     if MASK_KIND != 0:      # only the key blocks holding keys these rows see
-        lo1, hi1, lo2, hi2 = key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary, sre, L,
-                                                   BLOCK_M, BLOCK_N)
+        lo1, hi1, lo2, hi2, firsts, ends = key_loops_within_mask(
+            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, L,
+            BLOCK_M, BLOCK_N)
     # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
     # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
     if MASK_PATH == INDICES_PATH:
-        firsts, ends = key_intervals_of_rows(summary, sre, offs_m, L)
         a_end, b_end = unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, a_end,

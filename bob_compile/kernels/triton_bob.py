@@ -41,8 +41,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask,
                     load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
                     row_blocks_of_key_block, row_loops_within_mask, store_tile,
-                    key_intervals_of_rows, query_intervals_of_keys, unmasked_key_blocks,
-                    unmasked_query_blocks, visibility_mask)
+                    unmasked_key_blocks, unmasked_query_blocks, visibility_mask)
 from .tuning import Untimed, interpreting, row_bytes, wide_candidates
 from . import settings
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
@@ -228,15 +227,14 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
     gdm_base = GDM + b * sgmb + h * sgmh
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    summary = KEY_RANGE + b * srb + h * srh
     firsts, ends = 0, S     # the rows' key intervals, on the INDICES_PATH
     if MASK_KIND != 0:      # only the key blocks holding keys these rows see
-        lo1, hi1, lo2, hi2 = key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary, sre, L,
-                                                   BLOCK_M, BLOCK_N)
+        lo1, hi1, lo2, hi2, firsts, ends = key_loops_within_mask(
+            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, L,
+            BLOCK_M, BLOCK_N)
     # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
     # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
     if MASK_PATH == INDICES_PATH:
-        firsts, ends = key_intervals_of_rows(summary, sre, offs_m, L)
         a_end, b_end = unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
@@ -472,15 +470,14 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
         gdm_base = GDM + b * sgmb + h * sgmh
         gm_base = GM + b * sbgb + h * sbgh
         m_lo, m_mid, m_hi = m_first, m_unmasked, L
-        summary = KEY_RANGE + b * srb + h * srh
         firsts, ends = 0, S     # the keys' query intervals, on the INDICES_PATH
         if MASK_KIND != 0:      # only the query blocks that see keys of this block
-            m_lo, m_mid, m_hi = row_loops_within_mask(m_lo, m_mid, m_hi, n0, summary, sre, L,
-                                                      S, BLOCK_M, BLOCK_N)
+            m_lo, m_mid, m_hi, firsts, ends = row_loops_within_mask(
+                m_lo, m_mid, m_hi, n0, KEY_RANGE + b * srb + h * srh, sre, L, S,
+                BLOCK_M, BLOCK_N)
         # a key range's launch: the blocks wholly inside it unmasked, its edge blocks
         # and the diagonal from indices; else no mask, or the mask read (MASK_PATH)
         if MASK_PATH == INDICES_PATH:
-            firsts, ends = query_intervals_of_keys(summary, sre, offs_n, L, S)
             m_a, m_b = unmasked_query_blocks(m_lo, m_mid, m_hi, firsts, ends, L, BLOCK_M)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,

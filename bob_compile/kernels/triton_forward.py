@@ -16,7 +16,7 @@ from .launching import launch_plan, read_path_first, strides_of
 from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH, NO_MASK_SOURCE,
                     READ_PATH, apply_mask_tile, blocks, dot_precision, key_blocks_of_row_block,
                     key_loops_within_mask, load_tile, on_mask_path, padded_dim, row_block_program,
-                    key_intervals_of_rows, store_tile, unmasked_key_blocks, visibility_mask)
+                    store_tile, unmasked_key_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
@@ -96,11 +96,11 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
     acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     full_end, visible_end = key_blocks_of_row_block(m0, S, BLOCK_M, BLOCK_N, CAUSAL)
     lo1, hi1, lo2, hi2 = 0, full_end, full_end, visible_end
-    summary = KEY_RANGE + b * srb + h * srh
     firsts, ends = 0, S     # the rows' key intervals, on the INDICES_PATH
     if MASK_KIND != 0:      # only the key blocks holding keys these rows see
-        lo1, hi1, lo2, hi2 = key_loops_within_mask(lo1, hi1, lo2, hi2, m0, summary, sre, L,
-                                                   BLOCK_M, BLOCK_N)
+        lo1, hi1, lo2, hi2, firsts, ends = key_loops_within_mask(
+            lo1, hi1, lo2, hi2, m0, KEY_RANGE + b * srb + h * srh, sre, L,
+            BLOCK_M, BLOCK_N)
     # A mask's source is fixed per launch (MASK_PATH), not decided per tile: each loop body
     # holds one kind of masking, without a branch or the other kind's mask load (with the
     # branch in its loop, the masked forward took ~2.6x the unmasked one's time per visible
@@ -108,7 +108,6 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
     # blocks wholly inside the range unmasked and its edge blocks in one loop; else no
     # mask, or the mask read per tile.
     if MASK_PATH == INDICES_PATH:
-        firsts, ends = key_intervals_of_rows(summary, sre, offs_m, L)
         a_end, b_end = unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
