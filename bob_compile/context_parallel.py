@@ -10,9 +10,8 @@ whole (O(N / ranks) per head), and the causal work is balanced without reorderin
 sequence: every rank computes every position of its heads.
 
 The exchanges are linear permutations across ranks, and each one's derivative is the
-other: both are autograd Functions whose backward is the other Function applied (and
-whose forward-mode tangent is the same exchange of the tangent), each differentiable
-again. So autograd differentiates through them to any order, as through the op: first
+other: an autograd Function whose backward is the other exchange (and whose forward-mode
+tangent is the same exchange of the tangent), each differentiable again. So autograd differentiates through them to any order, as through the op: first
 order, Hessian-vector products (reverse over reverse, or forward over reverse with
 torch.autograd.forward_ad), MAML's outer gradient. Every rank must run the same
 derivatives in the same order (they are collectives, as DDP's are).
@@ -72,53 +71,35 @@ def _heads_to_sequence(x, group):
     return received.permute(1, 0, 2, 3, 4).reshape(B, ranks * h, N // ranks, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+def _sum_over_ranks(x, group):
+    y = x.clone()
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+    return y
+
+
+# Each exchange is linear; the derivative of one is its adjoint: the inverse permutation
+# for the all-to-alls, itself for the sum over ranks.
+_EXCHANGES = {"sequence to heads": _sequence_to_heads, "heads to sequence": _heads_to_sequence,
+              "sum over ranks": _sum_over_ranks}
+_ADJOINT = {"sequence to heads": "heads to sequence", "heads to sequence": "sequence to heads",
+            "sum over ranks": "sum over ranks"}
+
+
+class _Exchange(torch.autograd.Function):
+    """One of _EXCHANGES. Its backward is the adjoint exchange and its forward-mode tangent
+    the same exchange, each an _Exchange again: differentiable to any order."""
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _sequence_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _HeadsToSequence.apply(grad, ctx.group), None
-
-    @staticmethod
-    def jvp(ctx, tangent, _):
-        return _SequenceToHeads.apply(tangent, ctx.group)
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _SequenceToHeads.apply(grad, ctx.group), None
-
-    @staticmethod
-    def jvp(ctx, tangent, _):
-        return _HeadsToSequence.apply(tangent, ctx.group)
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """y = the sum of x over the ranks (on every rank); self-adjoint: the derivative sums
-    the ranks' cotangents."""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        y = x.detach().clone()
-        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
-        return y
+    def forward(ctx, x, group, kind):
+        ctx.group, ctx.kind = group, kind
+        return _EXCHANGES[kind](x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _SumOverRanks.apply(grad, ctx.group), None
+        return _Exchange.apply(grad, ctx.group, _ADJOINT[ctx.kind]), None, None
 
     @staticmethod
-    def jvp(ctx, tangent, _):
-        return _SumOverRanks.apply(tangent, ctx.group)
+    def jvp(ctx, tangent, _group, _kind):
+        return _Exchange.apply(tangent, ctx.group, ctx.kind)
 
 
 @torch.compiler.disable     # collectives inside autograd Functions: run between graphs
@@ -126,7 +107,7 @@ def sum_over_ranks(tensors, group=None):
     """Each tensor summed over the ranks of `group`, differentiably (None entries stay
     None): the whole of a derivative whose shares the ranks computed."""
     _world(group)
-    return [None if t is None else _SumOverRanks.apply(t, group) for t in tensors]
+    return [None if t is None else _Exchange.apply(t, group, "sum over ranks") for t in tensors]
 
 
 @torch.compiler.disable     # between compiled graphs (the op inside still runs fused)
@@ -159,7 +140,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if not query.shape[2] == key.shape[2] == value.shape[2]:
         raise ValueError("bob_compile.context_parallel.attention: query, key and value must "
                          "hold the same positions of the sequence")
-    q, k, v = (_SequenceToHeads.apply(t, group) for t in (query, key, value))
+    q, k, v = (_Exchange.apply(t, group, "sequence to heads") for t in (query, key, value))
     mask = attn_mask
     if mask is not None:
         mask = _heads_of_this_rank(mask, Hq, ranks, group)
@@ -167,7 +148,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         scale = query.shape[-1] ** -0.5
     out = _attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                      scale=scale, enable_gqa=Hq != Hkv)
-    return _HeadsToSequence.apply(out, group)
+    return _Exchange.apply(out, group, "heads to sequence")
 
 
 def _heads_of_this_rank(mask, heads, ranks, group):
