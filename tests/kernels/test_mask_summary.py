@@ -1,9 +1,10 @@
-"""The mask summary (bob_compile/kernels/triton_masks.py): per (batch, head) the key range a mask lets
-any query see, and whether the mask is exactly that range (key padding), or that range with
-a top-left causal mask folded in (how Hugging Face builds its 4-D masks), or one interval of
-keys per row and of queries per key (KEY_INTERVALS: sliding windows, packed documents,
-prefix-LM), so that the Triton kernels apply it from indices and never read it. Anything else must be read: a summary
-that calls a mask structured when it is not would silently change the result.
+"""The mask summary (bob_compile/kernels/triton_masks.py): per (batch, head) the key range a
+mask lets any query see, and whether the mask is exactly that range (key padding), or that
+range with a top-left causal mask folded in (how Hugging Face builds its 4-D masks), or one
+interval of keys per row and of queries per key (KEY_INTERVALS: sliding windows, packed
+documents, prefix-LM), so that the Triton kernels apply it from indices and never read it.
+Anything else must be read: a summary that calls a mask structured when it is not would
+silently change the result.
 
 Here the PyTorch form (summarize_with_torch); test_triton_interpret.py checks that the
 Triton kernels compute the same summary."""
