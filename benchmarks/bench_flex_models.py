@@ -38,7 +38,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bob_compile  # noqa: E402,F401  (registers the flashbob backend)
-from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
+from bench_e2e import Clock  # noqa: E402  (benchmarks/, the script's folder)
+from run_record import run_record  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the models
@@ -172,9 +173,8 @@ def measure(kind, impl, T, args, device, dtype):
         row["first_step_s"] = time.perf_counter() - start
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.reps):
-            times.append(time_ms(step, device))
+        clock = Clock(device)
+        times = [clock.time_ms(step) for _ in range(args.reps)]
         row["median_ms"] = sorted(times)[len(times) // 2]
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -190,19 +190,6 @@ def measure(kind, impl, T, args, device, dtype):
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def time_ms(fn, device):
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end)
 
 
 def main():
