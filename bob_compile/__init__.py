@@ -13,5 +13,8 @@ from . import ops  # noqa: F401  (registers torch.ops.bob_compile.*)
 from .attention import attention
 from .backend import counters, flashbob, register
 from .flex import flex_attention
+from . import torch_context_parallel
+
+torch_context_parallel.install()    # flashbob under PyTorch's context_parallel (inert elsewhere)
 
 __all__ = ["attention", "counters", "flashbob", "flex_attention", "register"]

@@ -1,18 +1,20 @@
 """Context parallelism with exact derivatives of every order: attention over a sequence
 that is sharded across ranks.
 
-Each rank holds a contiguous shard of the sequence (rank i the positions
-[i n, (i + 1) n), n = N / ranks) of every head. `attention` exchanges heads for positions
-with one all-to-all per input: each rank then holds the whole sequence of H / ranks of the
-heads, runs the op on them (fused kernels, every order), and a last all-to-all hands each
-rank its own positions of every head back. Every tensor a rank holds is 1 / ranks of the
-whole (O(N / ranks) per head), and the causal work is balanced without reordering the
-sequence: every rank computes every position of its heads.
+Each rank holds a shard of the sequence of every head: contiguous (rank i the positions
+[i n, (i + 1) n), n = N / ranks) or head-tail (PyTorch's load balancing). `attention`
+exchanges heads for positions with one all-to-all per input: each rank then holds the whole
+sequence of H / ranks of the heads, runs the op on them (fused kernels, every order), and a
+last all-to-all hands each rank its own positions of every head back (a head-tail shard is
+put in the sequence's order between the two). Every tensor a rank holds is 1 / ranks of the whole (O(N / ranks)
+per head), and the causal work is balanced in either order: every rank computes every
+position of its heads. PyTorch's `context_parallel` reaches this module through
+torch_context_parallel.py.
 
 The exchanges are linear permutations across ranks, and each one's derivative is the
 other: an autograd Function whose backward is the other exchange (and whose forward-mode
-tangent is the same exchange of the tangent), each differentiable again. So autograd differentiates through them to any order, as through the op: first
-order, Hessian-vector products (reverse over reverse, or forward over reverse with
+tangent is the same exchange of the tangent), each differentiable again. So autograd
+differentiates through them to any order, as through the op: first order, Hessian-vector products (reverse over reverse, or forward over reverse with
 torch.autograd.forward_ad), MAML's outer gradient. Every rank must run the same
 derivatives in the same order (they are collectives, as DDP's are).
 
@@ -112,7 +114,7 @@ def sum_over_ranks(tensors, group=None):
 
 @torch.compiler.disable     # between compiled graphs (the op inside still runs fused)
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              group=None):
+              group=None, order="contiguous"):
     """`bob_compile.attention` over a sequence sharded across the ranks of `group`.
 
     Args:
@@ -122,6 +124,10 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             it, broadcastable to (B, Hq, N, N), the same on every rank.
         dropout_p, is_causal, scale: as `bob_compile.attention` (is_causal over the whole
             sequence).
+        order: which positions each rank holds. "contiguous": rank i the i-th of `ranks`
+            equal slices. "head-tail": the sequence cut into 2 ranks equal chunks, rank i
+            holding chunks i and 2 ranks - 1 - i, in that order (PyTorch's context-parallel
+            load balancing for causal attention).
 
     Returns (B, Hq, n, Ev): this rank's positions of the attention over the whole sequence,
     differentiable to any order (collectives: every rank must differentiate alike).
@@ -140,7 +146,15 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if not query.shape[2] == key.shape[2] == value.shape[2]:
         raise ValueError("bob_compile.context_parallel.attention: query, key and value must "
                          "hold the same positions of the sequence")
+    if order not in _ORDERS:
+        raise ValueError(f"bob_compile.context_parallel.attention: order must be one of "
+                         f"{sorted(_ORDERS)}, got {order!r}")
+    n = query.shape[2]
+    gathered = _ORDERS[order](ranks, n)     # whole-sequence position of each gathered row
     q, k, v = (_Exchange.apply(t, group, "sequence to heads") for t in (query, key, value))
+    if gathered is not None:
+        in_sequence = torch.argsort(gathered).to(query.device)
+        q, k, v = (t.index_select(2, in_sequence) for t in (q, k, v))
     mask = attn_mask
     if mask is not None:
         mask = _heads_of_this_rank(mask, Hq, ranks, group)
@@ -148,7 +162,23 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         scale = query.shape[-1] ** -0.5
     out = _attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                      scale=scale, enable_gqa=Hq != Hkv)
+    if gathered is not None:
+        out = out.index_select(2, gathered.to(out.device))
     return _Exchange.apply(out, group, "heads to sequence")
+
+
+def _head_tail(ranks, n):
+    """Rank i's positions are chunks i and 2 ranks - 1 - i of 2 ranks chunks of n / 2."""
+    if n % 2:
+        raise ValueError(f"bob_compile.context_parallel.attention: order 'head-tail' needs an "
+                         f"even shard length, got {n}")
+    chunks = torch.arange(ranks * n).view(2 * ranks, n // 2)
+    return torch.cat([torch.cat([chunks[i], chunks[2 * ranks - 1 - i]]) for i in range(ranks)])
+
+
+# Position in the whole sequence of each row the exchange gathers (rank 0's rows, then rank
+# 1's, ...), None where that is already the sequence's order.
+_ORDERS = {"contiguous": lambda ranks, n: None, "head-tail": _head_tail}
 
 
 def _heads_of_this_rank(mask, heads, ranks, group):

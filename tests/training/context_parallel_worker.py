@@ -1,14 +1,17 @@
 """The ranks of test_context_parallel.py: `python context_parallel_worker.py OUT PORT WORLD`
 spawns WORLD gloo ranks; each runs an attention layer on its shard of the sequence through
-bob_compile.context_parallel (float64, CPU) and saves what it computed to OUT/rank<r>.pt:
-its positions of the output, and its shares of the gradient, the Hessian-vector product
-and the MAML meta-gradient, for each case (causal or not, with key padding or not)."""
+bob_compile.context_parallel, or through F.scaled_dot_product_attention inside PyTorch's
+`context_parallel` with the layer compiled by flashbob (float64, CPU), and saves what it
+computed to OUT/rank<r>.pt: its positions of the output, and its shares of the gradient,
+the Hessian-vector product and the MAML meta-gradient, for each case (causal or not, with
+key padding or not)."""
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch.func import functional_call
 
 B, N, WIDTH, HEADS, KV_HEADS = 2, 24, 16, 4, 4
@@ -16,7 +19,27 @@ CASES = {"causal": dict(is_causal=True), "not causal": dict(is_causal=False),
          "key padding, causal": dict(is_causal=True, padding=True),
          "grouped key/value heads": dict(is_causal=True, kv_heads=2),
          "more ranks than query heads": dict(is_causal=True),
-         "compiled with flashbob": dict(is_causal=True, compiled=True)}
+         "compiled with flashbob": dict(is_causal=True, compiled=True),
+         "head-tail order": dict(is_causal=True, order="head-tail"),
+         # PyTorch's context_parallel shards the buffers (head-tail where the length allows)
+         # and patches F.scaled_dot_product_attention; the layer calls SDPA
+         "torch context_parallel, causal": dict(is_causal=True, torch_cp=True),
+         "torch context_parallel, not causal": dict(is_causal=False, torch_cp=True),
+         "torch context_parallel, grouped heads": dict(is_causal=True, torch_cp=True,
+                                                       kv_heads=2),
+         "torch context_parallel, mask": dict(is_causal=False, torch_cp=True, padding=True),
+         "torch context_parallel, eager or other backends": dict(is_causal=True,
+                                                                 torch_cp=True)}
+
+
+def positions(case, rank, world):
+    """The sequence positions rank `rank` holds in `case`."""
+    n = N // world
+    if CASES[case].get("order") == "head-tail" or CASES[case].get("torch_cp"):
+        half = n // 2
+        return torch.cat([torch.arange(rank * half, (rank + 1) * half),
+                          torch.arange(N - (rank + 1) * half, N - rank * half)])
+    return torch.arange(rank * n, (rank + 1) * n)
 
 
 class Layer(torch.nn.Module):
@@ -105,23 +128,62 @@ def rank_main(rank, world, out_dir, port):
     for case in CASES:
         model, support, query, mask, vectors = make(case)
         causal = CASES[case]["is_causal"]
+        total = (context_parallel.sum_over_ranks, vectors)
         if case == "more ranks than query heads":
             try:
                 context_parallel.attention(*(torch.zeros(B, world // 2, n, 4) for _ in range(3)))
             except ValueError as e:
                 results[case] = dict(refused=str(e))
             continue
+        if CASES[case].get("torch_cp"):
+            results[case] = under_torch_context_parallel(case, model, support, query, mask,
+                                                         total)
+            continue
 
         def attend(q, k, v):
-            return context_parallel.attention(q, k, v, attn_mask=mask, is_causal=causal)
-        shard = slice(rank * n, (rank + 1) * n)
+            return context_parallel.attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              order=CASES[case].get("order", "contiguous"))
+        shard = positions(case, rank, world)
         if CASES[case].get("compiled"):
             torch._dynamo.reset()
             model = torch.compile(model, backend="flashbob")
-        results[case] = derivatives(model, support[:, shard], query[:, shard], attend,
-                                    (context_parallel.sum_over_ranks, vectors))
+        results[case] = derivatives(model, support[:, shard], query[:, shard], attend, total)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def under_torch_context_parallel(case, model, support, query, mask, total):
+    """The case inside PyTorch's context_parallel, the layer calling SDPA: compiled with
+    flashbob, its derivatives; the eager and aot_eager case, what PyTorch's own context
+    parallelism does (on the CPU: refuses, it has no CPU kernel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    causal = CASES[case]["is_causal"]
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    support, query = support.clone(), query.clone()    # context_parallel shards them in place
+    torch._dynamo.reset()
+    if case.endswith("eager or other backends"):
+        outcome = {}
+        for backend in ("eager code", "aot_eager"):
+            run = model if backend == "eager code" else torch.compile(model, backend=backend)
+            with context_parallel(mesh, buffers=[support], buffer_seq_dims=[1]):
+                try:
+                    outcome[backend] = run(support, attend).detach()
+                except Exception as e:      # PyTorch's own refusal, whatever its type
+                    outcome[backend] = f"{type(e).__name__}: {e}"
+        outcome["restored"] = F.scaled_dot_product_attention \
+            is torch._C._nn.scaled_dot_product_attention
+        return outcome
+    compiled = torch.compile(model, backend="flashbob")
+    with context_parallel(mesh, buffers=[support, query], buffer_seq_dims=[1, 1]):
+        try:
+            return derivatives(compiled, support, query, attend, total)
+        except NotImplementedError as e:
+            return dict(refused=str(e))
 
 
 if __name__ == "__main__":
