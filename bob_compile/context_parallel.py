@@ -14,8 +14,9 @@ torch_context_parallel.py.
 The exchanges are linear permutations across ranks, and each one's derivative is the
 other: an autograd Function whose backward is the other exchange (and whose forward-mode
 tangent is the same exchange of the tangent), each differentiable again. So autograd
-differentiates through them to any order, as through the op: first order, Hessian-vector products (reverse over reverse, or forward over reverse with
-torch.autograd.forward_ad), MAML's outer gradient. Every rank must run the same
+differentiates through them to any order, as through the op: first order, Hessian-vector
+products (reverse over reverse, or forward over reverse with torch.autograd.forward_ad),
+MAML's outer gradient. Every rank must run the same
 derivatives in the same order (they are collectives, as DDP's are).
 
 A loss spread over ranks is the sum of each rank's loss on its positions; each rank's
