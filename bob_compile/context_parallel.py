@@ -7,9 +7,9 @@ exchanges heads for positions with one all-to-all per input: each rank then hold
 sequence of H / ranks of the heads, runs the op on them (fused kernels, every order), and a
 last all-to-all hands each rank its own positions of every head back (a head-tail shard is
 put in the sequence's order between the two). Every tensor a rank holds is 1 / ranks of
-the whole (O(N / ranks) per head), and the causal work is balanced in either order: every rank computes every
-position of its heads. PyTorch's `context_parallel` reaches this module through
-torch_context_parallel.py.
+the whole (O(N / ranks) per head), and the causal work is balanced in either order: every
+rank computes every position of its heads. PyTorch's `context_parallel` reaches this module
+through torch_context_parallel.py.
 
 The exchanges are linear permutations across ranks, and each one's derivative is the
 other: an autograd Function whose backward is the other exchange (and whose forward-mode
