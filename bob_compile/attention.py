@@ -223,3 +223,21 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         if not needs_graph:
             return autograd.forward_output(query, key, value, mask, scale, is_causal)
     return autograd.attention_with_lse(query, key, value, mask, scale, is_causal)[0]
+
+
+def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                       scale=None, enable_gqa=False):
+    """(output, log-sum-exp of the visible scaled scores per query row), both differentiable
+    to any order: what merges attention over disjoint key sets (context parallelism). Takes
+    `attention`'s arguments, but not a mask that requires grad."""
+    _check_inputs(query, key, value, enable_gqa)
+    scale = _scale_value(scale, query.shape[-1])
+    query, key, value = _broadcast_leading(query, key, value, enable_gqa)
+    mask = _checked_mask(attn_mask, query, key, value)
+    if mask is not None and mask.requires_grad:
+        raise NotImplementedError("bob_compile: the log-sum-exp of a call whose mask requires "
+                                  "grad (a learned bias) is not available")
+    dropout_p = _dropout_value(dropout_p)
+    seed = dropout.draw_seed(query.device) if dropout_p else None
+    return autograd.attention_with_lse(query, key, value, mask, scale, is_causal, dropout_p,
+                                       seed)

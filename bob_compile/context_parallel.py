@@ -26,17 +26,24 @@ differentiable: a MAML inner step's summed gradient can be differentiated again)
 In a model compiled with `torch.compile(..., backend="flashbob")` these calls run between
 the compiled graphs (a graph break each), the op inside them fused as in eager code.
 
-Limits (checked): the number of ranks must divide the query heads; key/value heads the
-ranks do not divide are repeated, one per query head, before the exchange (their memory
-grows by the group size); every rank holds the same shard length. A mask is
-given for the whole sequence, the same on every rank (key padding (B, 1, 1, N), or
-(B, H or 1, N, N)). With dropout, each rank draws the keep mask of its own heads, so the
-draws differ from a single process's.
+Where the ranks do not divide the query heads, every rank gathers the whole sequence's keys
+and values instead (all-gather; its adjoint sums each rank's rows over the ranks) and
+attends from its own queries: memory O(N) per head for the keys and values, O(N / ranks)
+for everything else. Causal, each contiguous chunk of a rank's queries attends to the keys
+before it (no mask) and to its own chunk (causal); the two are merged by their
+log-sum-exps, which the op differentiates to any order as it does its output.
+
+Limits: key/value heads the ranks do not divide are repeated, one per query head, before
+the exchange (their memory grows by the group size); every rank holds the same shard
+length. A mask is given for the whole sequence, the same on every rank (key padding
+(B, 1, 1, N), or (B, H or 1, N, N)). With dropout, each rank draws the keep mask of its
+own heads (or queries), so the draws differ from a single process's.
 """
 import torch
 import torch.distributed as dist
 
 from .attention import attention as _attention
+from .attention import attention_with_lse
 
 
 def _world(group):
@@ -80,12 +87,29 @@ def _sum_over_ranks(x, group):
     return y
 
 
+def _gather_sequence(x, group):
+    """(B, H, n, d) this rank's positions -> (B, H, ranks n, d) every rank's, rank by rank."""
+    parts = [torch.empty_like(x) for _ in range(_world(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=2)
+
+
+def _sum_own_positions(x, group):
+    """The adjoint of _gather_sequence: (B, H, ranks n, d) -> this rank's n rows of the sum
+    over ranks (an all-reduce: gloo has no reduce-scatter)."""
+    n = x.shape[2] // _world(group)
+    return _sum_over_ranks(x, group).narrow(2, dist.get_rank(group) * n, n)
+
+
 # Each exchange is linear; the derivative of one is its adjoint: the inverse permutation
-# for the all-to-alls, itself for the sum over ranks.
+# for the all-to-alls, itself for the sum over ranks, the sum of the rank's own rows for the
+# all-gather (and the all-gather for that).
 _EXCHANGES = {"sequence to heads": _sequence_to_heads, "heads to sequence": _heads_to_sequence,
-              "sum over ranks": _sum_over_ranks}
+              "sum over ranks": _sum_over_ranks, "gather sequence": _gather_sequence,
+              "sum own positions": _sum_own_positions}
 _ADJOINT = {"sequence to heads": "heads to sequence", "heads to sequence": "sequence to heads",
-            "sum over ranks": "sum over ranks"}
+            "sum over ranks": "sum over ranks", "gather sequence": "sum own positions",
+            "sum own positions": "gather sequence"}
 
 
 class _Exchange(torch.autograd.Function):
@@ -137,35 +161,112 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError("bob_compile.context_parallel.attention takes (B, H, n, E) shards")
     Hq, Hkv = query.shape[1], key.shape[1]
-    if Hq % ranks or Hq % Hkv:
-        raise ValueError(f"bob_compile.context_parallel.attention: {ranks} ranks must divide "
-                         f"the query heads ({Hq}), and the key/value heads ({Hkv}) must divide "
-                         f"them; use fewer ranks")
-    if Hkv % ranks:     # fewer key/value heads than ranks can split: one per query head
-        key, value = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (key, value))
-        Hkv = Hq
+    if Hq % Hkv:
+        raise ValueError(f"bob_compile.context_parallel.attention: the key/value heads "
+                         f"({Hkv}) must divide the query heads ({Hq})")
     if not query.shape[2] == key.shape[2] == value.shape[2]:
         raise ValueError("bob_compile.context_parallel.attention: query, key and value must "
                          "hold the same positions of the sequence")
     if order not in _ORDERS:
         raise ValueError(f"bob_compile.context_parallel.attention: order must be one of "
                          f"{sorted(_ORDERS)}, got {order!r}")
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
     n = query.shape[2]
     gathered = _ORDERS[order](ranks, n)     # whole-sequence position of each gathered row
+    mask = attn_mask
+    if mask is not None:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+    if Hq % ranks:
+        return _keys_gathered(query, key, value, mask, dropout_p, is_causal, scale, group,
+                              order, gathered)
+    if Hkv % ranks:     # fewer key/value heads than ranks can split: one per query head
+        key, value = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (key, value))
+        Hkv = Hq
     q, k, v = (_Exchange.apply(t, group, "sequence to heads") for t in (query, key, value))
     if gathered is not None:
         in_sequence = torch.argsort(gathered).to(query.device)
         q, k, v = (t.index_select(2, in_sequence) for t in (q, k, v))
-    mask = attn_mask
     if mask is not None:
         mask = _heads_of_this_rank(mask, Hq, ranks, group)
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
     out = _attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                      scale=scale, enable_gqa=Hq != Hkv)
     if gathered is not None:
         out = out.index_select(2, gathered.to(out.device))
     return _Exchange.apply(out, group, "heads to sequence")
+
+
+def _keys_gathered(query, key, value, mask, dropout_p, is_causal, scale, group, order,
+                   gathered):
+    """More ranks than the heads split into: every rank gathers the whole sequence's keys
+    and values and attends from its own queries. Causal: each contiguous chunk of its
+    queries attends to the keys before the chunk (no mask) and to its own chunk (causal),
+    the two merged by their log-sum-exps (differentiable, as the op's lse is)."""
+    rank = dist.get_rank(group)
+    n = query.shape[2]
+    k, v = (_Exchange.apply(t, group, "gather sequence") for t in (key, value))
+    if gathered is not None:
+        in_sequence = torch.argsort(gathered).to(query.device)
+        k, v = (t.index_select(2, in_sequence) for t in (k, v))
+    own = torch.arange(rank * n, (rank + 1) * n) if gathered is None \
+        else gathered[rank * n:(rank + 1) * n]
+    gqa = query.shape[1] != key.shape[1]
+    if not is_causal:
+        rows = None if mask is None or mask.shape[2] == 1 else own.to(mask.device)
+        part = None if mask is None else (mask if rows is None else mask.index_select(2, rows))
+        return _attention(query, k, v, attn_mask=part, dropout_p=dropout_p, scale=scale,
+                          enable_gqa=gqa)
+    outs = []
+    for local, length in _chunks(own):
+        start = int(own[local])
+        q = query.narrow(2, local, length)
+        parts = [_with_lse(q, k.narrow(2, start, length), v.narrow(2, start, length),
+                           _mask_part(mask, start, length, start, length), dropout_p, True,
+                           scale, gqa)]
+        if start:
+            parts.append(_with_lse(q, k.narrow(2, 0, start), v.narrow(2, 0, start),
+                                   _mask_part(mask, start, length, 0, start), dropout_p, False,
+                                   scale, gqa))
+        outs.append(_merged(parts))
+    return torch.cat(outs, dim=2)
+
+
+def _chunks(positions):
+    """(local offset, length) of each run of consecutive positions."""
+    breaks = [0] + [i for i in range(1, len(positions))
+                    if positions[i] != positions[i - 1] + 1] + [len(positions)]
+    return [(a, b - a) for a, b in zip(breaks, breaks[1:])]
+
+
+def _mask_part(mask, row, rows, col, cols):
+    if mask is None:
+        return None
+    if mask.shape[2] != 1:
+        mask = mask.narrow(2, row, rows)
+    return mask.narrow(3, col, cols)
+
+
+def _with_lse(q, k, v, mask, dropout_p, causal, scale, gqa):
+    return attention_with_lse(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                              scale=scale, enable_gqa=gqa)
+
+
+def _merged(parts):
+    """Attention over the union of disjoint key sets from each set's (o, lse): the outputs
+    weighted by exp(lse - m) and normalized. The shift m cancels, so it is not
+    differentiated; rows that see no key in any set stay zero."""
+    if len(parts) == 1:
+        return parts[0][0]
+    (o1, l1), (o2, l2) = parts
+    shift = torch.maximum(l1, l2).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    w1, w2 = torch.exp(l1 - shift), torch.exp(l2 - shift)
+    total = w1 + w2
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    out = (w1.unsqueeze(-1) * o1.to(w1.dtype) + w2.unsqueeze(-1) * o2.to(w2.dtype)) \
+        / total.unsqueeze(-1)
+    return out.to(o1.dtype)
 
 
 def _head_tail(ranks, n):
@@ -183,9 +284,7 @@ _ORDERS = {"contiguous": lambda ranks, n: None, "head-tail": _head_tail}
 
 
 def _heads_of_this_rank(mask, heads, ranks, group):
-    """The whole sequence's mask, cut to this rank's heads where it has a head dim."""
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
+    """The whole sequence's (4-D) mask, cut to this rank's heads where it has a head dim."""
     if mask.shape[1] == 1:
         return mask
     if mask.shape[1] != heads:
