@@ -19,6 +19,13 @@ had to recompute their residuals (a create_graph backward frees them: docs/routi
     python benchmarks/bench_second_order_memory.py --compiler eager ...   # the eager route
     python benchmarks/bench_second_order_memory.py --activation-memory-budget 0.3 ...
         # PyTorch's partitioner knob (torch._functorch.config), which our orders honour
+    python benchmarks/bench_second_order_memory.py --cpp-wrapper ...   # inductor's C++ wrapper
+    python benchmarks/bench_second_order_memory.py --mode reduce-overhead ...   # CUDA graphs
+
+On CUDA each row also gives the host issue time of a step (from a synchronize to the
+step's return, the GPU still busy) beside its GPU kernel time (torch.profiler, the self
+time of every CUDA kernel and copy of one step): a ratio above 1 means the GPU waits for
+the host (issue 40's "host-bound").
     python benchmarks/bench_second_order_memory.py --device cpu --n-layer 2 --n-embd 64 \\
         --n-head 2 --vocab-size 512 --seq-lens 64 --batch-size 2 --out /tmp/   # smoke run
 """
@@ -97,7 +104,8 @@ def measure(args, seq_len, watch):
         run, attention = model, functools.partial(sdpa_kernel, SDPBackend.MATH)
     else:
         options = {"compiler": args.compiler} if args.compiler else None
-        run = torch.compile(model, backend="flashbob", dynamic=False, options=options)
+        run = torch.compile(model, backend="flashbob", dynamic=False, options=options,
+                            mode=args.mode)
         attention = contextlib.nullcontext
     generator = torch.Generator(device=device).manual_seed(1)
     x, y = (torch.randint(args.vocab_size, (args.batch_size, seq_len), device=device,
@@ -111,7 +119,8 @@ def measure(args, seq_len, watch):
         if cuda:
             torch.cuda.synchronize()
     row = dict(impl=args.impl, checkpoint=args.checkpoint, batch_size=args.batch_size,
-               seq_len=seq_len, compiler=args.compiler,
+               seq_len=seq_len, compiler=args.compiler, mode=args.mode,
+               cpp_wrapper=args.cpp_wrapper,
                activation_memory_budget=args.activation_memory_budget)
     try:
         start = time.perf_counter()
@@ -128,6 +137,15 @@ def measure(args, seq_len, watch):
             step()
             synchronize()
             times.append(1e3 * (time.perf_counter() - start))
+        if cuda:
+            issue = []
+            for _ in range(args.reps):
+                synchronize()
+                start = time.perf_counter()
+                step()
+                issue.append(1e3 * (time.perf_counter() - start))
+            synchronize()
+            row.update(host_issue_ms=statistics.median(issue), gpu_kernel_ms=kernel_ms(step))
     except torch.OutOfMemoryError:
         row["out_of_memory"] = True
         return row
@@ -141,10 +159,21 @@ def measure(args, seq_len, watch):
     return row
 
 
+def kernel_ms(step):
+    """GPU time of one step's kernels and copies (torch.profiler's self CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type.name == "CUDA") / 1e3
+
+
 def print_row(row):
     head = (f"{row['impl']}{' +checkpoint' if row['checkpoint'] else ''} B={row['batch_size']} "
             f"T={row['seq_len']} compiler={row['compiler'] or 'default'} "
-            f"budget={row['activation_memory_budget']}")
+            f"budget={row['activation_memory_budget']} mode={row['mode'] or 'default'}"
+            f"{' cpp_wrapper' if row['cpp_wrapper'] else ''}")
     if row.get("out_of_memory"):
         print(f"{head}: out of memory")
         return
@@ -152,6 +181,10 @@ def print_row(row):
     print(f"{head}: {row['median_ms']:.1f} ms per step (host clock after a synchronize), "
           f"peak {peak}, first step {row['first_step_s']:.1f} s, residual recomputes "
           f"{row['recomputed_first_order_backwards']}")
+    if row.get("host_issue_ms") is not None:
+        print(f"   host issue {row['host_issue_ms']:.1f} ms, GPU kernels "
+              f"{row['gpu_kernel_ms']:.1f} ms per step: ratio "
+              f"{row['host_issue_ms'] / row['gpu_kernel_ms']:.2f}")
     for line in row["keeping"]:
         print("  ", line)
     if row["second_order_kept_mib"]:
@@ -176,21 +209,32 @@ def main():
     p.add_argument("--compiler", default=None, help="flashbob's compiler option (eager: the eager route)")
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="torch._functorch.config.activation_memory_budget for every compile")
+    p.add_argument("--mode", default=None, help="torch.compile's mode (reduce-overhead: CUDA graphs)")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="torch._inductor.config.cpp_wrapper for every compile")
+    p.add_argument("--compile-times", action="store_true",
+                   help="print torch._dynamo's compile-time breakdown after each row")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
+    if args.cpp_wrapper:
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp_wrapper = True
     if args.activation_memory_budget is not None:
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = args.activation_memory_budget
     watch = SecondOrderWatch()
     out = pathlib.Path(args.out)
     if out.is_dir() or args.out.endswith("/"):
-        tag = f"_{args.impl}{'_checkpoint' if args.checkpoint else ''}_b{args.batch_size}"
+        tag = (f"_{args.impl}{'_checkpoint' if args.checkpoint else ''}_b{args.batch_size}"
+               f"{'_' + args.mode if args.mode else ''}{'_cpp' if args.cpp_wrapper else ''}")
         out = out / f"bench_second_order_memory{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for seq_len in sorted(args.seq_lens):
         rows.append(measure(args, seq_len, watch))
+        if args.compile_times:
+            print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
         gc.collect()                # the row's model and graphs, before the next length
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
