@@ -146,6 +146,9 @@ def measure(args, seq_len, watch):
                 issue.append(1e3 * (time.perf_counter() - start))
             synchronize()
             row.update(host_issue_ms=statistics.median(issue), gpu_kernel_ms=kernel_ms(step))
+            with torch.autocast(device.type, dtype=torch.bfloat16), attention():
+                row["phases_gib"] = phase_memory(run, params, x, y,
+                                                 rademacher_like(params, generator))
     except torch.OutOfMemoryError:
         row["out_of_memory"] = True
         return row
@@ -157,6 +160,27 @@ def measure(args, seq_len, watch):
                    watch.kept.items(), key=lambda kv: -kv[1])},
                recomputed_first_order_backwards=watch.recomputes)
     return row
+
+
+def phase_memory(run, params, x, y, zs):
+    """Per phase of the step (forward, create_graph backward, double backward): the memory
+    it leaves allocated and its peak, both above what was allocated before the step, GiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    phases = {}
+
+    def phase(name, fn):
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        phases[name] = dict(left=(torch.cuda.memory_allocated() - base) / 2 ** 30,
+                            peak=(torch.cuda.max_memory_allocated() - base) / 2 ** 30)
+        return result
+    loss = phase("forward", lambda: run(x, y))
+    grads = phase("create_graph backward",
+                  lambda: torch.autograd.grad(loss, params, create_graph=True))
+    phase("double backward", lambda: torch.autograd.grad(grads, params, grad_outputs=zs))
+    return phases
 
 
 def kernel_ms(step):
@@ -185,6 +209,8 @@ def print_row(row):
         print(f"   host issue {row['host_issue_ms']:.1f} ms, GPU kernels "
               f"{row['gpu_kernel_ms']:.1f} ms per step: ratio "
               f"{row['host_issue_ms'] / row['gpu_kernel_ms']:.2f}")
+    for name, p in (row.get("phases_gib") or {}).items():
+        print(f"   {name}: peak +{p['peak']:.2f} GiB, leaves +{p['left']:.2f} GiB")
     for line in row["keeping"]:
         print("  ", line)
     if row["second_order_kept_mib"]:
