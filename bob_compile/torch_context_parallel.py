@@ -62,13 +62,20 @@ def install():
 
     distribute_function.bob_compile_wrapper = True
     cp._distribute_function = distribute_function
-    installed = F.scaled_dot_product_attention
-    if installed is not _SDPA and installed in cp._replaced_functions \
-            and installed.__closure__ is not None:
-        cells = dict(zip(installed.__code__.co_freevars,
-                         (c.cell_contents for c in installed.__closure__)))
-        if "device_mesh" in cells:
-            _wrap_installed(cp, F, cells["device_mesh"], cells.get("input_fn"))
+    _wrap_already_installed(cp, F)
+
+
+def _wrap_already_installed(cp, fn_module):
+    """A context entered before bob_compile was imported: PyTorch's wrapper is in place,
+    its mesh and input function in its closure."""
+    installed = getattr(fn_module, _SDPA.__name__)
+    if installed is _SDPA or installed not in cp._replaced_functions \
+            or getattr(installed, "__closure__", None) is None:
+        return
+    cells = dict(zip(installed.__code__.co_freevars,
+                     (c.cell_contents for c in installed.__closure__)))
+    if "device_mesh" in cells:
+        _wrap_installed(cp, fn_module, cells["device_mesh"], cells.get("input_fn"))
 
 
 def _wrap_installed(cp, fn_module, mesh, input_fn):
