@@ -15,12 +15,12 @@ cannot see into:
 
 Supported, and replaced by bob_compile.multihead.multi_head_attention: packed, separate
 (kdim/vdim) and bias-free projections, bias_k/bias_v, add_zero_attn, batched and unbatched
-inputs; dropout (passed to the op, which draws its mask: nodes.dropout_problem); no
-key_padding_mask; the attention weights unused (need_weights=False, or the weights are
-dropped); attn_mask absent, proven causal (causal_mask.py), or overridden by is_causal=True
-(PyTorch ignores the mask's values when is_causal=True, need_weights=False and there is no
-key_padding_mask). Anything else
-stays as written and the report says why. The modules' inference fast paths
+inputs; dropout (passed to the op, which draws its mask: nodes.dropout_problem); the
+attention weights unused (need_weights=False, or the weights are dropped); any attn_mask and
+key_padding_mask (passed to the op as one mask; an attn_mask proven causal (causal_mask.py)
+becomes is_causal=True instead, as does one that PyTorch ignores: is_causal=True with
+need_weights=False and no key_padding_mask). Anything else stays as written and the report
+says why. The modules' inference fast paths
 (torch._native_multi_head_attention, torch._transformer_encoder_layer_fwd) run only
 without autograd; they are reported and left alone.
 
@@ -70,12 +70,13 @@ def _rewrite_call(gm, node, prover, report):
                        f"value{shape_text(a['value'])} heads={a['num_heads']}")
     try:
         _check_arguments(node, a)
-        is_causal, proof, mask_nodes = _causality(a, prover)
+        is_causal, proof, mask_nodes, masks = _masks(a, prover)
     except _Skip as e:
         site.reason = str(e)
         return site
 
-    kwargs = {"is_causal": is_causal}
+    kwargs = {"is_causal": is_causal, **masks}
+    site.mask = " + ".join(f"{name}{shape_text(m)}" for name, m in masks.items())
     if a["use_separate_proj_weight"]:
         kwargs["separate_proj_weights"] = (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
     if a["bias_k"] is not None:
@@ -111,8 +112,6 @@ def _check_arguments(node, a):
             raise _Skip(f"{name} is computed at run time ({describe(a[name])}), not a Python bool")
     if a["static_k"] is not None or a["static_v"] is not None:
         raise _Skip("static_k/static_v (precomputed keys and values) are given")
-    if a["key_padding_mask"] is not None:
-        raise _Skip("key_padding_mask is set: padding masks are not supported")
     if a["training"] is not False and not is_zero(a["dropout_p"]):
         problem = dropout_problem(a["dropout_p"], a["training"])
         if problem is not None:
@@ -124,30 +123,33 @@ def _check_arguments(node, a):
                         f"need_weights=False, or dropping them, lets flashbob replace it")
 
 
-def _causality(a, prover):
-    """(is_causal, MaskProof or None, mask nodes to erase) for the replacement, or _Skip."""
-    mask = a["attn_mask"]
+def _masks(a, prover):
+    """(is_causal, MaskProof or None, mask nodes to erase, the masks passed on) for the
+    replacement, or _Skip."""
+    mask, padding = a["attn_mask"], a["key_padding_mask"]
+    masks = {} if padding is None else {"key_padding_mask": padding}
     if mask is None:  # (is_causal=True without a mask raises in PyTorch)
-        return False, None, []
+        return False, None, [], masks
     query, key = example_tensor(a["query"]), example_tensor(a["key"])
     if query is None or key is None:
         raise _Skip("query or key has no recorded tensor value")
     scores_size = (query.shape[0], key.shape[0])  # (L, S): sequence first, batched or not
-    if a["is_causal"] and not a["need_weights"]:
+    if a["is_causal"] and padding is None and not a["need_weights"]:
         # PyTorch runs SDPA with is_causal=True and never reads the mask: erase it if it is
         # built in the graph (a proof finds those nodes, and that nothing writes to them).
         try:
-            return True, None, _causal_mask_proof(prover, mask, scores_size).nodes
+            return True, None, _causal_mask_proof(prover, mask, scores_size).nodes, masks
         except NotProven:
-            return True, None, []
-    if a["bias_k"] is not None or a["add_zero_attn"]:
-        raise _Skip("attn_mask with bias_k/bias_v or add_zero_attn: PyTorch pads the mask so "
-                    "that every query sees the appended keys, which is not causal")
-    try:
-        proof = _causal_mask_proof(prover, mask, scores_size)
-    except NotProven as e:
-        raise _Skip(f"attn_mask is not provably causal: {e}") from None
-    return True, proof, proof.nodes
+            return True, None, [], masks
+    if a["bias_k"] is None and not a["add_zero_attn"]:
+        # (with those PyTorch pads the mask so that every query sees the appended keys)
+        try:
+            proof = _causal_mask_proof(prover, mask, scores_size)
+            return True, proof, proof.nodes, masks
+        except NotProven:
+            pass
+    # any other mask: its values, as PyTorch applies them (is_causal is then only a hint)
+    return False, None, [], {"attn_mask": mask, **masks}
 
 
 def _causal_mask_proof(prover, mask, scores_size):

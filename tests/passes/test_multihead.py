@@ -98,6 +98,24 @@ class UsesWeights(nn.Module):
         return out + weights.mean()
 
 
+class StaticKV(nn.Module):
+    """F.multi_head_attention_forward with precomputed keys and values (static_k/static_v),
+    as incremental decoders call it."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(WIDTH, HEADS)
+        self.k = nn.Parameter(torch.randn(BATCH * HEADS, MEMORY, WIDTH // HEADS))
+        self.v = nn.Parameter(torch.randn(BATCH * HEADS, MEMORY, WIDTH // HEADS))
+
+    def forward(self, x):
+        a = self.attn
+        return F.multi_head_attention_forward(
+            x, x, x, WIDTH, HEADS, a.in_proj_weight, a.in_proj_bias, None, None, False, 0.0,
+            a.out_proj.weight, a.out_proj.bias, training=self.training, need_weights=False,
+            static_k=self.k, static_v=self.v)[0]
+
+
 class CheckpointedLayer(nn.Module):
     """A TransformerEncoderLayer under activation checkpointing, its causal mask a buffer."""
 
@@ -120,6 +138,34 @@ def sequence(seed):
 
 def with_memory(seed):
     return randn(LENGTH, BATCH, WIDTH, seed=seed), randn(MEMORY, BATCH, WIDTH, seed=seed + 10)
+
+
+def padding(batched=True):
+    """nn.MultiheadAttention's key_padding_mask: True marks a padded key (the last two of the
+    second sequence)."""
+    hidden = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
+    hidden[1, -2:] = True
+    return hidden if batched else hidden[1]
+
+
+def per_head_mask():
+    """A bool (N num_heads, L, S) attn_mask, True hiding a key; every query keeps itself."""
+    hidden = torch.rand(BATCH * HEADS, LENGTH, LENGTH, generator=torch.Generator().manual_seed(3)) > 0.6
+    return hidden & ~torch.eye(LENGTH, dtype=torch.bool)
+
+
+class PaddedEncoder(nn.Module):
+    """nn.TransformerEncoder over a padded batch (BERT-style: src_key_padding_mask, no
+    causal mask), batch first."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, dim_feedforward=16, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.encoder(x, src_key_padding_mask=padding())
 
 
 def encoder_layer(norm_first, is_causal):
@@ -146,6 +192,22 @@ REPLACED = {
     "decoder_layer": (lambda: Call(nn.TransformerDecoderLayer(WIDTH, HEADS, 16, dropout=0.0),
                                    tgt_mask=causal_mask(), tgt_is_causal=True), with_memory, 2),
     "encoder_stack": (CausalEncoder, sequence, 2),
+    # masks passed to the op as they are
+    "key_padding_mask": (lambda: SelfAttention(key_padding_mask=padding()), sequence, 1),
+    "float_key_padding_mask": (lambda: SelfAttention(
+        key_padding_mask=torch.zeros(BATCH, LENGTH, dtype=torch.float64).masked_fill(padding(), -torch.inf)),
+        sequence, 1),
+    "unbatched_key_padding_mask": (lambda: SelfAttention(key_padding_mask=padding(batched=False)),
+                                   lambda s: (randn(LENGTH, WIDTH, seed=s),), 1),
+    "causal_mask_and_key_padding": (lambda: SelfAttention(attn_mask=causal_mask().isinf(), key_padding_mask=padding()),
+                                    sequence, 1),
+    "non_causal_float_mask": (lambda: SelfAttention(attn_mask=randn(LENGTH, LENGTH, seed=0)), sequence, 1),
+    "per_head_bool_mask_and_padding": (lambda: SelfAttention(attn_mask=per_head_mask(),
+                                                             key_padding_mask=padding()), sequence, 1),
+    "causal_mask_and_bias_kv": (lambda: SelfAttention(attn_mask=causal_mask(), add_bias_kv=True), sequence, 1),
+    "padding_bias_kv_zero_attn": (lambda: SelfAttention(key_padding_mask=padding(), add_bias_kv=True,
+                                                        add_zero_attn=True), sequence, 1),
+    "padded_encoder_stack": (PaddedEncoder, lambda s: (randn(BATCH, LENGTH, WIDTH, seed=s),), 2),
     "transformer_batch_first": (lambda: Call(nn.Transformer(WIDTH, HEADS, 1, 1, 16, dropout=0.0, batch_first=True),
                                              tgt_mask=causal_mask(), tgt_is_causal=True),
                                 lambda s: tuple(x.transpose(0, 1) for x in with_memory(s)[::-1]), 3),
@@ -302,14 +364,8 @@ def test_inference_route():
 # ---------------------------------------------------------------------------- left alone
 # name: (model, reason in the report)
 UNTOUCHED = {
-    "key_padding_mask": (lambda: SelfAttention(key_padding_mask=torch.tensor([[False] * 4 + [True]] * BATCH)),
-                         "key_padding_mask is set: padding masks are not supported"),
     "weights_used": (UsesWeights, "the attention weights are used (attn_output_weights (getitem))"),
-    "non_causal_float_mask": (lambda: SelfAttention(attn_mask=randn(LENGTH, LENGTH, seed=0)),
-                              "attn_mask is not provably causal: graph input l_self_fixed_attn_mask_ "
-                              "is not a lower-triangular mask"),
-    "causal_mask_and_bias_kv": (lambda: SelfAttention(attn_mask=causal_mask(), add_bias_kv=True),
-                                "attn_mask with bias_k/bias_v or add_zero_attn: PyTorch pads the mask"),
+    "static_kv": (StaticKV, "static_k/static_v (precomputed keys and values) are given"),
 }
 
 
@@ -377,3 +433,46 @@ def test_inference_fast_paths_are_reported(kernel):
     (report,) = recent_reports
     assert [(s.node, s.replaced, s.reason) for s in report.sites] == [
         (kernel, False, f"torch.{kernel} is a native fused inference kernel, no gradient needed")]
+
+
+@pytest.mark.parametrize("appended", ["none", "bias_kv", "bias_kv_zero_attn"])
+@pytest.mark.parametrize("padding_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("mask_kind", [None, "bool 2-D", "bool 3-D", "float 2-D"])
+def test_masks_as_pytorch_applies_them(mask_kind, padding_kind, appended):
+    """multi_head_attention called directly (the modules canonicalize their masks to float
+    before F.multi_head_attention_forward; direct callers may pass bool): output and
+    gradients equal PyTorch's, bool and float masks alike, with the keys bias_k/bias_v and
+    add_zero_attn append."""
+    if mask_kind is not None and padding_kind is not None and \
+            (mask_kind.startswith("bool")) != (padding_kind == "bool"):
+        pytest.skip("mixed mask types are deprecated in PyTorch")
+    attn = build(lambda: nn.MultiheadAttention(WIDTH, HEADS, add_bias_kv=appended != "none",
+                                               add_zero_attn=appended == "bias_kv_zero_attn"))
+    (x,) = sequence(0)
+    x.requires_grad_()
+    hidden_keys = padding()
+    masks = {}
+    if mask_kind == "bool 2-D":
+        masks["attn_mask"] = causal_mask().isinf()
+    elif mask_kind == "bool 3-D":
+        masks["attn_mask"] = per_head_mask()
+    elif mask_kind == "float 2-D":
+        masks["attn_mask"] = randn(LENGTH, LENGTH, seed=5)
+    if padding_kind == "bool":
+        masks["key_padding_mask"] = hidden_keys
+    elif padding_kind == "float":
+        masks["key_padding_mask"] = torch.zeros(BATCH, LENGTH, dtype=torch.float64).masked_fill(
+            hidden_keys, -torch.inf)
+    weights = (attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias)
+    extra = dict(bias_k=attn.bias_k, bias_v=attn.bias_v) if attn.bias_k is not None else {}
+    ours, _ = multi_head_attention(x, x, x, HEADS, *weights, add_zero_attn=attn.add_zero_attn,
+                                   **extra, **masks)
+    with sdpa_kernel(SDPBackend.MATH):
+        theirs, _ = F.multi_head_attention_forward(
+            x, x, x, WIDTH, HEADS, attn.in_proj_weight, attn.in_proj_bias, attn.bias_k,
+            attn.bias_v, attn.add_zero_attn, 0.0, attn.out_proj.weight, attn.out_proj.bias,
+            need_weights=False, **masks)
+    inputs = [x, *attn.parameters()]
+    expected = [theirs, *torch.autograd.grad(theirs.square().sum(), inputs)]
+    actual = [ours, *torch.autograd.grad(ours.square().sum(), inputs)]
+    assert max_error(actual, expected) <= TOLERANCE
