@@ -379,6 +379,7 @@ def test_transformer_layers_with_key_padding_masks():
     for scenario in (hessian_vector_product, maml):
         check(model, scenario)
     assert "training" in {r.route for r in recent_reports}
+    assert all(r.replaced and not r.skipped for r in recent_reports)   # the padded sites too
 
 
 class SDPADropout(nn.Module):
