@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bob_compile import flashbob
 from bob_compile import torch_context_parallel as hook
 
 cp = hook._context_parallel_module()
@@ -83,4 +84,6 @@ def test_not_compiling_for_flashbob_outside_a_trace():
         return x + 1
     torch.compile(f, backend="flashbob")(torch.randn(2))
     torch.compile(f, backend="eager")(torch.randn(3))
-    assert seen == [True, False]
+    torch.compile(f, backend="flashbob", options={"compiler": "eager"})(torch.randn(4))
+    torch.compile(f, backend=flashbob)(torch.randn(5))
+    assert seen == [True, False, True, True]
