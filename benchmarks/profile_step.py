@@ -1,0 +1,102 @@
+"""Where one second-order attention step spends its time, kernel by kernel (issue 42).
+
+The step of bench_attention.py (forward through `bob_compile.attention`, gradient with
+create_graph=True, second gradient with respect to q, k, v), B=1, bf16, per sequence length
+and causal or not:
+
+  step        CUDA events around the step, median of --reps after a warm-up
+  host        the host's issue time of the step: from a synchronize to the step's return,
+              the GPU still busy (a step whose host time exceeds its kernels' is host-bound)
+  kernels     torch.profiler over one step: each CUDA kernel's GPU time and launch count
+
+Made for the short-sequence question (at 1K a causal step took longer than a non-causal
+one): launches, host time and per-kernel time side by side.
+
+    python benchmarks/profile_step.py --seq-lens 1024 4096 --out results/
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bob_compile  # noqa: E402
+from run_record import run_record  # noqa: E402
+
+
+def step_of(n, causal, args):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do, *cotangents = (
+        torch.randn(1, args.heads, n, args.head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=g, requires_grad=i < 3) for i in range(7))
+
+    def step():
+        o = bob_compile.attention(q, k, v, is_causal=causal)
+        grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        torch.autograd.grad(grads, (q, k, v), cotangents)
+    return step
+
+
+def measure(step, reps):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times, host = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        step()
+        host.append(1e3 * (time.perf_counter() - begin))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(({"name": e.key, "ms": e.self_device_time_total / 1e3, "launches": e.count}
+                      for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                     key=lambda k: -k["ms"])
+    return dict(step_ms=statistics.median(times), host_ms=statistics.median(host),
+                kernel_ms=sum(k["ms"] for k in kernels),
+                launches=sum(k["launches"] for k in kernels), kernels=kernels)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--top", type=int, default=8, help="kernels printed per row")
+    p.add_argument("--out", default="results")
+    args = p.parse_args()
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    rows = []
+    for n in args.seq_lens:
+        for causal in causal_values:
+            row = dict(N=n, causal=causal, **measure(step_of(n, causal, args), args.reps))
+            rows.append(row)
+            print(f"N={n} causal={causal}: step {row['step_ms']:.3f} ms, host issue "
+                  f"{row['host_ms']:.3f} ms, kernels {row['kernel_ms']:.3f} ms in "
+                  f"{row['launches']} launches")
+            for k in row["kernels"][:args.top]:
+                print(f"   {k['ms']:8.3f} ms x{k['launches']:<3d} {k['name'][:90]}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+        json.dump(dict(run=run_record(), device=torch.cuda.get_device_name(), rows=rows), f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
