@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
@@ -476,3 +478,70 @@ def test_masks_as_pytorch_applies_them(mask_kind, padding_kind, appended):
     expected = [theirs, *torch.autograd.grad(theirs.square().sum(), inputs)]
     actual = [ours, *torch.autograd.grad(ours.square().sum(), inputs)]
     assert max_error(actual, expected) <= TOLERANCE
+
+
+class AnyCall(nn.Module):
+    """nn.MultiheadAttention over (x, memory, memory) with the drawn call arguments."""
+
+    def __init__(self, width, heads, module_kwargs, call_kwargs, batch_first):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=batch_first, **module_kwargs)
+        self.call_kwargs = call_kwargs
+
+    def forward(self, x, memory):
+        return self.attn(x, memory, memory, **self.call_kwargs)[0].tanh()
+
+
+@st.composite
+def multi_head_calls(draw):
+    """A module and its inputs: sizes, layout, appended keys, masks of either kind (every
+    query keeps its first key: rows with no key are NaN in PyTorch's weights path)."""
+    width, heads = draw(st.sampled_from([(8, 2), (12, 3), (8, 1)]))
+    batch, length = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    self_attention = draw(st.booleans())
+    source = length if self_attention else draw(st.integers(1, 7))
+    batched = draw(st.booleans())
+    batch_first = batched and draw(st.booleans())
+    module_kwargs = dict(add_bias_kv=draw(st.booleans()), add_zero_attn=draw(st.booleans()))
+    call_kwargs = dict(need_weights=draw(st.booleans()))
+    boolean = draw(st.booleans())
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+
+    def mask(shape, values):
+        """bool (True hides), or additive: -inf where hidden, else `values` (a bias, or 0)."""
+        hidden = torch.rand(shape, generator=g) < 0.3
+        hidden[..., 0] = False
+        if boolean:
+            return hidden
+        return values(shape).masked_fill(hidden, -torch.inf)
+    if draw(st.booleans()):
+        call_kwargs["attn_mask"] = mask(draw(st.sampled_from(
+            [(length, source), ((batch if batched else 1) * heads, length, source)])),
+            lambda shape: torch.randn(shape, generator=g, dtype=torch.float64))
+    if draw(st.booleans()):
+        call_kwargs["key_padding_mask"] = mask((batch, source) if batched else (source,),
+                                               lambda shape: torch.zeros(shape, dtype=torch.float64))
+
+    def shape(n):
+        return (batch, n, width) if batch_first else (n, batch, width) if batched else (n, width)
+    x = torch.randn(shape(length), generator=g, dtype=torch.float64)
+    memory = x if self_attention else torch.randn(shape(source), generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = AnyCall(width, heads, module_kwargs, call_kwargs, batch_first).double()
+    return model, (x, memory)
+
+
+@pytest.mark.slow       # ~0.4 s an example
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(multi_head_calls())
+def test_any_call_is_replaced_and_exact(call):
+    """Random sizes, layouts, appended keys and masks: the site is replaced and the HVP
+    equals eager math's."""
+    model, inputs = call
+    torch._dynamo.reset()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = hutchinson_hvp(model, inputs)
+    actual, fused_op_ran = compiled_run(hutchinson_hvp, model, inputs)
+    assert max_error(actual, expected) <= TOLERANCE
+    assert fused_op_ran and counters["multihead_replaced"] >= 1
