@@ -18,6 +18,7 @@ B, N, WIDTH, HEADS, KV_HEADS = 2, 24, 24, 4, 4
 CASES = {"causal": dict(is_causal=True), "not causal": dict(is_causal=False),
          "key padding, causal": dict(is_causal=True, padding=True),
          "grouped key/value heads": dict(is_causal=True, kv_heads=2),
+         "refusals": dict(is_causal=True),
          # 3 heads: neither 2 nor 4 ranks divide them (the keys are gathered instead)
          "ranks do not divide the heads": dict(is_causal=True, heads=3, kv_heads=3),
          "ranks do not divide the heads, not causal, key padding": dict(
@@ -135,6 +136,9 @@ def rank_main(rank, world, out_dir, port):
         model, support, query, mask, vectors = make(case)
         causal = CASES[case]["is_causal"]
         total = (context_parallel.sum_over_ranks, vectors)
+        if case == "refusals":
+            results[case] = refusals(context_parallel)
+            continue
         if CASES[case].get("torch_cp"):
             results[case] = under_torch_context_parallel(case, model, support, query, mask,
                                                          total)
@@ -150,6 +154,24 @@ def rank_main(rank, world, out_dir, port):
         results[case] = derivatives(model, support[:, shard], query[:, shard], attend, total)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def refusals(context_parallel):
+    """The messages of the calls context_parallel.attention must refuse."""
+    shard = torch.zeros(B, HEADS, 3, 4, dtype=torch.float64)
+    calls = {"unknown order": dict(query=shard, key=shard, value=shard, order="zigzag"),
+             "odd head-tail shard": dict(query=shard, key=shard, value=shard,
+                                         order="head-tail"),
+             "key heads not dividing": dict(query=shard, key=shard[:, :3], value=shard[:, :3]),
+             "lengths differ": dict(query=shard, key=shard[:, :, :2], value=shard[:, :, :2])}
+    said = {}
+    for name, kwargs in calls.items():
+        try:
+            context_parallel.attention(**kwargs)
+            said[name] = None
+        except ValueError as e:
+            said[name] = str(e)
+    return said
 
 
 def under_torch_context_parallel(case, model, support, query, mask, total):

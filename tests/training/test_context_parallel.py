@@ -67,6 +67,15 @@ def one_process(case):
 
 def check(world, ranks):
     for case in worker.CASES:
+        if case == "refusals":
+            expected_words = {"unknown order": "order must be one of",
+                              "odd head-tail shard": "even shard length",
+                              "key heads not dividing": "must divide the query heads",
+                              "lengths differ": "same positions"}
+            for r in ranks:
+                for name, words in expected_words.items():
+                    assert r[case][name] is not None and words in r[case][name], (name, r[case])
+            continue
         if case == "torch context_parallel, mask":
             assert all("attn_mask" in r[case]["refused"] for r in ranks), case
             continue
