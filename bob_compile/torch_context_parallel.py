@@ -31,12 +31,14 @@ def _context_parallel_module():
     this module was written against (torch 2.11 - 2.14)."""
     if not torch.distributed.is_available():
         return None
+    # an optional integration: whatever its import raises must not stop bob_compile's
     try:
         from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-    except ImportError:
+    except Exception:
         try:
             from torch.distributed.tensor.experimental import _attention as cp
-        except ImportError:
+        except Exception as e:
+            log.debug("bob_compile: torch's context parallelism did not import (%s)", e)
             return None
     if not all(hasattr(cp, name) for name in
                ("_distribute_function", "_replaced_functions", "_cp_options")):
