@@ -245,9 +245,10 @@ def test_replaced_and_exact(name, scenario):
     assert counters["multihead_replaced"] == sites * len(recent_reports)
 
 
+@pytest.mark.parametrize("name", ["decoder_layer", "padded_encoder_stack"])
 @pytest.mark.parametrize("scenario", [hutchinson_hvp, maml_step], ids=lambda f: f.__name__)
-def test_training_route(scenario):
-    make, batch, sites = REPLACED["decoder_layer"]
+def test_training_route(scenario, name):
+    make, batch, sites = REPLACED[name]
     model = build(make)
     inputs = (batch(0), batch(1)) if scenario is maml_step else batch(0)
     with sdpa_kernel(SDPBackend.MATH):
