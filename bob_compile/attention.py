@@ -158,6 +158,20 @@ def _broadcast_leading(query, key, value, enable_gqa):
     return expand(query), expand(key), expand(value)
 
 
+def _checked_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """A call's arguments checked and normalized as the op takes them: (query, key, value,
+    mask, dropout_p, scale, seed), a dropout seed drawn where dropout_p > 0."""
+    _check_inputs(query, key, value, enable_gqa)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"bob_compile.attention: is_causal must be a bool, got {type(is_causal).__name__}")
+    scale = _scale_value(scale, query.shape[-1])
+    query, key, value = _broadcast_leading(query, key, value, enable_gqa)
+    mask = _checked_mask(attn_mask, query, key, value)
+    dropout_p = _dropout_value(dropout_p)
+    seed = dropout.draw_seed(query.device) if dropout_p else None
+    return query, key, value, mask, dropout_p, scale, seed
+
+
 @torch.compiler.allow_in_graph
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
@@ -195,14 +209,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         o = fast(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if o is not None:
             return o
-    _check_inputs(query, key, value, enable_gqa)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"bob_compile.attention: is_causal must be a bool, got {type(is_causal).__name__}")
-    scale = _scale_value(scale, query.shape[-1])
-    query, key, value = _broadcast_leading(query, key, value, enable_gqa)
-    mask = _checked_mask(attn_mask, query, key, value)
-    dropout_p = _dropout_value(dropout_p)
-    seed = dropout.draw_seed(query.device) if dropout_p else None
+    query, key, value, mask, dropout_p, scale, seed = _checked_call(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if mask is not None and mask.requires_grad:
         return autograd.learned_bias_output(query, key, value, mask, scale, is_causal, dropout_p,
                                             seed)
@@ -230,14 +238,10 @@ def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     """(output, log-sum-exp of the visible scaled scores per query row), both differentiable
     to any order: what merges attention over disjoint key sets (context parallelism). Takes
     `attention`'s arguments, but not a mask that requires grad."""
-    _check_inputs(query, key, value, enable_gqa)
-    scale = _scale_value(scale, query.shape[-1])
-    query, key, value = _broadcast_leading(query, key, value, enable_gqa)
-    mask = _checked_mask(attn_mask, query, key, value)
+    query, key, value, mask, dropout_p, scale, seed = _checked_call(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if mask is not None and mask.requires_grad:
         raise NotImplementedError("bob_compile: the log-sum-exp of a call whose mask requires "
                                   "grad (a learned bias) is not available")
-    dropout_p = _dropout_value(dropout_p)
-    seed = dropout.draw_seed(query.device) if dropout_p else None
     return autograd.attention_with_lse(query, key, value, mask, scale, is_causal, dropout_p,
                                        seed)
