@@ -184,10 +184,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if Hkv % ranks:     # fewer key/value heads than ranks can split: one per query head
         key, value = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (key, value))
         Hkv = Hq
-    q, k, v = (_Exchange.apply(t, group, "sequence to heads") for t in (query, key, value))
-    if gathered is not None:
-        in_sequence = torch.argsort(gathered).to(query.device)
-        q, k, v = (t.index_select(2, in_sequence) for t in (q, k, v))
+    q, k, v = _in_sequence_order(
+        [_Exchange.apply(t, group, "sequence to heads") for t in (query, key, value)], gathered)
     if mask is not None:
         mask = _heads_of_this_rank(mask, Hq, ranks, group)
     out = _attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -205,10 +203,8 @@ def _keys_gathered(query, key, value, mask, dropout_p, is_causal, scale, group, 
     the two merged by their log-sum-exps (differentiable, as the op's lse is)."""
     rank = dist.get_rank(group)
     n = query.shape[2]
-    k, v = (_Exchange.apply(t, group, "gather sequence") for t in (key, value))
-    if gathered is not None:
-        in_sequence = torch.argsort(gathered).to(query.device)
-        k, v = (t.index_select(2, in_sequence) for t in (k, v))
+    k, v = _in_sequence_order(
+        [_Exchange.apply(t, group, "gather sequence") for t in (key, value)], gathered)
     own = torch.arange(rank * n, (rank + 1) * n) if gathered is None \
         else gathered[rank * n:(rank + 1) * n]
     gqa = query.shape[1] != key.shape[1]
@@ -221,15 +217,24 @@ def _keys_gathered(query, key, value, mask, dropout_p, is_causal, scale, group, 
     for local, length in _chunks(own):
         start = int(own[local])
         q = query.narrow(2, local, length)
-        parts = [_with_lse(q, k.narrow(2, start, length), v.narrow(2, start, length),
-                           _mask_part(mask, start, length, start, length), dropout_p, True,
-                           scale, gqa)]
+        # its own chunk (causal), then the keys before it (all visible)
+        parts = [attention_with_lse(q, k.narrow(2, start, length), v.narrow(2, start, length),
+                                    _mask_part(mask, start, length, start, length), dropout_p,
+                                    True, scale, gqa)]
         if start:
-            parts.append(_with_lse(q, k.narrow(2, 0, start), v.narrow(2, 0, start),
-                                   _mask_part(mask, start, length, 0, start), dropout_p, False,
-                                   scale, gqa))
+            parts.append(attention_with_lse(q, k.narrow(2, 0, start), v.narrow(2, 0, start),
+                                            _mask_part(mask, start, length, 0, start),
+                                            dropout_p, False, scale, gqa))
         outs.append(_merged(parts))
     return torch.cat(outs, dim=2)
+
+
+def _in_sequence_order(tensors, gathered):
+    """Rows gathered rank by rank (dim 2), put in the sequence's order."""
+    if gathered is None:
+        return tensors
+    in_sequence = torch.argsort(gathered).to(tensors[0].device)
+    return [t.index_select(2, in_sequence) for t in tensors]
 
 
 def _chunks(positions):
@@ -245,11 +250,6 @@ def _mask_part(mask, row, rows, col, cols):
     if mask.shape[2] != 1:
         mask = mask.narrow(2, row, rows)
     return mask.narrow(3, col, cols)
-
-
-def _with_lse(q, k, v, mask, dropout_p, causal, scale, gqa):
-    return attention_with_lse(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                              scale=scale, enable_gqa=gqa)
 
 
 def _merged(parts):
