@@ -20,6 +20,10 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.symbolic_convert import InstructionTranslator
+
+from . import context_parallel
+from .backend import flashbob
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +107,6 @@ def _wrap_installed(cp, fn_module, mesh, input_fn):
 def _tracing_for_flashbob():
     """Whether the frame Dynamo is tracing now will be compiled by flashbob (read once, at
     trace time: the answer is part of the traced code)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-    from .backend import flashbob
     tx = InstructionTranslator.current_tx()
     compiler = getattr(getattr(tx, "output", None), "compiler_fn", None)
     seen = set()
@@ -123,7 +125,6 @@ def _tracing_for_flashbob():
 @torch.compiler.disable     # collectives: between the compiled graphs
 def _fused(cp, mesh, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
            scale=None, enable_gqa=False):
-    from . import context_parallel
     if attn_mask is not None:
         raise NotImplementedError(
             "bob_compile: an attn_mask under PyTorch's context_parallel is not supported (nor "
