@@ -29,8 +29,9 @@ The summary is computed on the device by every forward, by three small kernels (
 counts, per-column counts, then per (batch, head)) without a host synchronization; the
 backwards of that call reuse it ("One summary per forward" below). Nothing about a mask's
 contents is carried from one forward to the next, as a write through `.data` would not
-show in its version counter and a CUDA graph's outputs reuse their memory. `summarize_with_torch` is the same summary in
-PyTorch ops: the tests' reference, and the fallback where Triton cannot build the kernels.
+show in its version counter and a CUDA graph's outputs reuse their memory.
+`summarize_with_torch` is the same summary in PyTorch ops: the tests' reference, and the
+fallback where Triton cannot build the kernels.
 """
 import logging
 import weakref
