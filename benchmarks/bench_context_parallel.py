@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bob_compile  # noqa: E402
 from bob_compile import context_parallel  # noqa: E402
 from bench_e2e import Clock  # noqa: E402  (benchmarks/, the script's folder)
+from profile_step import kernels_of  # noqa: E402
 from run_record import run_record  # noqa: E402
 
 
@@ -58,13 +59,9 @@ def collective_share(step, device):
     """GPU time of the NCCL kernels over the GPU time of all kernels in one step."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    kernels = kernels_of(step)
+    total = sum(k["ms"] for k in kernels)
+    nccl = sum(k["ms"] for k in kernels if "nccl" in k["name"].lower())
     return nccl / total if total else None
 
 

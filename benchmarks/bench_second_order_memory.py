@@ -44,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bob_compile.training.runtime as training_runtime
 from bob_compile.backend import recent_reports
+from profile_step import host_issue_ms, kernels_of  # noqa: E402  (benchmarks/)
 from run_record import run_record  # noqa: E402  (benchmarks/, the script's folder)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
@@ -138,14 +139,8 @@ def measure(args, seq_len, watch):
             synchronize()
             times.append(1e3 * (time.perf_counter() - start))
         if cuda:
-            issue = []
-            for _ in range(args.reps):
-                synchronize()
-                start = time.perf_counter()
-                step()
-                issue.append(1e3 * (time.perf_counter() - start))
-            synchronize()
-            row.update(host_issue_ms=statistics.median(issue), gpu_kernel_ms=kernel_ms(step))
+            row.update(host_issue_ms=host_issue_ms(step, args.reps),
+                       gpu_kernel_ms=sum(k["ms"] for k in kernels_of(step)))
             with torch.autocast(device.type, dtype=torch.bfloat16), attention():
                 row["phases_gib"] = phase_memory(run, params, x, y,
                                                  rademacher_like(params, generator))
@@ -181,16 +176,6 @@ def phase_memory(run, params, x, y, zs):
                   lambda: torch.autograd.grad(loss, params, create_graph=True))
     phase("double backward", lambda: torch.autograd.grad(grads, params, grad_outputs=zs))
     return phases
-
-
-def kernel_ms(step):
-    """GPU time of one step's kernels and copies (torch.profiler's self CUDA time)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type.name == "CUDA") / 1e3
 
 
 def print_row(row):

@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bob_compile  # noqa: E402
+from bench_e2e import Clock  # noqa: E402  (benchmarks/, the script's folder)
 from run_record import run_record  # noqa: E402
 
 
@@ -42,31 +43,38 @@ def step_of(n, causal, args):
     return step
 
 
-def measure(step, reps):
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times, host = [], []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+def host_issue_ms(step, reps):
+    """Median host time to issue one step: from a synchronize to the step's return, the GPU
+    still busy."""
+    host = []
     for _ in range(reps):
         torch.cuda.synchronize()
         begin = time.perf_counter()
         step()
         host.append(1e3 * (time.perf_counter() - begin))
     torch.cuda.synchronize()
+    return statistics.median(host)
+
+
+def kernels_of(step):
+    """Each CUDA kernel (and copy) of one step, longest first: name, GPU ms (torch.profiler's
+    self CUDA time), launches."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    kernels = sorted(({"name": e.key, "ms": e.self_device_time_total / 1e3, "launches": e.count}
-                      for e in prof.key_averages() if e.device_type.name == "CUDA"),
-                     key=lambda k: -k["ms"])
-    return dict(step_ms=statistics.median(times), host_ms=statistics.median(host),
+    return sorted(({"name": e.key, "ms": e.self_device_time_total / 1e3, "launches": e.count}
+                   for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                  key=lambda k: -k["ms"])
+
+
+def measure(step, reps):
+    for _ in range(3):
+        step()
+    clock = Clock(torch.device("cuda"))
+    times = [clock.time_ms(step) for _ in range(reps)]
+    host = host_issue_ms(step, reps)
+    kernels = kernels_of(step)
+    return dict(step_ms=statistics.median(times), host_ms=host,
                 kernel_ms=sum(k["ms"] for k in kernels),
                 launches=sum(k["launches"] for k in kernels), kernels=kernels)
 
