@@ -27,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bob_compile  # noqa: E402
-from bob_compile import flex  # noqa: E402
+from bob_compile import block_masks  # noqa: E402
 from bench_masks import median_ms  # noqa: E402  (benchmarks/, the script's folder)
 from run_record import run_record  # noqa: E402
 
@@ -68,7 +68,7 @@ def main():
     rows_, keys = torch.arange(N, device=dev)[:, None], torch.arange(N, device=dev)[None, :]
     dense = {"sliding window": (keys <= rows_) & (rows_ - keys < window),
              "documents": (ids[:, None] == ids[None, :]) & (keys <= rows_)}
-    block_masks = {"sliding window": create_block_mask(sliding_window, None, None, N, N, device=dev),
+    flex_block_masks = {"sliding window": create_block_mask(sliding_window, None, None, N, N, device=dev),
                    "documents": create_block_mask(documents, None, None, N, N, device=dev)}
     torch.manual_seed(0)
     q, k, v, do, *cot = (torch.randn(1, H, N, d, device=dev, dtype=torch.bfloat16)
@@ -88,12 +88,12 @@ def main():
                        causal_pairs)]
     for name in ("sliding window", "documents"):
         pairs = H * int(dense[name].sum())
-        mask, block_mask = dense[name], block_masks[name]
+        mask, block_mask = dense[name], flex_block_masks[name]
         results.append(measure(f"{name} (flex)", lambda q, k, v: bob_compile.flex_attention(
             q, k, v, block_mask=block_mask), pairs))
-        blocks = flex.Blocks.of(block_mask)
+        blocks = block_masks.Blocks.of(block_mask)
         results[-1]["materialize_ms"] = median_ms(
-            lambda: flex.visible_pairs(blocks, N, N, dev, 1, H), args.reps)
+            lambda: block_masks.visible_pairs(blocks, N, N, dev, 1, H), args.reps)
         results.append(measure(f"{name} (bool mask)", lambda q, k, v: bob_compile.attention(
             q, k, v, attn_mask=mask), pairs))
     per_pair = results[0]["ms"] / causal_pairs

@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import dropout
+from .interval_masks import KeyIntervals
 from .params import HIDDEN_AT_OR_BELOW, sum_to_mask
 
 # Cotangent names of `bob` outputs, in order: the VJP of `backward` w.r.t. all its tensors.
@@ -71,6 +72,8 @@ def masked(s, params):
 
 def apply_mask(s, mask):
     """s with a mask tensor (broadcastable to it) applied, as AttentionParams defines it."""
+    if isinstance(mask, KeyIntervals):
+        mask = mask.dense()
     if mask.dtype == torch.bool:
         return s.masked_fill(~mask, float("-inf"))
     return (s + mask.to(s.dtype)).masked_fill(mask <= HIDDEN_AT_OR_BELOW, float("-inf"))

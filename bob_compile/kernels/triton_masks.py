@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .interval_masks import (FROM_INDICES, KEY_INTERVALS, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,
+                             READ_THE_MASK, READ_THE_MASK_CAUSAL, KeyIntervals)
 from .params import HIDDEN_AT_OR_BELOW
 from .launching import fixed_plan, strides_of
 from .tiles import blocks
@@ -48,9 +50,6 @@ from .tuning import BUILD_ERRORS, error_summary, interpreting
 log = logging.getLogger("bob_compile.kernels")
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
-# a summary's structure (the kernels test these numbers: tiles.py)
-READ_THE_MASK, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, READ_THE_MASK_CAUSAL, KEY_INTERVALS = 0, 1, 2, 3, 4
-FROM_INDICES = (KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL, KEY_INTERVALS)   # tiles.mask_from_indices
 
 
 def mask_kind_and_tensor(params, fallback, reuse=False):
@@ -61,6 +60,8 @@ def mask_kind_and_tensor(params, fallback, reuse=False):
     mask = params.mask
     if mask is None:
         return NO_MASK, fallback, fallback
+    if isinstance(mask, KeyIntervals):        # its summary is all there is (never read)
+        return BOOL_MASK, mask.summary, mask.summary
     kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
     if params.mask_summary is not None:
         return kind, mask, params.mask_summary

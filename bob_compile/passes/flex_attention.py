@@ -28,7 +28,8 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch import fx
 
-from ..flex import flex_call, index_reads, score_mod_form, trace_mod
+from ..block_masks import index_reads, trace_mod
+from ..flex import flex_call, score_mod_form
 from .erase import erase_unused
 from .nodes import example, example_tensor, shape_text, user_code
 from .report import Site

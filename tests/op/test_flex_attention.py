@@ -248,7 +248,7 @@ def test_a_mask_mod_reading_the_batch_is_evaluated_per_batch_entry():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask), want,
                                rtol=1e-12, atol=1e-12)
-    from bob_compile.flex import mask_mod_reads
+    from bob_compile.block_masks import mask_mod_reads
     assert mask_mod_reads(per_sequence_documents) == (True, False)
     assert mask_mod_reads(causal) == (False, False)
 
@@ -285,34 +285,34 @@ def test_both_ways_of_materializing_a_block_mask_give_its_pairs(mask_mod, L, S, 
     on the host); where no synchronization may happen (traced graphs, CUDA graph capture)
     over every pair, a chunk of rows at a time. Both must give the BlockMask's pairs: its
     mask_mod inside its listed blocks, nothing outside (odd lengths, L != S, heads)."""
-    from bob_compile import flex
+    from bob_compile import block_masks
     block_mask = create_block_mask(mask_mod, *sizes, L, S, device="cpu", BLOCK_SIZE=BLOCK)
-    blocks = flex.Blocks.of(block_mask)
+    blocks = block_masks.Blocks.of(block_mask)
     q_idx, kv_idx = torch.arange(L)[:, None], torch.arange(S)[None, :]
     heads = torch.arange(H).view(1, -1, 1, 1)
     want = mask_mod(0, heads, q_idx, kv_idx).expand(1, H, L, S)
-    by_block = flex.visible_pairs(blocks, L, S, "cpu", B, H)
+    by_block = block_masks.visible_pairs(blocks, L, S, "cpu", B, H)
     assert torch.equal(by_block.expand(1, H, L, S), want)
     # the route of traced graphs, where the lists cannot be read on the host
-    monkeypatch.setattr(flex, "_may_synchronize", lambda tensor: False)
-    by_rows = flex.visible_pairs(blocks, L, S, "cpu", B, H)
+    monkeypatch.setattr(block_masks, "_may_synchronize", lambda tensor: False)
+    by_rows = block_masks.visible_pairs(blocks, L, S, "cpu", B, H)
     assert torch.equal(by_rows, by_block)
 
 
 def test_a_traced_call_materializes_without_reading_the_block_lists():
     """Inside make_fx (as AOTAutograd traces a compiled model's flex_call) the lists are fake
     or functional tensors: the mask is evaluated over every pair, no nonzero in the graph."""
-    from bob_compile import flex
+    from bob_compile import block_masks
     L = 40
     block_mask = create_block_mask(prefix_lm, None, None, L, L, device="cpu",
                                    BLOCK_SIZE=BLOCK)
-    blocks = flex.Blocks.of(block_mask)
+    blocks = block_masks.Blocks.of(block_mask)
     lists = (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
              blocks.full_kv_indices)
     graph = torch.fx.experimental.proxy_tensor.make_fx(
-        lambda *lists: flex.visible_pairs(
-            flex.Blocks((L, L), (BLOCK, BLOCK), *lists, prefix_lm, (), (False, False)),
+        lambda *lists: block_masks.visible_pairs(
+            block_masks.Blocks((L, L), (BLOCK, BLOCK), *lists, prefix_lm, (), (False, False)),
             L, L, "cpu", 1, 1))(*lists)
     assert not any("nonzero" in str(n.target) for n in graph.graph.nodes)
-    assert torch.equal(graph(*lists), flex.visible_pairs(blocks, L, L, "cpu", 1, 1))
+    assert torch.equal(graph(*lists), block_masks.visible_pairs(blocks, L, L, "cpu", 1, 1))
     assert torch.equal(graph(*lists)[0, 0], dense(prefix_lm, L, L))
