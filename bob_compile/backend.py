@@ -43,6 +43,7 @@ from . import options as options_module
 from .kernels import settings as kernel_settings
 from .passes import GraphReport, rewrite_attention
 from .passes.causal_mask import failing_guards
+from .passes.flex_attention import materialize_block_masks
 from .passes.inference import use_native_sdpa
 from .passes.autograd_functions import differentiable_backwards
 from .passes.sdpa_math import sdpa_calls_as_math
@@ -88,6 +89,7 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
         rewrite_attention(gm, example_inputs, report)
         if static_inputs.uses_cuda_graphs(opts.inductor_config):
             static_inputs.unmark_parameter_stand_ins(gm, example_inputs)
+            materialize_block_masks(gm)
         after = dump.graph_text(gm)
         report.route, report.route_reason = choose_route(gm, example_inputs, opts)
         if report.route in ("training", "eager"):       # may be differentiated twice

@@ -18,6 +18,7 @@ pattern). Given to the op as
 """
 import dataclasses
 import hashlib
+import math
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -73,6 +74,16 @@ def visible_pairs(blocks, L, S, device, batch, heads):
     sliding window's or packed documents' two or three per row of blocks: 1/40 of the
     pairs at 16K), which costs one host synchronization to list them; inside a traced graph
     or a CUDA graph capture, where none may be, over every pair a chunk of rows at a time."""
+    mask_mod, partial, full, sizes, q_block, kv_block = _layout(blocks, L, S, device, batch,
+                                                                heads)
+    evaluate = _by_block if may_synchronize(partial) else _by_rows
+    return evaluate(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device)
+
+
+def _layout(blocks, L, S, device, batch, heads):
+    """(mask_mod(b, h, q_idx, kv_idx) with the buffers bound, the listed partial and full
+    blocks as (Bm, Hm, query blocks, key blocks) bool maps (full: None where the BlockMask
+    has none), the (batch, heads) sizes to evaluate at, and the block sizes cut to L, S)."""
     # a block longer than the call (flex_attention's mask for calls without one: lengths
     # (1, 1), blocks of 2^30) covers it once
     q_block, kv_block = min(blocks.block_size[0], L), min(blocks.block_size[1], S)
@@ -90,8 +101,7 @@ def visible_pairs(blocks, L, S, device, batch, heads):
 
     def mask_mod(b, h, q_idx, kv_idx):
         return blocks.mask_mod(b, h, q_idx, kv_idx, *buffers)
-    evaluate = _by_block if _may_synchronize(partial) else _by_rows
-    return evaluate(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device)
+    return mask_mod, partial, full, sizes, q_block, kv_block
 
 
 def _by_rows(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device):
@@ -125,7 +135,20 @@ def _by_block(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device):
         0, 1, 2, 4, 3, 5)                       # (B, H, q blocks, key blocks, rows, keys)
     if full is not None:
         tiles.copy_(full.expand(*sizes, -1, -1)[..., None, None].expand(tiles.shape))
-    listed = partial.expand(*sizes, -1, -1).nonzero()          # (P, 4): the synchronization
+    for b, h, row_block, key_block, rows, keys, seen in _partial_tiles(
+            mask_mod, partial.expand(*sizes, -1, -1), q_block, kv_block, L, S):
+        tiles[b, h, row_block, key_block] = seen        # rows past L, keys past S cut below
+    return visible[..., :L, :S]
+
+
+def _partial_tiles(mask_mod, partial, q_block, kv_block, L, S):
+    """The listed partial blocks of `partial` ((B, H, query blocks, key blocks) bool) with
+    the mask_mod evaluated on them, a chunk of blocks at a time: per chunk (b, h, query
+    block, key block, rows, keys, seen), rows (n, q_block) and keys (n, kv_block) clamped to
+    L - 1 and S - 1 (the padding of a last block repeats the last row or key), seen (n,
+    q_block, kv_block) bool. Lists the blocks on the host (one synchronization)."""
+    device = partial.device
+    listed = partial.nonzero()          # (P, 4): the synchronization
     in_rows = torch.arange(q_block, device=device)
     in_keys = torch.arange(kv_block, device=device)
     evaluate = mask_mod
@@ -136,12 +159,86 @@ def _by_block(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device):
         b, h, row_block, key_block = chunk.unbind(1)
         rows = (row_block[:, None] * q_block + in_rows).clamp_max(L - 1)
         keys = (key_block[:, None] * kv_block + in_keys).clamp_max(S - 1)
-        # rows past L and keys past S (the padding) are cut off below
-        tiles[b, h, row_block, key_block] = evaluate(b, h, rows, keys).to(torch.bool)
-    return visible[..., :L, :S]
+        yield b, h, row_block, key_block, rows, keys, evaluate(b, h, rows, keys).to(torch.bool)
 
 
-def _may_synchronize(tensor):
+# ------------------------------------------------------------------ as key intervals
+def key_intervals(blocks, L, S, device, batch, heads):
+    """The key-interval summary (int32, (B or 1, H or 1, 1, 3 + 2L + 2S): kernels/
+    interval_masks.py) of the mask `blocks` applies to a (batch, heads, L, S) call (the
+    pairs of visible_pairs), or None where a query row sees more than one interval of keys
+    or a key is seen by more than one interval of queries. The mask_mod is evaluated on the
+    listed partial blocks only, a chunk at a time; nothing L x S is made. Two host
+    synchronizations (listing the blocks, the verdict): only where may_synchronize."""
+    mask_mod, partial, full, sizes, q_block, kv_block = _layout(blocks, L, S, device, batch,
+                                                                heads)
+    partial = partial.expand(*sizes, -1, -1)
+    q_blocks, kv_blocks = partial.shape[-2:]
+    # per query row its keys' first, end and count, and per key its queries': the full
+    # blocks' first, then the partial blocks' evaluated pairs added in
+    rows = _stats_of_full_blocks(full, sizes, q_blocks, kv_blocks, q_block, kv_block, L, S,
+                                 device)
+    keys = _stats_of_full_blocks(None if full is None else full.transpose(-1, -2), sizes,
+                                 kv_blocks, q_blocks, kv_block, q_block, S, L, device)
+    heads_listed = sizes[1]
+    for b, h, _, _, row_index, key_index, seen in _partial_tiles(
+            mask_mod, partial, q_block, kv_block, L, S):
+        # the padding past L or S repeats the last row or key: hidden here, not counted
+        seen = seen & _inside(row_index, q_block)[:, :, None] & \
+            _inside(key_index, kv_block)[:, None, :]
+        pair = (b * heads_listed + h)[:, None]
+        _add_tile(rows, seen, pair * L + row_index, key_index[:, None, :], S)
+        _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index[:, None, :], L)
+    if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
+        return None
+    return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
+
+
+def _inside(index, block):
+    """Which entries of a block's clamped indices (n, block) are real: those before the
+    clamp repeated the last index."""
+    first = index[:, :1]
+    return index == first + torch.arange(block, device=index.device)
+
+
+def _stats_of_full_blocks(full, sizes, row_blocks, col_blocks, row_block, col_block, rows,
+                          cols, device):
+    """(first, end, count) flat (B H rows) int64 views: per row, the columns [first, end)
+    its full blocks span and how many ((cols, 0, 0) where none)."""
+    flat = sizes[0] * sizes[1] * rows
+    if full is None:
+        return (torch.full((flat,), cols, dtype=torch.int64, device=device),
+                torch.zeros(flat, dtype=torch.int64, device=device),
+                torch.zeros(flat, dtype=torch.int64, device=device))
+    full = full.expand(*sizes, row_blocks, col_blocks)
+    starts = torch.arange(col_blocks, device=device) * col_block
+    ends = (starts + col_block).clamp_max(cols)
+    first = torch.where(full, starts, cols).amin(-1)
+    end = torch.where(full, ends, 0).amax(-1)
+    count = (full * (ends - starts)).sum(-1)
+    of_row = torch.arange(rows, device=device) // row_block
+    return tuple(t[..., of_row].reshape(flat).clone() for t in (first, end, count))
+
+
+def _add_tile(stats, seen, flat_rows, columns, none):
+    """Add evaluated tiles seen (n, rows, cols) to per-row (first, end, count) `stats` at
+    flat_rows (n, rows); columns (n, 1, cols) the column of each pair."""
+    first, end, count = stats
+    index = flat_rows.reshape(-1)
+    first.scatter_reduce_(0, index, torch.where(seen, columns, none).amin(-1).reshape(-1),
+                          "amin")
+    end.scatter_reduce_(0, index, torch.where(seen, columns + 1, 0).amax(-1).reshape(-1),
+                        "amax")
+    count.scatter_add_(0, index, seen.sum(-1).reshape(-1))
+
+
+def _one_interval_each(stats):
+    """Whether every row's pairs are the one interval [first, end) (or none)."""
+    first, end, count = stats
+    return ((count == 0) | (count == end - first)).all()
+
+
+def may_synchronize(tensor):
     """Whether reading `tensor` on the host is allowed here: a plain tensor, outside any
     tracing (Dynamo, make_fx / AOTAutograd's fake and functional tensors, dispatch modes)
     and outside a CUDA graph capture."""
@@ -220,3 +317,114 @@ def _over_index_vectors(function, indices, score=None):
         function = torch.vmap(function, in_dims=in_dims)
     return function(score, *indices)
 
+
+
+# ------------------------------------------------------------------ packed, for traced calls
+# A traced call (a compiled graph) cannot list the partial blocks on the host, and its graph
+# should hold nothing L x S; so it hands the ops the BlockMask packed into one uint8 tensor
+# (their mask argument takes one tensor), which they resolve when they run (`resolve`):
+#
+#   header (int64 words): _MAGIC, the mask_mod's key, L, S, query block, key block, reads
+#       batch, reads head, whether full blocks are listed, the number of parts, then per
+#       part its dtype's code, its number of dims and _MAX_DIMS sizes (1 beyond), and the
+#       byte offset of its data
+#   the parts, each 8-byte aligned: kv_num_blocks, kv_indices, (full_kv_num_blocks,
+#       full_kv_indices,) then the mask_mod's captured tensors
+#
+# The mask_mod itself is named by its key in this process's registry: the SHA-256 of its
+# graph's code, so that a graph compiled in another process (inductor's cache) names the
+# same function, which the pass registers again before the graph runs.
+_MAGIC = 0x626F625F626C6B73          # "bob_blks"
+_FIXED_WORDS, _MAX_DIMS, _MAX_PARTS = 10, 6, 16
+_PART_WORDS = 2 + _MAX_DIMS + 1
+_HEADER_BYTES = 8 * (_FIXED_WORDS + _PART_WORDS * _MAX_PARTS)
+_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+           torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_mask_mods = {}              # key -> mask_mod(b, h, q_idx, kv_idx, *buffers)
+
+
+def register_mask_mod(mask_mod):
+    """The key under which packed BlockMasks name `mask_mod` (a GraphModule, as Dynamo
+    records a BlockMask's mask_mod), registered in this process; None where its graph holds
+    constants of its own (its code alone would not name it)."""
+    if not isinstance(mask_mod, torch.fx.GraphModule) or \
+            mask_mod.graph.find_nodes(op="get_attr"):
+        return None
+    key = int.from_bytes(hashlib.sha256(mask_mod.code.encode()).digest()[:7], "little")
+    _mask_mods[key] = mask_mod
+    return key
+
+
+def pack(blocks, key):
+    """`blocks` (a Blocks whose mask_mod is registered under `key`) as one uint8 tensor,
+    traceable (no host synchronization); None where it cannot be packed: sizes that are not
+    plain ints, a captured value that is not a tensor, too many parts."""
+    lists = [blocks.kv_num_blocks, blocks.kv_indices]
+    has_full = blocks.full_kv_num_blocks is not None
+    if has_full:
+        lists += [blocks.full_kv_num_blocks, blocks.full_kv_indices]
+    parts = lists + list(blocks.mask_mod_buffers)
+    sizes = (*blocks.seq_lengths, *blocks.block_size)
+    if len(parts) > _MAX_PARTS or not all(type(n) is int for n in sizes) or not all(
+            isinstance(t, torch.Tensor) and t.dtype in _DTYPES and t.dim() <= _MAX_DIMS
+            and all(type(n) is int for n in t.shape) for t in parts):
+        return None
+    words = [_MAGIC, key, *sizes, *map(int, blocks.mask_mod_reads), int(has_full), len(parts)]
+    data, offset = [], _HEADER_BYTES
+    device = blocks.kv_num_blocks.device
+    for t in parts:
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        padding = -raw.numel() % 8
+        words += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *[1] * (_MAX_DIMS - t.dim()),
+                  offset]
+        data += [raw, torch.zeros(padding, dtype=torch.uint8, device=device)]
+        offset += raw.numel() + padding
+    words += [0] * (_HEADER_BYTES // 8 - len(words))
+    header = torch.tensor(words, dtype=torch.int64, device=device).view(torch.uint8)
+    return torch.cat([header, *data])
+
+
+def resolve(packed, batch, heads, L, S):
+    """The mask a packed BlockMask applies to a (batch, heads, L, S) call, as the ops take
+    it: KeyIntervals where its rows and keys are intervals, else a bool (batch, heads, L, S)
+    view. Reads the header and lists the partial blocks on the host."""
+    if packed.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "bob_compile: a packed BlockMask cannot be resolved while a CUDA graph is "
+            "captured (it lists the mask's blocks on the host); flashbob materializes "
+            "BlockMasks in graphs compiled with CUDA graphs: compile this model with "
+            "flashbob's own mode (e.g. mode='reduce-overhead') rather than capturing it")
+    words = packed[:_HEADER_BYTES].view(torch.int64).tolist()
+    if words[0] != _MAGIC:
+        raise RuntimeError("bob_compile attention ops: a uint8 mask is a BlockMask packed by "
+                           "bob_compile.block_masks.pack; this one is not")
+    key, mask_L, mask_S, q_block, kv_block, reads_batch, reads_head, has_full, n = words[1:10]
+    mask_mod = _mask_mods.get(key)
+    if mask_mod is None:
+        raise RuntimeError(f"bob_compile: the mask_mod of a packed BlockMask (key {key:#x}) "
+                           f"is not registered in this process (the flashbob pass registers "
+                           f"it when it compiles the graph)")
+    if (mask_L, mask_S) != (L, S):
+        raise RuntimeError(f"bob_compile: a BlockMask packed for {(mask_L, mask_S)} (query, "
+                           f"key) lengths reached a call of {(L, S)}")
+    parts = []
+    for p in range(n):
+        code, ndim, *rest = words[_FIXED_WORDS + _PART_WORDS * p:][:_PART_WORDS]
+        shape, offset = rest[:ndim], rest[-1]
+        dtype = _DTYPES[code]
+        nbytes = math.prod(shape) * dtype.itemsize
+        parts.append(packed[offset:offset + nbytes].view(dtype).view(shape))
+    lists = parts[:4] if has_full else parts[:2] + [None, None]
+    blocks = Blocks((L, S), (q_block, kv_block), *lists, mask_mod,
+                    tuple(parts[4 if has_full else 2:]), (bool(reads_batch), bool(reads_head)))
+    return mask_of(blocks, L, S, packed.device, batch, heads)
+
+
+def mask_of(blocks, L, S, device, batch, heads):
+    """What the ops take for the mask `blocks` applies, where one may synchronize:
+    KeyIntervals where its rows and keys are intervals, else the bool mask as a (batch,
+    heads, L, S) view."""
+    summary = key_intervals(blocks, L, S, device, batch, heads)
+    if summary is not None:
+        return KeyIntervals.of(summary, batch, heads, L, S)
+    return visible_pairs(blocks, L, S, device, batch, heads).expand(batch, heads, L, S)

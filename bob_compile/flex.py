@@ -34,8 +34,10 @@ import warnings
 
 import torch
 
-from .attention import attention
-from .block_masks import Blocks, over_indices, trace_mod, visible_pairs
+from . import autograd
+from .attention import _checked_call, attention
+from .block_masks import (Blocks, key_intervals, may_synchronize, over_indices, pack, trace_mod,
+                          visible_pairs)
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
 
@@ -140,33 +142,65 @@ def additive_bias(score_mod, query, L, S, form=None, buffers=()):
 
 
 # ------------------------------------------------------------------ running the call
-def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale, enable_gqa):
+def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale, enable_gqa,
+            mask_mod_key=None):
     L, S = query.shape[-2], key.shape[-2]
-    mask = None if blocks is None else visible_pairs(blocks, L, S, query.device,
-                                                     *query.shape[:2])
-    if score_mod is not None and not form.identity:
-        bias = additive_bias(score_mod, query, L, S, form, score_mod_buffers)
-        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    biased = score_mod is not None and not form.identity
+    if blocks is not None and not biased:
+        compact = _compact_mask(blocks, L, S, query, mask_mod_key)
+        if compact is not None:
+            return _attend_with_compact_mask(query, key, value, compact, scale, enable_gqa)
+    mask = None if blocks is None else visible_pairs(blocks, L, S, query.device,
+                                                     *query.shape[:2])
+    if biased:
+        bias = additive_bias(score_mod, query, L, S, form, score_mod_buffers)
+        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     return attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _compact_mask(blocks, L, S, query, mask_mod_key):
+    """The BlockMask's mask without anything L x S, where that can be had: eagerly its key
+    intervals (int32), where its rows and keys are intervals; in a traced call whose
+    mask_mod is registered (mask_mod_key), the BlockMask packed (uint8), which the ops
+    resolve when they run. None otherwise (the caller materializes the mask)."""
+    if may_synchronize(blocks.kv_num_blocks):
+        return key_intervals(blocks, L, S, query.device, *query.shape[:2])
+    if mask_mod_key is not None and not (query.is_cuda and
+                                         torch.cuda.is_current_stream_capturing()):
+        return pack(blocks, mask_mod_key)
+    return None
+
+
+def _attend_with_compact_mask(query, key, value, mask, scale, enable_gqa):
+    """bob_compile.attention's dispatch for a mask in a form only the ops take (int32 key
+    intervals or a uint8 packed BlockMask; ops.flat_mask)."""
+    query, key, value, _, _, scale, _ = _checked_call(query, key, value, None, 0.0, False,
+                                                      scale, enable_gqa)
+    if autograd.plain_call((query, key, value, mask)) and \
+            autograd.no_graph_needed((query, key, value)):
+        return autograd.forward_output(query, key, value, mask, scale, False)
+    return autograd.attention_with_lse(query, key, value, mask, scale, False)[0]
 
 
 def flex_call(query, key, value, score_mod, block_mask, scale, kernel_options,
               score_mod_other_buffers=(), mask_mod_other_buffers=(), *, additive, masked=True,
-              mask_mod_reads=(True, True)):
+              mask_mod_reads=(True, True), mask_mod_key=None):
     """torch.ops.higher_order.flex_attention's call (same arguments; `block_mask` the
     BlockMask's tuple) through bob_compile.attention, for a score_mod additive in the score
     (`additive`: AdditiveScoreMod's fields as a tuple, found by the pass); `masked` False
     where the BlockMask is the one flex_attention makes when given none (every pair
-    visible); `mask_mod_reads`: mask_mod_reads's, found by the pass. Returns (output,): the
+    visible); `mask_mod_reads`: mask_mod_reads's, found by the pass; `mask_mod_key`: the
+    mask_mod's key in block_masks' registry (the pass registers it), None where the
+    BlockMask is to be materialized (graphs under CUDA graphs). Returns (output,): the
     op's first output; the pass puts it only where nothing reads the others (the
     logsumexp, the maximum)."""
     blocks = Blocks.of_tuple(block_mask, mask_mod_other_buffers, mask_mod_reads) \
         if masked else None
     return (_attend(query, key, value, blocks, score_mod, AdditiveScoreMod(*additive),
                     tuple(score_mod_other_buffers), scale,
-                    enable_gqa=query.shape[1] != key.shape[1]),)
+                    enable_gqa=query.shape[1] != key.shape[1], mask_mod_key=mask_mod_key),)
 
 
 def flex_math(query, key, value, score_mod, block_mask, scale, kernel_options,

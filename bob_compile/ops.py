@@ -35,8 +35,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import block_masks, kernels
 from .kernels import dropout, layout
+from .kernels.interval_masks import KeyIntervals
 from .kernels.params import AttentionParams, mask_own_shape
 from .kernels.reference import acc_dtype
 
@@ -70,15 +71,36 @@ def _flat_rows(r: Optional[Tensor], qf: Tensor):
 
 
 def flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
-    """The mask as the kernels take it, (B, Hq, L, S), broadcast dims as stride-0 views."""
+    """The mask as the kernels take it, (B, Hq, L, S), broadcast dims as stride-0 views;
+    two forms bob_compile.flex_attention passes (never the public API): an int32 mask is a
+    mask's key intervals (kernels/interval_masks.py: (B or 1, Hq or 1, 1, 3 + 2L + 2S)),
+    taken as KeyIntervals; a uint8 one a packed BlockMask, resolved here
+    (bob_compile/block_masks.py)."""
     if mask is None:
         return None
+    if mask.dtype == torch.int32 or mask.dtype == torch.uint8:
+        return _flat_compact_mask(mask, q, k)
     full = (*q.shape[:-1], k.shape[-2])
     if mask.shape != full:
         mask = mask.expand(full)
     if mask.dim() == 4:
         return mask
     return mask.reshape(-1, *full[-3:]) if mask.dim() > 2 else mask.view(1, 1, *full)
+
+
+def _flat_compact_mask(mask, q, k):
+    L, S = q.shape[-2], k.shape[-2]
+    heads = q.shape[-3] if q.dim() > 2 else 1
+    batch = math.prod(q.shape[:-3])
+    if mask.dtype == torch.uint8:
+        if mask.dim() != 1:
+            raise RuntimeError("bob_compile attention ops: a uint8 mask is a packed BlockMask "
+                               "(bob_compile/block_masks.py), one-dimensional")
+        return block_masks.resolve(mask, batch, heads, L, S)
+    if mask.dim() == 4 and q.dim() != 4:        # a (B, Hq, 1, X) summary over more dims
+        mask = mask.expand(*q.shape[:-2], 1, mask.shape[-1]).reshape(
+            batch, heads, 1, mask.shape[-1])
+    return KeyIntervals.of(mask, batch, heads, L, S)
 
 
 def _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p=0.0, seed=None):
@@ -397,13 +419,19 @@ def _vmap_rule(op, n_out):
     With dropout, each vmapped call must draw the mask a call of its own would: the
     counter of a mask element holds its flattened batch index (kernels/dropout.py), which a
     moved vmap dim would change. So those calls run one by one: with one seed (vmap's
-    randomness="same") each draws the same mask, with a seed per call ("different") its own."""
+    randomness="same") each draws the same mask, with a seed per call ("different") its own.
+    So do calls with a packed BlockMask (block_masks.py)."""
     names = [a.name for a in op._opoverload._schema.arguments]
     mask_at, query_at = names.index("mask"), names.index("q")
     dropout_at, seed_at = names.index("dropout_p"), names.index("seed")
 
     def rule(info, in_dims, *args):
         if len(args) > dropout_at and args[dropout_at]:       # (defaults may be left out)
+            return _one_by_one(op, info, in_dims, args), (0,) * n_out
+        mask = args[mask_at]
+        if mask is not None and mask.dtype == torch.uint8:
+            # a packed BlockMask's mask_mod reads the batch index of the call it was made
+            # for: batched together, the calls would number their entries anew
             return _one_by_one(op, info, in_dims, args), (0,) * n_out
         moved = []
         for i, (a, d) in enumerate(zip(args, in_dims)):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch import fx
 
-from ..block_masks import index_reads, trace_mod
+from ..block_masks import index_reads, register_mask_mod, trace_mod
 from ..flex import flex_call, score_mod_form
 from .erase import erase_unused
 from .nodes import example, example_tensor, shape_text, user_code
@@ -67,13 +67,36 @@ def _rewrite_call(gm, node):
     masked = not _is_flex_default_mask(block_tuple, mask_mod_graph)
     node.target = flex_call
     node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked,
-                   "mask_mod_reads": index_reads(mask_mod_graph)}
+                   "mask_mod_reads": index_reads(mask_mod_graph),
+                   "mask_mod_key": _registered(gm, block_tuple[-1]) if masked else None}
     site.replaced = True
     site.enable_gqa = _heads(query) != _heads(key)
+    blocks = "BlockMask (materialized per call)"
+    if node.kwargs["mask_mod_key"] is not None and form.identity:
+        blocks = "BlockMask (resolved by the op per call: key intervals, or materialized)"
     site.mask = ", ".join(what for what, present in (
-        ("BlockMask (materialized per call)", masked),
+        (blocks, masked),
         ("score_mod's additive bias (materialized per call)", not form.identity)) if present)
     return site
+
+
+def _registered(gm, mask_fn):
+    """The mask_mod's key in bob_compile.block_masks' registry (registered now), so that
+    flex_call may hand the ops the BlockMask packed; None where it cannot be named."""
+    if not (isinstance(mask_fn, fx.Node) and mask_fn.op == "get_attr"):
+        return None
+    return register_mask_mod(getattr(gm, mask_fn.target))
+
+
+def materialize_block_masks(gm):
+    """Have every flex_call of `gm` (and of its subgraphs) materialize its BlockMask: for
+    graphs run under CUDA graphs, where the ops cannot resolve a packed one (it lists the
+    blocks on the host)."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.find_nodes(op="call_function", target=flex_call):
+                node.kwargs = {**node.kwargs, "mask_mod_key": None}
+            module.recompile()
 
 
 def _is_flex_default_mask(block_tuple, mask_mod_graph):

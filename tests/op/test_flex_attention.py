@@ -294,7 +294,7 @@ def test_both_ways_of_materializing_a_block_mask_give_its_pairs(mask_mod, L, S, 
     by_block = block_masks.visible_pairs(blocks, L, S, "cpu", B, H)
     assert torch.equal(by_block.expand(1, H, L, S), want)
     # the route of traced graphs, where the lists cannot be read on the host
-    monkeypatch.setattr(block_masks, "_may_synchronize", lambda tensor: False)
+    monkeypatch.setattr(block_masks, "may_synchronize", lambda tensor: False)
     by_rows = block_masks.visible_pairs(blocks, L, S, "cpu", B, H)
     assert torch.equal(by_rows, by_block)
 
