@@ -495,6 +495,21 @@ def test_masks_of_intervals_as_booleans_with_gqa():
 
 
 @in_interpreter
+def test_key_intervals_alone_run_every_kernel():
+    """A mask given only as its key intervals (KeyIntervals: what bob_compile.flex_attention
+    hands the op for a BlockMask, no L x S tensor at all) runs every kernel as the same
+    boolean mask does; the group's three query heads have different intervals."""
+    from bob_compile.kernels.interval_masks import KeyIntervals
+    from bob_compile.kernels.triton_masks import summarize_with_torch
+    B, Hq, L = 2, 3, 77
+    visible = interval_masks(L).transpose(0, 1).expand(B, Hq, L, L)
+    intervals = KeyIntervals(summarize_with_torch(visible), L, L)
+    q, k, v = make_inputs(B, Hq, 1, L, L, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=intervals,
+                   reference_mask=visible)
+
+
+@in_interpreter
 def test_read_masks_keep_every_order_exact_with_is_causal():
     """The same masks as booleans under is_causal=True (the documents then causal too)."""
     B, Hq, L = 2, 2, 70

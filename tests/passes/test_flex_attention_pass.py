@@ -235,3 +235,85 @@ def test_a_failure_of_the_passes_runs_the_untouched_graph_with_its_attention_as_
     assert max_error(actual, expected) <= TOLERANCE
     assert recent_reports[-1].route == "untouched"
     assert "its attention runs as math" in recent_reports[-1].route_reason
+
+
+# ---------------------------------------------------------------------------- the mask's form
+def _resolved(monkeypatch):
+    """What the ops resolve packed BlockMasks to, call by call."""
+    from bob_compile import block_masks
+    resolved, resolve = [], block_masks.resolve
+
+    def spy(*args):
+        resolved.append(resolve(*args))
+        return resolved[-1]
+    monkeypatch.setattr(block_masks, "resolve", spy)
+    return resolved
+
+
+@pytest.mark.parametrize("name", ["documents", "prefix-LM + relative buffer"])
+def test_a_compiled_block_mask_reaches_the_ops_packed(monkeypatch, name):
+    """In a compiled graph a BlockMask is packed (its block lists and captured tensors:
+    nothing L x S in the graph or saved between its ops); each op resolves it when it runs,
+    to key intervals for these masks (causal packed documents, prefix-LM). With an additive
+    bias the mask stays materialized with it."""
+    from bob_compile.kernels.interval_masks import KeyIntervals
+    resolved = _resolved(monkeypatch)
+    model, batches = make(name)
+    expected = hutchinson_hvp(reference(model), batches[:1])
+    actual = hutchinson_hvp(torch.compile(model, backend=flashbob, options=OPTIONS), batches[:1])
+    assert max_error(actual, expected) <= TOLERANCE
+    site, = [s for r in recent_reports for s in r.sites]
+    if name == "documents":
+        assert "resolved by the op" in site.mask
+        # the forward, the create_graph backward, the double backward's ops
+        assert len(resolved) >= 3 and all(isinstance(m, KeyIntervals) for m in resolved)
+    else:
+        assert "materialized" in site.mask and not resolved
+
+
+def test_a_block_mask_of_more_than_intervals_resolves_to_booleans(monkeypatch):
+    """A dilated causal mask (every other key) is no interval per row: the ops resolve the
+    packed BlockMask to the boolean mask, exact at every order."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    resolved = _resolved(monkeypatch)
+    L = 41
+
+    def dilated(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((q_idx - kv_idx) % 2 == 0)
+    block_mask = create_block_mask(dilated, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+    rows, keys = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    visible = (rows >= keys) & ((rows - keys) % 2 == 0)
+    g = torch.Generator().manual_seed(3)
+    q0, k0, v0 = (torch.randn(1, 2, L, E, dtype=torch.float64, generator=g) for _ in range(3))
+
+    def hvp(attend):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        grads = torch.autograd.grad(attend(q, k, v).sin().sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad(grads, (q, k, v), [torch.ones_like(t) for t in grads])
+
+    def math(q, k, v):
+        scores = (q @ k.transpose(-1, -2) / E ** 0.5).masked_fill(~visible, float("-inf"))
+        return scores.softmax(-1) @ v
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask),
+                             backend=flashbob, options=OPTIONS)
+    assert max_error(hvp(compiled), hvp(math)) <= TOLERANCE
+    assert resolved and all(isinstance(m, torch.Tensor) and m.dtype == torch.bool
+                            for m in resolved)
+
+
+def test_graphs_under_cuda_graphs_materialize_their_block_masks():
+    """A graph compiled with CUDA graphs cannot have its ops list a mask's blocks on the
+    host (a capture allows no synchronization): its flex_calls materialize the mask."""
+    from bob_compile.flex import flex_call
+    from bob_compile.passes import rewrite_attention
+    from bob_compile.passes.flex_attention import materialize_block_masks
+    model, batches = make("documents")
+    graphs = []
+    torch.compile(model, backend=lambda gm, inputs: graphs.append(gm) or gm)(batches[0])
+    gm, = graphs
+    rewrite_attention(gm, [batches[0]])
+    calls = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+             for n in m.graph.find_nodes(op="call_function", target=flex_call)]
+    assert calls and all(n.kwargs["mask_mod_key"] is not None for n in calls)
+    materialize_block_masks(gm)
+    assert all(n.kwargs["mask_mod_key"] is None for n in calls)

@@ -1,0 +1,282 @@
+"""A BlockMask without an L x S tensor (bob_compile/block_masks.py): its key intervals, the
+packed form compiled graphs hand the ops, and the ops' every order with a mask given as
+key intervals, in float64 on the CPU against the same mask as booleans (built here from
+the patterns' definitions, or from visible_pairs, which test_flex_attention.py checks)."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.func import grad, jvp, vmap
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+import bob_compile
+from bob_compile import autograd, block_masks
+from bob_compile.kernels import blockwise
+from bob_compile.kernels.interval_masks import KeyIntervals
+from bob_compile.kernels.triton_masks import KEY_INTERVALS, summarize_with_torch
+
+BLOCK = 16
+
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 7)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < 11) | (q_idx >= kv_idx)
+
+
+def window_per_head(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 3 + 4 * h)
+
+
+def dilated(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & ((q_idx - kv_idx) % 2 == 0)
+
+
+def two_windows(b, h, q_idx, kv_idx):
+    return (kv_idx < 3) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 4))
+
+
+def document_ids(batch, L, seed):
+    """Sorted document ids per batch entry: packed sequences of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 5, (batch, L), generator=g).sort(-1).values
+
+
+def documents(ids, causal=True):
+    """Attention inside each document of `ids` (batch, L), causal or not: reads b."""
+    def document_mask(b, h, q_idx, kv_idx):
+        same = ids[b, q_idx] == ids[b, kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+    return document_mask
+
+
+def dense(mask_mod, batch, heads, L, S):
+    """The mask_mod at every pair, by broadcasting (no BlockMask)."""
+    b = torch.arange(batch).view(-1, 1, 1, 1)
+    h = torch.arange(heads).view(1, -1, 1, 1)
+    return mask_mod(b, h, torch.arange(L).view(1, 1, -1, 1),
+                    torch.arange(S).view(1, 1, 1, -1)).expand(batch, heads, L, S)
+
+
+def blocks_of(mask_mod, batch, heads, L, S, block=BLOCK):
+    block_mask = create_block_mask(mask_mod, batch, heads, L, S, device="cpu",
+                                   BLOCK_SIZE=block)
+    return block_masks.Blocks.of(block_mask)
+
+
+INTERVAL_CASES = {     # name: (mask_mod, batch, heads, L, S)
+    "sliding window": (window, None, None, 50, 50),
+    "prefix-LM, L != S": (prefix_lm, None, None, 37, 53),
+    "window per head": (window_per_head, None, 3, 41, 41),
+    "causal documents per batch entry": (documents(document_ids(2, 45, 1)), 2, None, 45, 45),
+    "documents, both ways": (documents(document_ids(2, 45, 2), causal=False), 2, None, 45, 45),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERVAL_CASES))
+@pytest.mark.parametrize("block", [BLOCK, 128])
+def test_key_intervals_are_the_visible_pairs(name, block):
+    """Rows and keys one interval each: the summary describes exactly the BlockMask's pairs
+    (as KeyIntervals tiles and whole), with the summary the kernels make of the boolean mask."""
+    mask_mod, batch, heads, L, S = INTERVAL_CASES[name]
+    B, H = 2, 3
+    blocks = blocks_of(mask_mod, batch, heads, L, S, block)
+    summary = block_masks.key_intervals(blocks, L, S, "cpu", B, H)
+    assert summary is not None and summary.dtype == torch.int32
+    want = dense(mask_mod, B, H, L, S)
+    intervals = KeyIntervals.of(summary, B, H, L, S)
+    assert torch.equal(intervals.dense(), want)
+    assert torch.equal(intervals[:, :, 5:33, 9:40], want[:, :, 5:33, 9:40])
+    expected = summarize_with_torch(want)
+    full = summary.expand(B, H, 1, -1)
+    assert torch.equal(full[..., :2], expected[..., :2])
+    assert torch.equal(full[..., 3:], expected[..., 3:])
+    assert (full[..., 2] == KEY_INTERVALS).all()
+    # O(L + S) per distinct batch entry and head: nothing L x S
+    assert summary.shape[:2] == (batch or 1, heads or 1)
+
+
+@pytest.mark.parametrize("mask_mod", [dilated, two_windows])
+def test_masks_that_are_not_intervals_have_none(mask_mod):
+    blocks = blocks_of(mask_mod, None, None, 40, 40)
+    assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
+    resolved = block_masks.mask_of(blocks, 40, 40, "cpu", 2, 3)
+    assert torch.equal(resolved, dense(mask_mod, 2, 3, 40, 40))
+
+
+def test_the_block_lists_decide_with_the_mask_mod():
+    """A BlockMask whose lists name fewer blocks than its mask_mod's pattern (built with
+    from_kv_blocks) hides the unlisted ones, as FlexAttention's kernels do: a causal
+    mask_mod listed on the last two key blocks of each row block only is a sliding window
+    of blocks, intervals still; with a block left out in the middle, not."""
+    L, n = 64, 4
+    rows = torch.arange(n)
+    first = (rows - 1).clamp_min(0)
+    kv_num_blocks = (rows - first + 1).view(1, 1, n).int()
+    kv_indices = torch.stack([torch.arange(n) + f for f in first.tolist()]).clamp_max(n - 1)
+    block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices.view(1, 1, n, n).int(),
+                                          BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, q, kv: q >= kv,
+                                          seq_lengths=(L, L))
+    blocks = block_masks.Blocks.of(block_mask)
+    want = block_masks.visible_pairs(blocks, L, L, "cpu", 1, 1)
+    assert not torch.equal(want[0, 0], dense(window, 1, 1, L, L)[0, 0].tril())  # lists matter
+    summary = block_masks.key_intervals(blocks, L, L, "cpu", 1, 1)
+    assert torch.equal(KeyIntervals.of(summary, 1, 1, L, L).dense(), want)
+    holes = kv_indices.clone()
+    holes[3, 0] = 0                       # row block 3 lists key blocks 0 and 3
+    block_mask = BlockMask.from_kv_blocks(kv_num_blocks, holes.view(1, 1, n, n).int(),
+                                          BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, q, kv: q >= kv,
+                                          seq_lengths=(L, L))
+    assert block_masks.key_intervals(block_masks.Blocks.of(block_mask), L, L, "cpu", 1, 1) \
+        is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(L=st.integers(1, 70), S=st.integers(1, 70), width=st.integers(1, 80),
+       block=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2 ** 16))
+def test_windows_and_documents_of_any_size(L, S, width, block, seed):
+    ids = document_ids(1, max(L, S), seed)
+
+    def documents_in_a_window(b, h, q_idx, kv_idx):
+        return (ids[0, q_idx] == ids[0, kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < width)
+    blocks = blocks_of(documents_in_a_window, None, None, L, S, block)
+    summary = block_masks.key_intervals(blocks, L, S, "cpu", 1, 1)
+    assert summary is not None
+    assert torch.equal(KeyIntervals.of(summary, 1, 1, L, S).dense(),
+                       dense(documents_in_a_window, 1, 1, L, S))
+
+
+# ---------------------------------------------------------------------------- packed
+def graph_of(mask_mod):
+    """The mask_mod as the GraphModule Dynamo would record (its tensors as arguments)."""
+    return torch.fx.symbolic_trace(mask_mod)
+
+
+def documents_with_ids(b, h, q_idx, kv_idx, ids):
+    return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+
+@pytest.mark.parametrize("mask_mod,ids", [(window, None), (documents_with_ids, True),
+                                          (dilated, None)])
+def test_a_packed_block_mask_resolves_to_its_pairs(mask_mod, ids):
+    B, H, L = 2, 3, 96
+    module = graph_of(mask_mod)
+    key = block_masks.register_mask_mod(module)
+    buffers = (document_ids(B, L, 4),) if ids else ()
+    def bound(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx, kv_idx, *buffers)
+    block_mask = create_block_mask(bound, B if ids else None, None, L, L, device="cpu",
+                                   BLOCK_SIZE=BLOCK)
+    blocks = block_masks.Blocks.of(block_mask)
+    blocks.mask_mod, blocks.mask_mod_buffers = module, buffers
+    packed = block_masks.pack(blocks, key)
+    assert packed.dtype == torch.uint8 and packed.dim() == 1 and packed.numel() < L * L
+    resolved = block_masks.resolve(packed, B, H, L, L)
+    want = dense(bound, B, H, L, L)
+    if mask_mod is dilated:
+        assert torch.equal(resolved, want)
+    else:
+        assert isinstance(resolved, KeyIntervals) and torch.equal(resolved.dense(), want)
+    # traced as a compiled graph traces it: no host read, nothing L x S in the graph
+    traced = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda *lists: block_masks.pack(block_masks.Blocks(
+            (L, L), (BLOCK, BLOCK), *lists, module, buffers, blocks.mask_mod_reads), key))(
+        blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
+        blocks.full_kv_indices)
+    assert not any("nonzero" in str(n.target) or "item" in str(n.target)
+                   for n in traced.graph.nodes)
+    assert torch.equal(traced(blocks.kv_num_blocks, blocks.kv_indices,
+                              blocks.full_kv_num_blocks, blocks.full_kv_indices), packed)
+
+
+def test_resolving_refuses_what_it_cannot_name():
+    blocks = blocks_of(window, None, None, 20, 20)
+    module = graph_of(window)
+    blocks.mask_mod = module
+    packed = block_masks.pack(blocks, 0x1234567)         # never registered
+    with pytest.raises(RuntimeError, match="not registered in this process"):
+        block_masks.resolve(packed, 1, 1, 20, 20)
+    key = block_masks.register_mask_mod(module)
+    with pytest.raises(RuntimeError, match=r"packed for \(20, 20\)"):
+        block_masks.resolve(block_masks.pack(blocks, key), 1, 1, 20, 21)
+    with pytest.raises(RuntimeError, match="packed by"):
+        block_masks.resolve(torch.zeros(2000, dtype=torch.uint8), 1, 1, 20, 20)
+    # a mask_mod with constants of its own is not named by its code: not packed
+    module.register_buffer("table", torch.ones(3))
+    module.graph.get_attr("table")
+    assert block_masks.register_mask_mod(module) is None
+
+
+# ---------------------------------------------------------------------------- the ops
+def inputs(B, H, L, S, E=8, seed=0, kv_heads=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(B, kv_heads or H, S, E, dtype=torch.float64, generator=g)
+            for _ in range(2))
+    return q, k, v
+
+
+def every_order(attend, q, k, v):
+    """Output, gradient, a Hessian-vector product and forward over reverse."""
+    def loss(q, k, v):
+        return (attend(q, k, v) ** 2).sum()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves)
+    grads = torch.autograd.grad(loss(*leaves), leaves, create_graph=True)
+    directions = [torch.ones_like(t) for t in leaves]
+    hvp = torch.autograd.grad(grads, leaves, directions)
+    _, forward_over_reverse = jvp(grad(loss, argnums=(0, 1, 2)), (q, k, v), tuple(directions))
+    return (out, *grads, *hvp, *forward_over_reverse)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_the_op_takes_key_intervals_at_every_order(kv_heads):
+    """The op with an int32 key-interval mask equals the op with the same boolean mask
+    (and SDPA's math), every order, GQA too; tiles smaller than the intervals."""
+    B, H, L, S = 2, 3, 45, 45
+    mask_mod = documents(document_ids(B, L, 7))
+    summary = block_masks.key_intervals(blocks_of(mask_mod, B, None, L, S), L, S, "cpu", B, H)
+    visible = dense(mask_mod, B, H, L, S)
+    q, k, v = inputs(B, H, L, S, kv_heads=kv_heads)
+    gqa = kv_heads is not None
+    with blockwise.tiles(16, 8):
+        ours = every_order(lambda q, k, v: autograd.attention_with_lse(
+            q, k.repeat_interleave(3, 1) if gqa else k, v.repeat_interleave(3, 1) if gqa else v,
+            summary, 8 ** -0.5, False)[0], q, k, v)
+    bool_mask = every_order(lambda q, k, v: bob_compile.attention(
+        q, k, v, attn_mask=visible, enable_gqa=gqa), q, k, v)
+    for a, e in zip(ours, bool_mask):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_flex_attention_passes_key_intervals_and_vmaps():
+    """bob_compile.flex_attention hands the op the key intervals (no L x S mask made), and
+    torch.func.vmap over it gives each sample's own result."""
+    B, H, L = 2, 3, 40
+    mask_mod = documents(document_ids(B, L, 9))
+    block_mask = create_block_mask(mask_mod, B, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    real = block_masks.visible_pairs
+    block_masks_visible = []
+
+    def spy(*args, **kwargs):
+        block_masks_visible.append(args)
+        return real(*args, **kwargs)
+    q, k, v = inputs(B, H, L, L, seed=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bob_compile.flex, "visible_pairs", spy)
+        out = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+        batched = vmap(lambda q: bob_compile.flex_attention(q, k, v, block_mask=block_mask))(
+            torch.stack([q, 2 * q]))
+    assert not block_masks_visible
+    want = bob_compile.attention(q, k, v, attn_mask=dense(mask_mod, B, H, L, L))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(batched[1], bob_compile.attention(
+        2 * q, k, v, attn_mask=dense(mask_mod, B, H, L, L)), rtol=1e-12, atol=1e-12)
+
+
+def test_the_public_call_refuses_the_internal_forms():
+    q, k, v = inputs(1, 1, 8, 8)
+    for mask in (torch.zeros(1, 1, 1, 35, dtype=torch.int32), torch.zeros(9, dtype=torch.uint8)):
+        with pytest.raises(RuntimeError, match="attn_mask must be bool"):
+            bob_compile.attention(q, k, v, attn_mask=mask)
