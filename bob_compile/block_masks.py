@@ -16,9 +16,12 @@ pattern). Given to the op as
   registry (`register_mask_mod`); the ops resolve it when they run (`resolve`), to one of
   the two above. Nothing O(L S) lives in the graph or between its ops.
 """
+import collections
 import dataclasses
 import hashlib
 import math
+import types
+import weakref
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -61,8 +64,9 @@ class Blocks:
 
 
 # mask_mod evaluations per chunk: bounds the index-sized intermediates (int64 for a
-# document-id lookup) that evaluating a chunk makes, 128 MiB each
-_EVALUATIONS_PER_CHUNK = 1 << 24
+# document-id lookup) that evaluating a chunk makes, 32 MiB each (they add to the peak of
+# the step where an op resolves a packed mask)
+_EVALUATIONS_PER_CHUNK = 1 << 22
 
 
 def visible_pairs(blocks, L, S, device, batch, heads):
@@ -187,8 +191,8 @@ def key_intervals(blocks, L, S, device, batch, heads):
         seen = seen & _inside(row_index, q_block)[:, :, None] & \
             _inside(key_index, kv_block)[:, None, :]
         pair = (b * heads_listed + h)[:, None]
-        _add_tile(rows, seen, pair * L + row_index, key_index[:, None, :], S)
-        _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index[:, None, :], L)
+        _add_tile(rows, seen, pair * L + row_index, key_index, S)
+        _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index, L)
     if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
         return None
     return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
@@ -222,14 +226,22 @@ def _stats_of_full_blocks(full, sizes, row_blocks, col_blocks, row_block, col_bl
 
 def _add_tile(stats, seen, flat_rows, columns, none):
     """Add evaluated tiles seen (n, rows, cols) to per-row (first, end, count) `stats` at
-    flat_rows (n, rows); columns (n, 1, cols) the column of each pair."""
+    flat_rows (n, rows); columns (n, cols) the (consecutive) column of each pair. A row's
+    first and last visible columns are found as argmaxes over bytes, without an index-sized
+    tensor per pair."""
     first, end, count = stats
     index = flat_rows.reshape(-1)
-    first.scatter_reduce_(0, index, torch.where(seen, columns, none).amin(-1).reshape(-1),
-                          "amin")
-    end.scatter_reduce_(0, index, torch.where(seen, columns + 1, 0).amax(-1).reshape(-1),
-                        "amax")
-    count.scatter_add_(0, index, seen.sum(-1).reshape(-1))
+    seen_bytes = seen.to(torch.uint8)
+    tile_count = seen_bytes.sum(-1, dtype=torch.int64)
+    cols = seen.shape[-1]
+    first_at = seen_bytes.argmax(-1)                          # the first True of each row
+    last_at = cols - 1 - seen_bytes.flip(-1).argmax(-1)       # and its last
+    sees = tile_count > 0
+    tile_first = torch.where(sees, columns.gather(-1, first_at), none)
+    tile_end = torch.where(sees, columns.gather(-1, last_at) + 1, 0)
+    first.scatter_reduce_(0, index, tile_first.reshape(-1), "amin")
+    end.scatter_reduce_(0, index, tile_end.reshape(-1), "amax")
+    count.scatter_add_(0, index, tile_count.reshape(-1))
 
 
 def _one_interval_each(stats):
@@ -394,7 +406,9 @@ def resolve(packed, batch, heads, L, S):
             "captured (it lists the mask's blocks on the host); flashbob materializes "
             "BlockMasks in graphs compiled with CUDA graphs: compile this model with "
             "flashbob's own mode (e.g. mode='reduce-overhead') rather than capturing it")
-    words = packed[:_HEADER_BYTES].view(torch.int64).tolist()
+    cached = packed.numel() <= _CONTENT_KEYED_BYTES
+    data = (packed if cached else packed[:_HEADER_BYTES]).cpu()
+    words = data[:_HEADER_BYTES].view(torch.int64).tolist()
     if words[0] != _MAGIC:
         raise RuntimeError("bob_compile attention ops: a uint8 mask is a BlockMask packed by "
                            "bob_compile.block_masks.pack; this one is not")
@@ -417,14 +431,92 @@ def resolve(packed, batch, heads, L, S):
     lists = parts[:4] if has_full else parts[:2] + [None, None]
     blocks = Blocks((L, S), (q_block, kv_block), *lists, mask_mod,
                     tuple(parts[4 if has_full else 2:]), (bool(reads_batch), bool(reads_head)))
-    return mask_of(blocks, L, S, packed.device, batch, heads)
-
-
-def mask_of(blocks, L, S, device, batch, heads):
-    """What the ops take for the mask `blocks` applies, where one may synchronize:
-    KeyIntervals where its rows and keys are intervals, else the bool mask as a (batch,
-    heads, L, S) view."""
-    summary = key_intervals(blocks, L, S, device, batch, heads)
+    # each op of a step resolves the same packed mask, and each step packs it anew: its
+    # intervals are kept by content (the bytes read above: block lists, captured tensors,
+    # the mask_mod's key)
+    content = (hash(data.numpy().tobytes()), batch, heads, L, S, str(packed.device)) \
+        if cached else None
+    summary = _by_content.get(content) if cached else None
+    if summary is None:
+        summary = key_intervals(blocks, L, S, packed.device, batch, heads)
+        if summary is not None and cached:
+            _keep(_by_content, content, summary)
     if summary is not None:
         return KeyIntervals.of(summary, batch, heads, L, S)
-    return visible_pairs(blocks, L, S, device, batch, heads).expand(batch, heads, L, S)
+    return visible_pairs(blocks, L, S, packed.device, batch, heads).expand(batch, heads, L, S)
+
+
+# ------------------------------------------------------------------ kept across calls
+# A training loop attends with the same BlockMask call after call: key intervals (small)
+# are kept, a few at a time, and found again by what they were made from. A packed mask by
+# its bytes (resolve); an eager call's by the identity and version of every tensor its
+# pairs depend on (reused_key_intervals).
+_CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buffer) not kept
+_KEPT = 8
+_by_content = collections.OrderedDict()
+_by_identity = collections.OrderedDict()
+
+
+def _keep(kept, key, value):
+    kept[key] = value
+    kept.move_to_end(key)
+    while len(kept) > _KEPT:
+        kept.popitem(last=False)
+
+
+def reused_key_intervals(blocks, L, S, device, batch, heads):
+    """key_intervals(...), kept for the next call with the same BlockMask, mask_mod and
+    tensors, none of them modified since (their versions). Kept only for a mask_mod that is
+    a plain function whose closure and the globals it names hold nothing else that could
+    change what it computes (tensors, numbers, strings, modules and PyTorch's or Python's
+    own functions); anything else is evaluated every call."""
+    sources = _sources(blocks)
+    if sources is None:
+        return key_intervals(blocks, L, S, device, batch, heads)
+    key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in sources), L, S, batch,
+           heads, str(device))
+    kept = _by_identity.get(key)
+    if kept is not None and kept[0]() is blocks.mask_mod and \
+            all(ref() is t for ref, t in zip(kept[1], sources)):
+        _by_identity.move_to_end(key)
+        return kept[2]
+    summary = key_intervals(blocks, L, S, device, batch, heads)
+    if summary is not None:
+        _keep(_by_identity, key, (weakref.ref(blocks.mask_mod),
+                                  [weakref.ref(t) for t in sources], summary))
+    return summary
+
+
+_CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), types.ModuleType)
+
+
+def _sources(blocks):
+    """The tensors the pairs of `blocks` depend on (block lists, captured buffers, the
+    tensors its mask_mod reads from its closure and globals), or None where that cannot be
+    told (see reused_key_intervals)."""
+    mask_mod = blocks.mask_mod
+    if not isinstance(mask_mod, types.FunctionType):
+        return None
+    tensors = [t for t in (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
+                           blocks.full_kv_indices, *blocks.mask_mod_buffers) if t is not None]
+    cells = []
+    for cell in mask_mod.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:          # an empty cell
+            return None
+    names = mask_mod.__code__.co_names
+    read = cells + [mask_mod.__globals__[n] for n in names if n in mask_mod.__globals__]
+    for value in read:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif not (isinstance(value, _CONSTANT_TYPES) or _library_function(value)):
+            return None
+    return tensors
+
+
+def _library_function(value):
+    """PyTorch's or Python's own callables (torch.where, abs): they read no user state."""
+    module = getattr(value, "__module__", None) or ""
+    return callable(value) and (module == "builtins" or module.split(".")[0] == "torch") \
+        and not isinstance(value, torch.nn.Module)

@@ -36,8 +36,8 @@ import torch
 
 from . import autograd
 from .attention import _checked_call, attention
-from .block_masks import (Blocks, key_intervals, may_synchronize, over_indices, pack, trace_mod,
-                          visible_pairs)
+from .block_masks import (Blocks, may_synchronize, over_indices, pack, reused_key_intervals,
+                          trace_mod, visible_pairs)
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
 
@@ -166,7 +166,7 @@ def _compact_mask(blocks, L, S, query, mask_mod_key):
     mask_mod is registered (mask_mod_key), the BlockMask packed (uint8), which the ops
     resolve when they run. None otherwise (the caller materializes the mask)."""
     if may_synchronize(blocks.kv_num_blocks):
-        return key_intervals(blocks, L, S, query.device, *query.shape[:2])
+        return reused_key_intervals(blocks, L, S, query.device, *query.shape[:2])
     if mask_mod_key is not None and not (query.is_cuda and
                                          torch.cuda.is_current_stream_capturing()):
         return pack(blocks, mask_mod_key)

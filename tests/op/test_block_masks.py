@@ -101,8 +101,6 @@ def test_key_intervals_are_the_visible_pairs(name, block):
 def test_masks_that_are_not_intervals_have_none(mask_mod):
     blocks = blocks_of(mask_mod, None, None, 40, 40)
     assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
-    resolved = block_masks.mask_of(blocks, 40, 40, "cpu", 2, 3)
-    assert torch.equal(resolved, dense(mask_mod, 2, 3, 40, 40))
 
 
 def test_the_block_lists_decide_with_the_mask_mod():
@@ -280,3 +278,78 @@ def test_the_public_call_refuses_the_internal_forms():
     for mask in (torch.zeros(1, 1, 1, 35, dtype=torch.int32), torch.zeros(9, dtype=torch.uint8)):
         with pytest.raises(RuntimeError, match="attn_mask must be bool"):
             bob_compile.attention(q, k, v, attn_mask=mask)
+
+
+# ---------------------------------------------------------------------------- kept across calls
+def counting_key_intervals(monkeypatch):
+    calls, real = [], block_masks.key_intervals
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+    monkeypatch.setattr(block_masks, "key_intervals", spy)
+    return calls
+
+
+def test_an_eager_block_mask_is_evaluated_once_until_its_tensors_change(monkeypatch):
+    """The same BlockMask call after call: its intervals are kept. The mask_mod's captured
+    ids modified in place (their version changes): evaluated again, and the result follows
+    the new ids (FlexAttention's semantics: the listed blocks, the mask_mod as it reads
+    now)."""
+    calls = counting_key_intervals(monkeypatch)
+    B, H, L = 1, 2, 40
+    ids = document_ids(1, L, 5)
+    mask_mod = documents(ids)
+    block_mask = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    q, k, v = inputs(B, H, L, L, seed=4)
+    first = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+    second = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+    assert len(calls) == 1 and torch.equal(first, second)
+    ids[0, 20:] = ids[0, 20:] + 1           # a new document boundary at 20
+    third = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+    assert len(calls) == 2
+    want = block_masks.visible_pairs(block_masks.Blocks.of(block_mask), L, L, "cpu", B, H)
+    torch.testing.assert_close(third, bob_compile.attention(q, k, v, attn_mask=want),
+                               rtol=1e-12, atol=1e-12)
+    assert not torch.equal(third, first)
+
+
+def test_a_mask_mod_calling_user_code_is_evaluated_every_call(monkeypatch):
+    """What a mask_mod's helper function reads cannot be told: no intervals kept."""
+    calls = counting_key_intervals(monkeypatch)
+
+    def helper(q_idx, kv_idx):
+        return q_idx - kv_idx < 5
+    def helped(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & helper(q_idx, kv_idx)
+    block_mask = create_block_mask(helped, None, None, 30, 30, device="cpu", BLOCK_SIZE=BLOCK)
+    q, k, v = inputs(1, 1, 30, 30)
+    for _ in range(2):
+        bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+    assert len(calls) == 2
+
+
+def test_a_packed_mask_is_evaluated_once_per_content(monkeypatch):
+    """Each op of a compiled step resolves the packed mask, and each step packs it anew:
+    kept by its bytes; other document ids, other bytes: evaluated again."""
+    calls = counting_key_intervals(monkeypatch)
+    B, H, L = 2, 1, 64
+    module = graph_of(documents_with_ids)
+    key = block_masks.register_mask_mod(module)
+
+    def packed(ids):
+        def bound(b, h, q_idx, kv_idx):
+            return documents_with_ids(b, h, q_idx, kv_idx, ids)
+        blocks = block_masks.Blocks.of(create_block_mask(bound, B, None, L, L, device="cpu",
+                                                         BLOCK_SIZE=BLOCK))
+        blocks.mask_mod, blocks.mask_mod_buffers = module, (ids,)
+        return block_masks.pack(blocks, key), bound
+    ids = document_ids(B, L, 6)
+    first, bound = packed(ids)
+    a = block_masks.resolve(first, B, H, L, L)
+    b = block_masks.resolve(packed(ids.clone())[0], B, H, L, L)
+    assert len(calls) == 1 and torch.equal(a.dense(), b.dense())
+    other_ids = document_ids(B, L, 7)
+    other, other_bound = packed(other_ids)
+    c = block_masks.resolve(other, B, H, L, L)
+    assert len(calls) == 2 and torch.equal(c.dense(), dense(other_bound, B, H, L, L))
