@@ -406,6 +406,10 @@ def resolve(packed, batch, heads, L, S):
             "captured (it lists the mask's blocks on the host); flashbob materializes "
             "BlockMasks in graphs compiled with CUDA graphs: compile this model with "
             "flashbob's own mode (e.g. mode='reduce-overhead') rather than capturing it")
+    identity = (id(packed), packed._version, packed.data_ptr(), batch, heads, L, S)
+    kept = _by_packed.get(identity)
+    if kept is not None and kept[0]() is packed:        # a later op of the same call
+        return KeyIntervals.of(kept[1], batch, heads, L, S)
     cached = packed.numel() <= _CONTENT_KEYED_BYTES
     data = (packed if cached else packed[:_HEADER_BYTES]).cpu()
     words = data[:_HEADER_BYTES].view(torch.int64).tolist()
@@ -434,26 +438,29 @@ def resolve(packed, batch, heads, L, S):
     # each op of a step resolves the same packed mask, and each step packs it anew: its
     # intervals are kept by content (the bytes read above: block lists, captured tensors,
     # the mask_mod's key)
-    content = (hash(data.numpy().tobytes()), batch, heads, L, S, str(packed.device)) \
-        if cached else None
+    content = (hashlib.blake2b(data.numpy().tobytes(), digest_size=16).digest(), batch, heads,
+               L, S, str(packed.device)) if cached else None
     summary = _by_content.get(content) if cached else None
     if summary is None:
         summary = key_intervals(blocks, L, S, packed.device, batch, heads)
         if summary is not None and cached:
             _keep(_by_content, content, summary)
-    if summary is not None:
-        return KeyIntervals.of(summary, batch, heads, L, S)
-    return visible_pairs(blocks, L, S, packed.device, batch, heads).expand(batch, heads, L, S)
+    if summary is None:
+        return visible_pairs(blocks, L, S, packed.device, batch, heads).expand(batch, heads, L, S)
+    _keep(_by_packed, identity, (weakref.ref(packed), summary))
+    return KeyIntervals.of(summary, batch, heads, L, S)
 
 
 # ------------------------------------------------------------------ kept across calls
 # A training loop attends with the same BlockMask call after call: key intervals (small)
 # are kept, a few at a time, and found again by what they were made from. A packed mask by
-# its bytes (resolve); an eager call's by the identity and version of every tensor its
-# pairs depend on (reused_key_intervals).
+# its bytes (resolve: read once per packed tensor, which the later ops of its call find by
+# its identity); an eager call's by the identity and version of every tensor its pairs
+# depend on (reused_key_intervals).
 _CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buffer) not kept
 _KEPT = 8
 _by_content = collections.OrderedDict()
+_by_packed = collections.OrderedDict()
 _by_identity = collections.OrderedDict()
 
 
