@@ -51,7 +51,12 @@ def _model(name, attn_implementation):
     # gradient_checkpointing_enable(): the calls inside the checkpointed bodies
     ("llama", "sdpa", 1e-6, True, True),
 ])
-def test_flex_attention_models(name, reference, tol, replaced, checkpointing):
+def test_flex_attention_models(monkeypatch, name, reference, tol, replaced, checkpointing):
+    from bob_compile import block_masks
+    from bob_compile.kernels.interval_masks import KeyIntervals
+    resolved, resolve = [], block_masks.resolve
+    monkeypatch.setattr(block_masks, "resolve",
+                        lambda *args: resolved.append(resolve(*args)) or resolved[-1])
     ids = torch.randint(1, 32, (2, 10), generator=torch.Generator().manual_seed(1))
     padding = torch.ones(2, 10, dtype=torch.long)
     padding[1, 7:] = 0                  # right padding: every query still sees a key
@@ -68,5 +73,8 @@ def test_flex_attention_models(name, reference, tol, replaced, checkpointing):
     sites = [s for r in recent_reports for s in r.sites]
     assert len(sites) == 2 and all(s.kind == "flex_attention" for s in sites)
     assert all(s.replaced == replaced for s in sites), [s.line() for s in sites]
+    if replaced:    # causal with padding: key intervals, resolved by the ops from the packed lists
+        assert all("resolved by the op" in s.mask for s in sites), [s.mask for s in sites]
+        assert resolved and all(isinstance(m, KeyIntervals) for m in resolved)
     if checkpointing:       # found inside the checkpointed bodies ("<body>.<node>")
         assert all("." in s.node for s in sites), [s.node for s in sites]
