@@ -409,7 +409,7 @@ def resolve(packed, batch, heads, L, S):
     identity = (id(packed), packed._version, packed.data_ptr(), batch, heads, L, S)
     kept = _by_packed.get(identity)
     if kept is not None and kept[0]() is packed:        # a later op of the same call
-        return KeyIntervals.of(kept[1], batch, heads, L, S)
+        return kept[1]
     cached = packed.numel() <= _CONTENT_KEYED_BYTES
     data = (packed if cached else packed[:_HEADER_BYTES]).cpu()
     words = data[:_HEADER_BYTES].view(torch.int64).tolist()
@@ -446,16 +446,21 @@ def resolve(packed, batch, heads, L, S):
         if summary is not None and cached:
             _keep(_by_content, content, summary)
     if summary is None:
-        return visible_pairs(blocks, L, S, packed.device, batch, heads).expand(batch, heads, L, S)
-    _keep(_by_packed, identity, (weakref.ref(packed), summary))
-    return KeyIntervals.of(summary, batch, heads, L, S)
+        mask = visible_pairs(blocks, L, S, packed.device, batch, heads).expand(batch, heads, L, S)
+    else:
+        mask = KeyIntervals.of(summary, batch, heads, L, S)
+    # for the later ops of this call (a boolean mask as long as the packed tensor lives,
+    # as a materialized mask would be saved between them)
+    _by_packed[identity] = (weakref.ref(packed), mask)
+    weakref.finalize(packed, _by_packed.pop, identity, None)
+    return mask
 
 
 # ------------------------------------------------------------------ kept across calls
 # A training loop attends with the same BlockMask call after call: key intervals (small)
 # are kept, a few at a time, and found again by what they were made from. A packed mask by
-# its bytes (resolve: read once per packed tensor, which the later ops of its call find by
-# its identity); an eager call's by the identity and version of every tensor its pairs
+# its bytes (resolve: read once per packed tensor, whose mask the later ops of its call
+# find by the tensor's identity while it lives); an eager call's by the identity and version of every tensor its pairs
 # depend on (reused_key_intervals).
 _CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buffer) not kept
 _KEPT = 8

@@ -358,3 +358,21 @@ def test_a_packed_mask_is_evaluated_once_per_content(monkeypatch):
     other, other_bound = packed(other_ids)
     c = block_masks.resolve(other, B, H, L, L)
     assert len(calls) == 2 and torch.equal(c.dense(), dense(other_bound, B, H, L, L))
+
+
+def test_a_packed_boolean_mask_lives_as_long_as_its_packed_tensor(monkeypatch):
+    """A mask that is not intervals resolves to booleans once per packed tensor (the later
+    ops of its call reuse them), and is let go with the packed tensor."""
+    evaluated, visible_pairs = [], block_masks.visible_pairs
+    monkeypatch.setattr(block_masks, "visible_pairs",
+                        lambda *a: evaluated.append(1) or visible_pairs(*a))
+    module = graph_of(dilated)
+    key = block_masks.register_mask_mod(module)
+    blocks = blocks_of(dilated, None, None, 40, 40)
+    blocks.mask_mod = module
+    packed = block_masks.pack(blocks, key)
+    first = block_masks.resolve(packed, 1, 2, 40, 40)
+    assert block_masks.resolve(packed, 1, 2, 40, 40) is first and len(evaluated) == 1
+    kept = len(block_masks._by_packed)
+    del packed
+    assert len(block_masks._by_packed) == kept - 1
