@@ -481,12 +481,15 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
     tensors, none of them modified since (their versions). Kept only for a mask_mod that is
     a plain function whose closure and the globals it names hold nothing else that could
     change what it computes (tensors, numbers, strings, modules and PyTorch's or Python's
-    own functions); anything else is evaluated every call."""
+    own functions), or a graph of Dynamo's, which reads only its arguments; anything else
+    is evaluated every call."""
     sources = _sources(blocks)
     if sources is None:
         return key_intervals(blocks, L, S, device, batch, heads)
-    key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in sources), L, S, batch,
-           heads, str(device))
+    values = tuple(b if isinstance(b, (int, float, bool)) else int(b)
+                   for b in blocks.mask_mod_buffers if not isinstance(b, torch.Tensor))
+    key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in sources), values, L, S,
+           batch, heads, str(device))
     kept = _by_identity.get(key)
     if kept is not None and kept[0]() is blocks.mask_mod and \
             all(ref() is t for ref, t in zip(kept[1], sources)):
@@ -507,10 +510,13 @@ def _sources(blocks):
     tensors its mask_mod reads from its closure and globals), or None where that cannot be
     told (see reused_key_intervals)."""
     mask_mod = blocks.mask_mod
+    tensors = [t for t in (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
+                           blocks.full_kv_indices, *blocks.mask_mod_buffers)
+               if isinstance(t, torch.Tensor)]
+    if isinstance(mask_mod, torch.fx.GraphModule):     # Dynamo's: what it reads is passed
+        return None if mask_mod.graph.find_nodes(op="get_attr") else tensors
     if not isinstance(mask_mod, types.FunctionType):
         return None
-    tensors = [t for t in (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
-                           blocks.full_kv_indices, *blocks.mask_mod_buffers) if t is not None]
     cells = []
     for cell in mask_mod.__closure__ or ():
         try:
