@@ -161,8 +161,16 @@ def test_a_mask_mod_reading_the_batch_entry_through_the_pass():
                                    BLOCK_SIZE=64)
     visible = (ids[:, None, :, None] == ids[:, None, None, :]) & \
         torch.ones(L, L, dtype=torch.bool).tril()
-    g = torch.Generator().manual_seed(7)
-    q0, k0, v0 = (torch.randn(2, 2, L, E, dtype=torch.float64, generator=g) for _ in range(3))
+    assert_compiled_hvp_equals_math(block_mask, visible, (2, 2, L, E), seed=7)
+    site, = [s for r in recent_reports for s in r.sites]
+    assert site.replaced
+
+
+def assert_compiled_hvp_equals_math(block_mask, visible, shape, seed):
+    """A compiled flex_attention call with `block_mask`: its Hessian-vector product in
+    q, k, v equals eager math's with the boolean mask `visible`."""
+    g = torch.Generator().manual_seed(seed)
+    q0, k0, v0 = (torch.randn(*shape, dtype=torch.float64, generator=g) for _ in range(3))
 
     def hvp(attend):
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
@@ -175,8 +183,6 @@ def test_a_mask_mod_reading_the_batch_entry_through_the_pass():
     compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask),
                              backend=flashbob, options=OPTIONS)
     assert max_error(hvp(compiled), hvp(math)) <= TOLERANCE
-    site, = [s for r in recent_reports for s in r.sites]
-    assert site.replaced
 
 
 @pytest.mark.parametrize("name", ["prefix-LM + relative buffer", "soft-capping 50 + causal"])
@@ -283,20 +289,7 @@ def test_a_block_mask_of_more_than_intervals_resolves_to_booleans(monkeypatch):
     block_mask = create_block_mask(dilated, None, None, L, L, device="cpu", BLOCK_SIZE=16)
     rows, keys = torch.arange(L)[:, None], torch.arange(L)[None, :]
     visible = (rows >= keys) & ((rows - keys) % 2 == 0)
-    g = torch.Generator().manual_seed(3)
-    q0, k0, v0 = (torch.randn(1, 2, L, E, dtype=torch.float64, generator=g) for _ in range(3))
-
-    def hvp(attend):
-        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        grads = torch.autograd.grad(attend(q, k, v).sin().sum(), (q, k, v), create_graph=True)
-        return torch.autograd.grad(grads, (q, k, v), [torch.ones_like(t) for t in grads])
-
-    def math(q, k, v):
-        scores = (q @ k.transpose(-1, -2) / E ** 0.5).masked_fill(~visible, float("-inf"))
-        return scores.softmax(-1) @ v
-    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask),
-                             backend=flashbob, options=OPTIONS)
-    assert max_error(hvp(compiled), hvp(math)) <= TOLERANCE
+    assert_compiled_hvp_equals_math(block_mask, visible, (1, 2, L, E), seed=3)
     assert resolved and all(isinstance(m, torch.Tensor) and m.dtype == torch.bool
                             for m in resolved)
 
