@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import hashlib
 import math
+import threading
 import types
 import weakref
 
@@ -469,11 +470,15 @@ _by_packed = collections.OrderedDict()
 _by_identity = collections.OrderedDict()
 
 
+_kept_lock = threading.Lock()     # the autograd engine's threads resolve masks too
+
+
 def _keep(kept, key, value):
-    kept[key] = value
-    kept.move_to_end(key)
-    while len(kept) > _KEPT:
-        kept.popitem(last=False)
+    with _kept_lock:
+        kept[key] = value
+        kept.move_to_end(key)
+        while len(kept) > _KEPT:
+            kept.popitem(last=False)
 
 
 def reused_key_intervals(blocks, L, S, device, batch, heads):
@@ -493,7 +498,9 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
     kept = _by_identity.get(key)
     if kept is not None and kept[0]() is blocks.mask_mod and \
             all(ref() is t for ref, t in zip(kept[1], sources)):
-        _by_identity.move_to_end(key)
+        with _kept_lock:
+            if key in _by_identity:
+                _by_identity.move_to_end(key)
         return kept[2]
     summary = key_intervals(blocks, L, S, device, batch, heads)
     if summary is not None:
