@@ -19,6 +19,7 @@ pattern). Given to the op as
 import collections
 import dataclasses
 import hashlib
+import logging
 import math
 import threading
 import types
@@ -28,6 +29,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .kernels.interval_masks import KeyIntervals, summary_of_intervals
+
+log = logging.getLogger("bob_compile.flex")
 
 
 # ------------------------------------------------------------------ the BlockMask
@@ -195,8 +198,22 @@ def key_intervals(blocks, L, S, device, batch, heads):
         _add_tile(rows, seen, pair * L + row_index, key_index, S)
         _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index, L)
     if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
+        _say_materialized(blocks.mask_mod)
         return None
     return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
+
+
+_said = set()
+
+
+def _say_materialized(mask_mod):
+    """Log, once per mask_mod, that its BlockMask is materialized (O(L S) memory)."""
+    name = getattr(mask_mod, "__qualname__", None) or type(mask_mod).__name__
+    if name not in _said:
+        _said.add(name)
+        log.info("bob_compile: the BlockMask of mask_mod %s is not one interval of keys per "
+                 "query (and of queries per key); it is materialized per call, O(L*S) "
+                 "memory", name)
 
 
 def _inside(index, block):

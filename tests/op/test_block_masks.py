@@ -98,9 +98,15 @@ def test_key_intervals_are_the_visible_pairs(name, block):
 
 
 @pytest.mark.parametrize("mask_mod", [dilated, two_windows])
-def test_masks_that_are_not_intervals_have_none(mask_mod):
+def test_masks_that_are_not_intervals_have_none(mask_mod, caplog, monkeypatch):
+    """None, and the log says once that such a BlockMask is materialized."""
+    monkeypatch.setattr(block_masks, "_said", set())
     blocks = blocks_of(mask_mod, None, None, 40, 40)
-    assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
+    with caplog.at_level("INFO", logger="bob_compile.flex"):
+        assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
+        assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
+    said = [r for r in caplog.records if "is materialized per call" in r.getMessage()]
+    assert len(said) == 1 and mask_mod.__name__ in said[0].getMessage()
 
 
 def test_the_block_lists_decide_with_the_mask_mod():
