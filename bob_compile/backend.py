@@ -89,9 +89,13 @@ def flashbob(gm, example_inputs, *, mode=None, options=None):
         rewrite_attention(gm, example_inputs, report)
         if static_inputs.uses_cuda_graphs(opts.inductor_config):
             static_inputs.unmark_parameter_stand_ins(gm, example_inputs)
-            materialize_block_masks(gm)
+            materialize_block_masks(gm, report, "CUDA graphs")
         after = dump.graph_text(gm)
         report.route, report.route_reason = choose_route(gm, example_inputs, opts)
+        if report.route == "aot":
+            # its ops run inside the graph's own torch.func transforms, where resolving a
+            # packed BlockMask (a vmap over the mask_mod) fails: materialized in the graph
+            materialize_block_masks(gm, report, "the graph runs torch.func transforms")
         if report.route in ("training", "eager"):       # may be differentiated twice
             differentiable_backwards(gm, report)
         compiled = _compile(report, gm, example_inputs, opts)

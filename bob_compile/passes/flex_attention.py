@@ -73,7 +73,7 @@ def _rewrite_call(gm, node):
     site.enable_gqa = _heads(query) != _heads(key)
     blocks = "BlockMask (materialized per call)"
     if node.kwargs["mask_mod_key"] is not None and form.identity:
-        blocks = "BlockMask (resolved by the op per call: key intervals, or materialized)"
+        blocks = _RESOLVED
     site.mask = ", ".join(what for what, present in (
         (blocks, masked),
         ("score_mod's additive bias (materialized per call)", not form.identity)) if present)
@@ -88,15 +88,22 @@ def _registered(gm, mask_fn):
     return register_mask_mod(getattr(gm, mask_fn.target))
 
 
-def materialize_block_masks(gm):
-    """Have every flex_call of `gm` (and of its subgraphs) materialize its BlockMask: for
-    graphs run under CUDA graphs, where the ops cannot resolve a packed one (it lists the
-    blocks on the host)."""
+_RESOLVED = "BlockMask (resolved by the op per call: key intervals, or materialized)"
+
+
+def materialize_block_masks(gm, report=None, why=""):
+    """Have every flex_call of `gm` (and of its subgraphs) materialize its BlockMask, where
+    the ops cannot resolve a packed one: graphs run under CUDA graphs (resolving lists the
+    blocks on the host), graphs that run their own torch.func transforms (its vmap over the
+    mask_mod fails under them). `report`'s sites then say so, with `why`."""
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             for node in module.graph.find_nodes(op="call_function", target=flex_call):
                 node.kwargs = {**node.kwargs, "mask_mod_key": None}
             module.recompile()
+    for site in report.sites if report is not None else ():
+        if site.kind == "flex_attention" and site.mask and _RESOLVED in site.mask:
+            site.mask = site.mask.replace(_RESOLVED, f"BlockMask (materialized per call: {why})")
 
 
 def _is_flex_default_mask(block_tuple, mask_mod_graph):
