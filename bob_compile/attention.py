@@ -215,12 +215,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return autograd.learned_bias_output(query, key, value, mask, scale, is_causal, dropout_p,
                                             seed)
     if dropout_p:
-        if autograd.plain_call((query, key, value, mask)) and autograd.no_graph_needed(
-                (query, key, value)):
-            return autograd.forward_output(query, key, value, mask, scale, is_causal, dropout_p,
-                                           seed)
-        return autograd.attention_with_lse(query, key, value, mask, scale, is_causal, dropout_p,
-                                           seed)[0]
+        return _through_functions(query, key, value, mask, scale, is_causal, dropout_p, seed)
     # a plain eager call: the eager accelerator first, then the forward alone where nothing
     # can differentiate the result; anything else through the autograd Functions
     if autograd.plain_call((query, key, value, mask)):
@@ -231,6 +226,26 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         if not needs_graph:
             return autograd.forward_output(query, key, value, mask, scale, is_causal)
     return autograd.attention_with_lse(query, key, value, mask, scale, is_causal)[0]
+
+
+def _through_functions(query, key, value, mask, scale, is_causal, dropout_p=0.0, seed=None):
+    """The op's output through its autograd Functions: the forward alone where nothing can
+    differentiate it (a plain call that needs no graph)."""
+    if autograd.plain_call((query, key, value, mask)) and autograd.no_graph_needed(
+            (query, key, value)):
+        return autograd.forward_output(query, key, value, mask, scale, is_causal, dropout_p,
+                                       seed)
+    return autograd.attention_with_lse(query, key, value, mask, scale, is_causal, dropout_p,
+                                       seed)[0]
+
+
+def attention_with_op_mask(query, key, value, mask, scale, enable_gqa):
+    """`attention` for a mask in a form only the ops take (int32 key intervals, a uint8
+    packed BlockMask: ops.flat_mask), which bob_compile.flex_attention passes; the public
+    call refuses both."""
+    query, key, value, _, _, scale, _ = _checked_call(query, key, value, None, 0.0, False,
+                                                      scale, enable_gqa)
+    return _through_functions(query, key, value, mask, scale, False)
 
 
 def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

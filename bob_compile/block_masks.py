@@ -136,15 +136,23 @@ def _by_block(mask_mod, partial, full, sizes, L, S, q_block, kv_block, device):
     """visible_pairs with the mask_mod evaluated on the listed partial blocks only (their
     list read on the host), written into the (batch, head, query block, key block) tiles of
     the padded mask, the full blocks' tiles set whole."""
-    q_blocks, kv_blocks = partial.shape[-2:]
+    evaluated = ((b, h, row_block, key_block, seen) for b, h, row_block, key_block, _, _, seen
+                 in _partial_tiles(mask_mod, partial.expand(*sizes, -1, -1), q_block, kv_block,
+                                   L, S))
+    return _written(evaluated, full, sizes, partial.shape[-2:], q_block, kv_block, L, S, device)
+
+
+def _written(evaluated, full, sizes, block_counts, q_block, kv_block, L, S, device):
+    """The bool (sizes, L, S) mask of the full blocks and the evaluated partial blocks
+    (b, h, query block, key block, seen), written into the tiles of the padded mask."""
+    q_blocks, kv_blocks = block_counts
     visible = torch.zeros(*sizes, q_blocks * q_block, kv_blocks * kv_block, dtype=torch.bool,
                           device=device)
     tiles = visible.view(*sizes, q_blocks, q_block, kv_blocks, kv_block).permute(
         0, 1, 2, 4, 3, 5)                       # (B, H, q blocks, key blocks, rows, keys)
     if full is not None:
         tiles.copy_(full.expand(*sizes, -1, -1)[..., None, None].expand(tiles.shape))
-    for b, h, row_block, key_block, rows, keys, seen in _partial_tiles(
-            mask_mod, partial.expand(*sizes, -1, -1), q_block, kv_block, L, S):
+    for b, h, row_block, key_block, seen in evaluated:
         tiles[b, h, row_block, key_block] = seen        # rows past L, keys past S cut below
     return visible[..., :L, :S]
 
@@ -171,13 +179,15 @@ def _partial_tiles(mask_mod, partial, q_block, kv_block, L, S):
 
 
 # ------------------------------------------------------------------ as key intervals
-def key_intervals(blocks, L, S, device, batch, heads):
+def key_intervals(blocks, L, S, device, batch, heads, dense_otherwise=False):
     """The key-interval summary (int32, (B or 1, H or 1, 1, 3 + 2L + 2S): kernels/
     interval_masks.py) of the mask `blocks` applies to a (batch, heads, L, S) call (the
-    pairs of visible_pairs), or None where a query row sees more than one interval of keys
-    or a key is seen by more than one interval of queries. The mask_mod is evaluated on the
-    listed partial blocks only, a chunk at a time; nothing L x S is made. Two host
-    synchronizations (listing the blocks, the verdict): only where may_synchronize."""
+    pairs of visible_pairs), or, where a query row sees more than one interval of keys or a
+    key is seen by more than one interval of queries, None (dense_otherwise: the bool mask
+    visible_pairs gives, written from the tiles already evaluated, which are kept until the
+    verdict for that). The mask_mod is evaluated on the listed partial blocks only, a chunk
+    at a time; nothing L x S is made for intervals. Two host synchronizations (listing the
+    blocks, the verdict): only where may_synchronize."""
     mask_mod, partial, full, sizes, q_block, kv_block = _layout(blocks, L, S, device, batch,
                                                                 heads)
     partial = partial.expand(*sizes, -1, -1)
@@ -189,8 +199,11 @@ def key_intervals(blocks, L, S, device, batch, heads):
     keys = _stats_of_full_blocks(None if full is None else full.transpose(-1, -2), sizes,
                                  kv_blocks, q_blocks, kv_block, q_block, S, L, device)
     heads_listed = sizes[1]
-    for b, h, _, _, row_index, key_index, seen in _partial_tiles(
+    evaluated = []
+    for b, h, row_block, key_block, row_index, key_index, seen in _partial_tiles(
             mask_mod, partial, q_block, kv_block, L, S):
+        if dense_otherwise:
+            evaluated.append((b, h, row_block, key_block, seen))
         # the padding past L or S repeats the last row or key: hidden here, not counted
         seen = seen & _inside(row_index, q_block)[:, :, None] & \
             _inside(key_index, kv_block)[:, None, :]
@@ -199,7 +212,8 @@ def key_intervals(blocks, L, S, device, batch, heads):
         _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index, L)
     if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
         _say_materialized(blocks.mask_mod)
-        return None
+        return _written(evaluated, full, sizes, (q_blocks, kv_blocks), q_block, kv_block, L,
+                        S, device) if dense_otherwise else None
     return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
 
 
@@ -458,15 +472,15 @@ def resolve(packed, batch, heads, L, S):
     # the mask_mod's key)
     content = (hashlib.blake2b(data.numpy().tobytes(), digest_size=16).digest(), batch, heads,
                L, S, str(packed.device)) if cached else None
-    summary = _by_content.get(content) if cached else None
-    if summary is None:
-        summary = key_intervals(blocks, L, S, packed.device, batch, heads)
-        if summary is not None and cached:
-            _keep(_by_content, content, summary)
-    if summary is None:
-        mask = visible_pairs(blocks, L, S, packed.device, batch, heads).expand(batch, heads, L, S)
+    form = _by_content.get(content) if cached else None
+    if form is None:
+        form = key_intervals(blocks, L, S, packed.device, batch, heads, dense_otherwise=True)
+        if form.dtype == torch.int32 and cached:
+            _keep(_by_content, content, form)
+    if form.dtype == torch.bool:
+        mask = form.expand(batch, heads, L, S)
     else:
-        mask = KeyIntervals.of(summary, batch, heads, L, S)
+        mask = KeyIntervals.of(form, batch, heads, L, S)
     # for the later ops of this call (a boolean mask as long as the packed tensor lives,
     # as a materialized mask would be saved between them)
     _by_packed[identity] = (weakref.ref(packed), mask)
@@ -478,8 +492,8 @@ def resolve(packed, batch, heads, L, S):
 # A training loop attends with the same BlockMask call after call: key intervals (small)
 # are kept, a few at a time, and found again by what they were made from. A packed mask by
 # its bytes (resolve: read once per packed tensor, whose mask the later ops of its call
-# find by the tensor's identity while it lives); an eager call's by the identity and version of every tensor its pairs
-# depend on (reused_key_intervals).
+# find by the tensor's identity while it lives); an eager call's by the identity and
+# version of every tensor its pairs depend on (reused_key_intervals).
 _CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buffer) not kept
 _KEPT = 8
 _by_content = collections.OrderedDict()
@@ -499,15 +513,16 @@ def _keep(kept, key, value):
 
 
 def reused_key_intervals(blocks, L, S, device, batch, heads):
-    """key_intervals(...), kept for the next call with the same BlockMask, mask_mod and
-    tensors, none of them modified since (their versions). Kept only for a mask_mod that is
+    """key_intervals(..., dense_otherwise=True): the int32 summary, kept for the next call
+    with the same BlockMask, mask_mod and tensors, none of them modified since (their
+    versions), or the bool mask (not kept). Kept only for a mask_mod that is
     a plain function whose closure and the globals it names hold nothing else that could
     change what it computes (tensors, numbers, strings, modules and PyTorch's or Python's
     own functions), or a graph of Dynamo's, which reads only its arguments; anything else
     is evaluated every call."""
     sources = _sources(blocks)
     if sources is None:
-        return key_intervals(blocks, L, S, device, batch, heads)
+        return key_intervals(blocks, L, S, device, batch, heads, dense_otherwise=True)
     values = tuple(b if isinstance(b, (int, float, bool)) else int(b)
                    for b in blocks.mask_mod_buffers if not isinstance(b, torch.Tensor))
     key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in sources), values, L, S,
@@ -519,11 +534,11 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
             if key in _by_identity:
                 _by_identity.move_to_end(key)
         return kept[2]
-    summary = key_intervals(blocks, L, S, device, batch, heads)
-    if summary is not None:
+    form = key_intervals(blocks, L, S, device, batch, heads, dense_otherwise=True)
+    if form.dtype == torch.int32:
         _keep(_by_identity, key, (weakref.ref(blocks.mask_mod),
-                                  [weakref.ref(t) for t in sources], summary))
-    return summary
+                                  [weakref.ref(t) for t in sources], form))
+    return form
 
 
 _CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), types.ModuleType)

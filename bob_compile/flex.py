@@ -34,8 +34,7 @@ import warnings
 
 import torch
 
-from . import autograd
-from .attention import _checked_call, attention
+from .attention import attention, attention_with_op_mask
 from .block_masks import (Blocks, may_synchronize, over_indices, pack, reused_key_intervals,
                           trace_mod, visible_pairs)
 
@@ -148,40 +147,31 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     biased = score_mod is not None and not form.identity
+    mask = None
     if blocks is not None and not biased:
-        compact = _compact_mask(blocks, L, S, query, mask_mod_key)
-        if compact is not None:
-            return _attend_with_compact_mask(query, key, value, compact, scale, enable_gqa)
-    mask = None if blocks is None else visible_pairs(blocks, L, S, query.device,
-                                                     *query.shape[:2])
+        mask = _mask_for_the_op(blocks, L, S, query, mask_mod_key)
+        if mask is not None and mask.dtype != torch.bool:
+            return attention_with_op_mask(query, key, value, mask, scale, enable_gqa)
+    if blocks is not None and mask is None:
+        mask = visible_pairs(blocks, L, S, query.device, *query.shape[:2])
     if biased:
         bias = additive_bias(score_mod, query, L, S, form, score_mod_buffers)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     return attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def _compact_mask(blocks, L, S, query, mask_mod_key):
-    """The BlockMask's mask without anything L x S, where that can be had: eagerly its key
-    intervals (int32), where its rows and keys are intervals; in a traced call whose
-    mask_mod is registered (mask_mod_key), the BlockMask packed (uint8), which the ops
-    resolve when they run. None otherwise (the caller materializes the mask)."""
+def _mask_for_the_op(blocks, L, S, query, mask_mod_key):
+    """The BlockMask's mask for the op, without anything L x S where that can be had:
+    eagerly its key intervals (int32) where its rows and keys are intervals, else the bool
+    mask; in a traced call whose mask_mod is registered (mask_mod_key), the BlockMask packed
+    (uint8), which the ops resolve when they run. None otherwise (the caller materializes
+    the mask)."""
     if may_synchronize(blocks.kv_num_blocks):
         return reused_key_intervals(blocks, L, S, query.device, *query.shape[:2])
     if mask_mod_key is not None and not (query.is_cuda and
                                          torch.cuda.is_current_stream_capturing()):
         return pack(blocks, mask_mod_key)
     return None
-
-
-def _attend_with_compact_mask(query, key, value, mask, scale, enable_gqa):
-    """bob_compile.attention's dispatch for a mask in a form only the ops take (int32 key
-    intervals or a uint8 packed BlockMask; ops.flat_mask)."""
-    query, key, value, _, _, scale, _ = _checked_call(query, key, value, None, 0.0, False,
-                                                      scale, enable_gqa)
-    if autograd.plain_call((query, key, value, mask)) and \
-            autograd.no_graph_needed((query, key, value)):
-        return autograd.forward_output(query, key, value, mask, scale, False)
-    return autograd.attention_with_lse(query, key, value, mask, scale, False)[0]
 
 
 def flex_call(query, key, value, score_mod, block_mask, scale, kernel_options,

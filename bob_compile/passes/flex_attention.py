@@ -65,15 +65,15 @@ def _rewrite_call(gm, node):
     block_tuple, mask_buffers = node.args[4], node.args[8]
     mask_mod_graph = _mask_mod_graph(gm, block_tuple[-1], mask_buffers)
     masked = not _is_flex_default_mask(block_tuple, mask_mod_graph)
+    # the BlockMask packed for the ops where nothing L x S comes with it (no bias)
+    mask_mod_key = _registered(gm, block_tuple[-1]) if masked and form.identity else None
     node.target = flex_call
     node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked,
                    "mask_mod_reads": index_reads(mask_mod_graph),
-                   "mask_mod_key": _registered(gm, block_tuple[-1]) if masked else None}
+                   "mask_mod_key": mask_mod_key}
     site.replaced = True
     site.enable_gqa = _heads(query) != _heads(key)
-    blocks = "BlockMask (materialized per call)"
-    if node.kwargs["mask_mod_key"] is not None and form.identity:
-        blocks = _RESOLVED
+    blocks = "BlockMask (materialized per call)" if mask_mod_key is None else _RESOLVED
     site.mask = ", ".join(what for what, present in (
         (blocks, masked),
         ("score_mod's additive bias (materialized per call)", not form.identity)) if present)
@@ -97,9 +97,11 @@ def materialize_block_masks(gm, report=None, why=""):
     blocks on the host), graphs that run their own torch.func transforms (its vmap over the
     mask_mod fails under them). `report`'s sites then say so, with `why`."""
     for module in gm.modules():
-        if isinstance(module, fx.GraphModule):
-            for node in module.graph.find_nodes(op="call_function", target=flex_call):
-                node.kwargs = {**node.kwargs, "mask_mod_key": None}
+        calls = module.graph.find_nodes(op="call_function", target=flex_call) \
+            if isinstance(module, fx.GraphModule) else ()
+        for node in calls:
+            node.kwargs = {**node.kwargs, "mask_mod_key": None}
+        if calls:
             module.recompile()
     for site in report.sites if report is not None else ():
         if site.kind == "flex_attention" and site.mask and _RESOLVED in site.mask:

@@ -290,11 +290,30 @@ def test_the_public_call_refuses_the_internal_forms():
 def counting_key_intervals(monkeypatch):
     calls, real = [], block_masks.key_intervals
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args)
-        return real(*args)
+        return real(*args, **kwargs)
     monkeypatch.setattr(block_masks, "key_intervals", spy)
     return calls
+
+
+def counting_evaluations(monkeypatch):
+    """Each evaluation of a BlockMask's partial blocks (block_masks._partial_tiles)."""
+    calls, real = [], block_masks._partial_tiles
+    monkeypatch.setattr(block_masks, "_partial_tiles",
+                        lambda *args: calls.append(args) or real(*args))
+    return calls
+
+
+def test_an_eager_mask_of_more_than_intervals_is_evaluated_once_per_call(monkeypatch):
+    """The verdict and the booleans come from one evaluation of the partial blocks."""
+    evaluated = counting_evaluations(monkeypatch)
+    block_mask = create_block_mask(dilated, None, None, 40, 40, device="cpu", BLOCK_SIZE=BLOCK)
+    q, k, v = inputs(1, 2, 40, 40, seed=8)
+    out = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+    assert len(evaluated) == 1
+    torch.testing.assert_close(out, bob_compile.attention(
+        q, k, v, attn_mask=dense(dilated, 1, 2, 40, 40)), rtol=1e-12, atol=1e-12)
 
 
 def test_an_eager_block_mask_is_evaluated_once_until_its_tensors_change(monkeypatch):
@@ -368,10 +387,9 @@ def test_a_packed_mask_is_evaluated_once_per_content(monkeypatch):
 
 def test_a_packed_boolean_mask_lives_as_long_as_its_packed_tensor(monkeypatch):
     """A mask that is not intervals resolves to booleans once per packed tensor (the later
-    ops of its call reuse them), and is let go with the packed tensor."""
-    evaluated, visible_pairs = [], block_masks.visible_pairs
-    monkeypatch.setattr(block_masks, "visible_pairs",
-                        lambda *a: evaluated.append(1) or visible_pairs(*a))
+    ops of its call reuse them; its partial blocks evaluated once, for the verdict and the
+    booleans both), and is let go with the packed tensor."""
+    evaluated = counting_evaluations(monkeypatch)
     module = graph_of(dilated)
     key = block_masks.register_mask_mod(module)
     blocks = blocks_of(dilated, None, None, 40, 40)
@@ -379,6 +397,7 @@ def test_a_packed_boolean_mask_lives_as_long_as_its_packed_tensor(monkeypatch):
     packed = block_masks.pack(blocks, key)
     first = block_masks.resolve(packed, 1, 2, 40, 40)
     assert block_masks.resolve(packed, 1, 2, 40, 40) is first and len(evaluated) == 1
+    assert torch.equal(first, dense(dilated, 1, 2, 40, 40))
     kept = len(block_masks._by_packed)
     del packed
     assert len(block_masks._by_packed) == kept - 1
