@@ -24,9 +24,9 @@ def key(backend, q, v, causal):
 def backend_for(q, k, v, params):
     """'cudnn' or 'flash' when PyTorch's fused kernel computes exactly this op, else None
     (never with a mask tensor: our kernels read it as AttentionParams defines it; never with
-    dropout: theirs draws another mask)."""
+    dropout: theirs draws another mask; never with soft-capping: theirs has none)."""
     s = settings.current()
-    if not q.is_cuda or params.mask is not None or params.dropout_p:
+    if not q.is_cuda or params.mask is not None or params.dropout_p or params.softcap:
         return None
     causal = params.causal
     if q.dtype not in (torch.float16, torch.bfloat16):

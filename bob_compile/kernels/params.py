@@ -33,13 +33,15 @@ class AttentionParams:
     mask_summary: the mask's summary (triton_masks.mask_summary) where the caller made it
     already (the C++ node keeps its forward's for the backwards: bob_compile/eager/node.py);
     dropout_p: the attention dropout's probability (0: none), with dropout_seed, the call's
-    seed (an int64 tensor of one element, or an int): dropout.py.
+    seed (an int64 tensor of one element, or an int): dropout.py;
+    softcap: 0 (none) or c > 0: the scores are soft-capped before any mask applies,
+    T = c tanh(U / c) with U = scale q·k (Gemma 2; docs/second-order.md, "Score transforms").
     Keyword-only, checked."""
     __slots__ = ("scale", "causal", "mask", "keep_mask_summary", "mask_summary", "dropout_p",
-                 "dropout_seed")
+                 "dropout_seed", "softcap")
 
     def __init__(self, *, scale, causal, mask=None, keep_mask_summary=False, mask_summary=None,
-                 dropout_p=0.0, dropout_seed=None):
+                 dropout_p=0.0, dropout_seed=None, softcap=0.0):
         if causal is not True and causal is not False:
             raise TypeError(f"AttentionParams: causal must be a bool, got {causal!r}")
         if scale is True or scale is False:
@@ -59,6 +61,10 @@ class AttentionParams:
         if not 0.0 <= dropout_p <= 1.0:
             raise ValueError(f"AttentionParams: dropout_p must be in [0, 1], got {dropout_p!r}")
         self.dropout_p, self.dropout_seed = float(dropout_p), dropout_seed
+        if not (softcap == 0 or softcap > 0):
+            raise ValueError(f"AttentionParams: softcap must be 0 (none) or positive, got "
+                             f"{softcap!r}")
+        self.softcap = softcap
 
     def without_dropout(self):
         """The same parameters without dropout (self where it has none)."""
@@ -66,23 +72,24 @@ class AttentionParams:
             return self
         return AttentionParams(scale=self.scale, causal=self.causal, mask=self.mask,
                                keep_mask_summary=self.keep_mask_summary,
-                               mask_summary=self.mask_summary)
+                               mask_summary=self.mask_summary, softcap=self.softcap)
 
     def __repr__(self):
         mask = "None" if self.mask is None else f"<{self.mask.dtype} {tuple(self.mask.shape)}>"
         dropout = f", dropout_p={self.dropout_p!r}" if self.dropout_p else ""
+        softcap = f", softcap={self.softcap!r}" if self.softcap else ""
         return (f"AttentionParams(scale={self.scale!r}, causal={self.causal!r}, mask={mask}"
-                f"{dropout})")
+                f"{dropout}{softcap})")
 
     def __eq__(self, other):
         return isinstance(other, AttentionParams) and \
-            (self.scale, self.causal, self.dropout_p) == \
-            (other.scale, other.causal, other.dropout_p) and self.mask is other.mask and \
-            self.dropout_seed is other.dropout_seed
+            (self.scale, self.causal, self.dropout_p, self.softcap) == \
+            (other.scale, other.causal, other.dropout_p, other.softcap) and \
+            self.mask is other.mask and self.dropout_seed is other.dropout_seed
 
     def __hash__(self):
         return hash((self.scale, self.causal, id(self.mask), self.dropout_p,
-                     id(self.dropout_seed)))
+                     id(self.dropout_seed), self.softcap))
 
 
 # A learned bias (a floating mask that requires grad) gets cotangents. The implementations

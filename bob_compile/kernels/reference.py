@@ -59,10 +59,32 @@ def lse_for_probabilities(lse):
     return torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
 
 
+def capped(u, softcap):
+    """Soft-capped scores T = c tanh(U / c) (c = softcap; U itself where 0)."""
+    return softcap * torch.tanh(u / softcap) if softcap else u
+
+
+def cap_slope(u, softcap):
+    """φ'(U) = 1 - tanh²(U / c) of the soft-cap, or None without one."""
+    return 1 - torch.tanh(u / softcap) ** 2 if softcap else None
+
+
+def cap_curvature(u, softcap):
+    """φ''(U) = -(2 / c) tanh(U / c) φ'(U)."""
+    th = torch.tanh(u / softcap)
+    return (-2 / softcap) * th * (1 - th * th)
+
+
+def sloped(t, slope):
+    """t ∘ φ'(U): a cotangent or tangent of the capped scores T as one of U (t without a cap)."""
+    return t if slope is None else t * slope
+
+
 def masked(s, params):
-    """Scaled scores s with the masks of `params` applied: the causal and boolean masks set
-    hidden scores to -inf; an additive mask is added (in s's dtype), its values at or below
-    HIDDEN_AT_OR_BELOW hide their key (params.py)."""
+    """Scaled scores s, soft-capped where params say so, with the masks of `params` applied:
+    the causal and boolean masks set hidden scores to -inf; an additive mask is added (in
+    s's dtype), its values at or below HIDDEN_AT_OR_BELOW hide their key (params.py)."""
+    s = capped(s, params.softcap)
     if params.causal:
         s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
     if params.mask is not None:
@@ -132,7 +154,10 @@ def _backward_in_dtype(q, k, v, o, lse, do, dlse, params):
     D = (do.to(acc) * o.to(acc)).sum(-1)
     if dlse is not None:
         D = D - dlse
-    ds = (p * (dp - D.unsqueeze(-1))).to(q.dtype)
+    ds = p * (dp - D.unsqueeze(-1))
+    if params.softcap:
+        ds = ds * cap_slope((q @ ke.transpose(-2, -1)).to(acc) * scale, params.softcap)
+    ds = ds.to(q.dtype)
     dq = (ds @ ke) * scale
     dk = reduce_kv((ds.transpose(-2, -1) @ q) * scale, hkv)
     dv = reduce_kv(dropped(p, z).to(q.dtype).transpose(-2, -1) @ do, hkv)
@@ -203,8 +228,9 @@ def _backward(q, k, v, o, lse, do, dlse, params):
     if dlse is not None:
         D = D - dlse
     ds = p * (dp - D.unsqueeze(-1))
-    dq = scale * ds @ k
-    dk = reduce_kv(scale * ds.transpose(-2, -1) @ q, hkv)
+    du = sloped(ds, cap_slope(scale * q @ k.transpose(-2, -1), params.softcap))
+    dq = scale * du @ k
+    dk = reduce_kv(scale * du.transpose(-2, -1) @ q, hkv)
     dv = reduce_kv(dropped(p, z).transpose(-2, -1) @ do, hkv)
     return dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2]), ds
 
@@ -222,7 +248,10 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, upcast=True):
 
 def _bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, params):
     """bob's seven cotangents, and Sbar, the scores' cotangent (upcast): with an additive
-    mask's cotangent gdmask (the cotangent of backward_bias's dS), dS's cotangent F gains it."""
+    mask's cotangent gdmask (the cotangent of backward_bias's dS), dS's cotangent F gains it.
+    With a soft-cap the scores are T = φ(U) (docs/second-order.md, "Score transforms"): dS
+    and F are then those of T (dT = P (dP - D), F_T = φ'(U) F), Sbar is T's cotangent, and
+    q and k see U's: dU = φ'(U) dT and Ubar = φ'(U) Sbar + φ''(U) dT F."""
     scale = params.scale
     dts = [t.dtype for t in (q, k, v, o, lse, do)]
     hkv = k.shape[-3]
@@ -239,24 +268,36 @@ def _bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, params):
     dp_shifted = dp - D.unsqueeze(-1)
     ds = p * dp_shifted
     zero = torch.zeros_like(p)
-    # F: cotangent of dS (dq = scale dS k, dk = scale dS^T q), tile-local
+    # F: cotangent of dS (dq = scale dS k, dk = scale dS^T q), tile-local; with a soft-cap
+    # that of dU, and F_T = φ'(U) F that of dT
     F = zero
     if gdq is not None:
         F = F + scale * gdq @ k.transpose(-2, -1)
     if gdk is not None:
         F = F + scale * q @ gdk.transpose(-2, -1)
+    F_u = F
+    if params.softcap:
+        u = scale * q @ k.transpose(-2, -1)
+        slope = cap_slope(u, params.softcap)
+        F = F * slope
+        du = ds * slope
+    else:
+        du = ds
     if gdmask is not None:
         F = F + gdmask.to(F.dtype)
     A = p * F                                   # cotangent of dP
     Dg = A.sum(-1)                              # = -(cotangent of D)
     C = dropped(do @ gdv.transpose(-2, -1), z) if gdv is not None else zero
     Sbar = p * (C + F * dp_shifted)             # cotangent of the scores S
-    gq = scale * Sbar @ k
-    gk = scale * Sbar.transpose(-2, -1) @ q
+    Ubar = Sbar
+    if params.softcap:
+        Ubar = Sbar * slope + cap_curvature(u, params.softcap) * ds * F_u
+    gq = scale * Ubar @ k
+    gk = scale * Ubar.transpose(-2, -1) @ q
     if gdk is not None:
-        gq = gq + scale * ds @ gdk
+        gq = gq + scale * du @ gdk
     if gdq is not None:
-        gk = gk + scale * ds.transpose(-2, -1) @ gdq
+        gk = gk + scale * du.transpose(-2, -1) @ gdq
     gv = dropped(A, z).transpose(-2, -1) @ do
     go = -Dg.unsqueeze(-1) * do
     glse = -Sbar.sum(-1)
@@ -317,6 +358,7 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
         ts = ts + scale * tq @ k.transpose(-2, -1)
     if tk is not None:
         ts = ts + scale * q @ expand_kv(tk, H).transpose(-2, -1)
+    ts = sloped(ts, cap_slope(scale * q @ k.transpose(-2, -1), params.softcap))
     tlse = (p * ts).sum(-1)
     to = dropped(p * ts, z) @ v - tlse.unsqueeze(-1) * o
     if tv is not None:
@@ -342,11 +384,14 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
         D = D - dlse
     ds = p * (dp - D.unsqueeze(-1))
     zero = torch.zeros_like(p)
-    ts = zero
+    tu = zero       # the tangent of U = scale q kᵀ; ts: that of the capped scores, less tlse
     if tq is not None:
-        ts = ts + scale * tq @ k.transpose(-2, -1)
+        tu = tu + scale * tq @ k.transpose(-2, -1)
     if tk is not None:
-        ts = ts + scale * q @ tk.transpose(-2, -1)
+        tu = tu + scale * q @ tk.transpose(-2, -1)
+    u = scale * q @ k.transpose(-2, -1) if params.softcap else None
+    slope = cap_slope(u, params.softcap)
+    ts = sloped(tu, slope)
     if tlse is not None:
         ts = ts - tlse.unsqueeze(-1)
     tp = p * ts
@@ -362,9 +407,12 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     if tdlse is not None:
         tD = tD - tdlse
     tds = tp * (dp - D.unsqueeze(-1)) + p * (tdp - tD.unsqueeze(-1))
+    tdv = dropped(tp, z).transpose(-2, -1) @ do
+    if params.softcap:      # U's: tdU = φ' tdT + φ'' tU dT, dU = φ' dT
+        tds = tds * slope + cap_curvature(u, params.softcap) * tu * ds
+        ds = ds * slope
     tdq = scale * tds @ k
     tdk = scale * tds.transpose(-2, -1) @ q
-    tdv = dropped(tp, z).transpose(-2, -1) @ do
     if tk is not None:
         tdq = tdq + scale * ds @ tk
     if tq is not None:
@@ -376,17 +424,20 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
 
 
 def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-              dropout_scale=None):
+              dropout_scale=None, softcap=0.0):
     """softmax(q kᵀ · scale, top-left causal mask, attn_mask) v with ordinary ops, SDPA's
     signature (any leading dims): what the tests differentiate with autograd for their
     answers. Rows that see no key are 0, as in SDPA (a plain softmax gives NaN there); mask
     values <= HIDDEN_AT_OR_BELOW hide their key (bob_compile/kernels/params.py).
     dropout_scale: a given dropout's Z (keep / (1 - p), broadcastable to the scores),
-    multiplying the probabilities."""
+    multiplying the probabilities; softcap: c > 0 caps the scaled scores at c tanh(s / c)
+    before any mask (Gemma 2)."""
     if enable_gqa:
         k, v = expand_kv(k, q.shape[-3]), expand_kv(v, q.shape[-3])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = q @ k.transpose(-2, -1) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if is_causal:
         s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
     if attn_mask is not None:
