@@ -33,6 +33,8 @@ Providers
   op_autograd_calling_thread: op_autograd with its backwards on the calling thread;
   op_autograd_dropout: op_autograd with attention dropout p = 0.1 (every kernel regenerates
   the mask; issue 39: <= 1.15x op_autograd at 16K causal);
+  op_autograd_softcap: op_autograd with the scores soft-capped at 50 (Gemma 2; issue 41:
+  <= 1.25x op_autograd at 16K causal);
   op_autograd_bias / torch_math_bias: the step with a learned (1, H, N, N) bias, its
   cotangents included, through the op and through SDPA's math;
   op_autograd_python_node / op_autograd_first_order_python_node: with BOB_COMPILE_CPP_NODE=off
@@ -177,11 +179,11 @@ def bob_first_order(q, k, v, do, gq, gk, gv, scale, causal):
     return tri.backward(q, k, v, o, lse, do, None, params)
 
 
-def op_autograd(q, k, v, do, gq, gk, gv, scale, causal, dropout_p=0.0):
+def op_autograd(q, k, v, do, gq, gk, gv, scale, causal, dropout_p=0.0, softcap=None):
     import bob_compile
     q, k, v, do = (t.detach().requires_grad_() for t in (q, k, v, do))
     o = bob_compile.attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
-                              enable_gqa=gqa(q, k))
+                              enable_gqa=gqa(q, k), softcap=softcap)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     return torch.autograd.grad((dq, dk, dv), (q, k, v, do), (gq, gk, gv))
 
@@ -191,6 +193,13 @@ DROPOUT_P = 0.1     # Hugging Face's default attn_pdrop / attention_dropout
 
 def op_autograd_dropout(q, k, v, do, gq, gk, gv, scale, causal):
     return op_autograd(q, k, v, do, gq, gk, gv, scale, causal, dropout_p=DROPOUT_P)
+
+
+SOFTCAP = 50.0      # Gemma 2's attn_logit_softcapping
+
+
+def op_autograd_softcap(q, k, v, do, gq, gk, gv, scale, causal):
+    return op_autograd(q, k, v, do, gq, gk, gv, scale, causal, softcap=SOFTCAP)
 
 
 _BIASES = {}
@@ -267,6 +276,7 @@ PROVIDERS = {"bob_compile": bob_step, "bob_compile_folded": bob_folded_step,
              "op_autograd_sbar_split": op_autograd, "op_autograd_no_edge_split": op_autograd,
              "op_autograd_calling_thread": op_autograd_calling_thread,
              "op_autograd_dropout": op_autograd_dropout,
+             "op_autograd_softcap": op_autograd_softcap,
              "op_autograd_bias": op_autograd_bias, "torch_math_bias": torch_math_bias,
              "op_forward_over_reverse": op_forward_over_reverse,
              "op_autograd_first_order": op_autograd_first_order,

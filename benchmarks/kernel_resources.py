@@ -5,7 +5,7 @@ Uses Triton's own ptxas (-v) and nvdisasm. Prints one line per kernel and launch
 the configs are the ones the tuner picked on the H200, listed in main() below. With
 --candidates: the shared memory of every candidate config of each launch site, in order.
 
-    python benchmarks/kernel_resources.py [--candidates]
+    python benchmarks/kernel_resources.py [--candidates] [--dropout] [--softcap]
 """
 import argparse
 import importlib
@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-FLOAT_ARGS = ("qk_scale_log2", "scale", "keep_scale")
+FLOAT_ARGS = ("qk_scale_log2", "scale", "keep_scale", "softcap")
 FLOAT_TENSORS = ("LSE", "D", "TD", "TLSE")   # row statistics, fp32 whatever the inputs
 
 
@@ -78,6 +78,7 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
 
 
 DROPOUT = False     # --dropout: the kernels as a call with attention dropout compiles them
+SOFTCAP = False     # --softcap: as a call with soft-capped scores compiles them
 
 
 def causal_constexprs(fn, is_bob, d, block_m, block_n):
@@ -91,8 +92,9 @@ def causal_constexprs(fn, is_bob, d, block_m, block_n):
                   ROW_ATOMICS=False, DQ_ATOMICS=False,
                   HAS_TQ=True, HAS_TK=True, HAS_TV=True, HAS_TS=True, HAS_TLSE=True,
                   HAS_TDO=True,
-                  # no learned bias: what a plain causal call compiles (dropout if asked)
-                  DROPOUT=DROPOUT, HAS_DM=False, HAS_GDM=False, HAS_GM=False)
+                  # no learned bias: what a plain causal call compiles (dropout and a
+                  # soft cap if asked)
+                  DROPOUT=DROPOUT, SOFTCAP=SOFTCAP, HAS_DM=False, HAS_GDM=False, HAS_GM=False)
     if is_bob:
         consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
                       FOLD=is_bob in ("fold", "fold_dq"))
@@ -148,11 +150,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dropout", action="store_true",
                     help="compile the kernels with attention dropout on")
+    ap.add_argument("--softcap", action="store_true",
+                    help="compile the kernels with soft-capped scores")
     ap.add_argument("--candidates", action="store_true",
                     help="the shared memory of every candidate of each launch site instead")
     args = ap.parse_args(argv)
-    global DROPOUT
-    DROPOUT = args.dropout
+    global DROPOUT, SOFTCAP
+    DROPOUT, SOFTCAP = args.dropout, args.softcap
     if args.candidates:
         candidates_shared_memory()
         return

@@ -123,6 +123,21 @@ def _dropout_value(dropout_p):
     return dropout_p
 
 
+def _softcap_value(softcap):
+    """softcap as a float: 0.0 for None or 0 (no cap), else a positive number."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, torch.Tensor) or not isinstance(
+            softcap, (int, float, torch.SymInt, torch.SymFloat)) and not _is_numpy_number(softcap):
+        raise TypeError(f"bob_compile.attention: softcap must be a float or None, got "
+                        f"{type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (softcap == 0.0 or softcap > 0.0) or math.isinf(softcap):
+        raise ValueError(f"bob_compile.attention: softcap must be positive and finite (or None "
+                         f"for no cap), got {softcap}")
+    return softcap
+
+
 def _broadcasts_to(shape, out):
     """Whether shape broadcasts to out unchanged. Plain ints in a loop (torch.broadcast_shapes
     took 23 us per masked call on a CI-class CPU, a third of its host time); symbolic sizes
@@ -174,7 +189,7 @@ def _checked_call(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
 
 @torch.compiler.allow_in_graph
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False):
+              enable_gqa=False, *, softcap=None):
     """Softmax attention, `dropout(softmax(query @ key^T * scale + mask)) @ value`.
 
     Args:
@@ -195,6 +210,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             grad); defaults to 1/sqrt(E). Not differentiated, as in SDPA.
         enable_gqa: grouped-query attention; Hkv must divide Hq (query head h uses key/value
             head h // (Hq // Hkv)). Without it, leading dims (heads included) broadcast.
+        softcap: None, or c > 0: the scaled scores s are soft-capped to c * tanh(s / c)
+            before the masks apply (Gemma 2's attention logit soft-capping).
 
     Returns (..., Hq, L, Ev), in query's dtype. Rows that see no key (S == 0, or every key
     masked) are zeros, as in SDPA.
@@ -205,17 +222,19 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     # order PyTorch's fused kernels run, what the lines below would run, without their
     # Python; None for anything else (bob_compile/eager/)
     fast = eager_node.fast_entry
-    if fast is not None and not dropout_p:
+    if fast is not None and not dropout_p and not softcap:
         o = fast(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if o is not None:
             return o
     query, key, value, mask, dropout_p, scale, seed = _checked_call(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    softcap = _softcap_value(softcap)
     if mask is not None and mask.requires_grad:
         return autograd.learned_bias_output(query, key, value, mask, scale, is_causal, dropout_p,
-                                            seed)
-    if dropout_p:
-        return _through_functions(query, key, value, mask, scale, is_causal, dropout_p, seed)
+                                            seed, softcap)
+    if dropout_p or softcap:    # (the C++ node runs neither)
+        return _through_functions(query, key, value, mask, scale, is_causal, dropout_p, seed,
+                                  softcap)
     # a plain eager call: the eager accelerator first, then the forward alone where nothing
     # can differentiate the result; anything else through the autograd Functions
     if autograd.plain_call((query, key, value, mask)):
@@ -228,24 +247,25 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     return autograd.attention_with_lse(query, key, value, mask, scale, is_causal)[0]
 
 
-def _through_functions(query, key, value, mask, scale, is_causal, dropout_p=0.0, seed=None):
+def _through_functions(query, key, value, mask, scale, is_causal, dropout_p=0.0, seed=None,
+                       softcap=0.0):
     """The op's output through its autograd Functions: the forward alone where nothing can
     differentiate it (a plain call that needs no graph)."""
     if autograd.plain_call((query, key, value, mask)) and autograd.no_graph_needed(
             (query, key, value)):
         return autograd.forward_output(query, key, value, mask, scale, is_causal, dropout_p,
-                                       seed)
+                                       seed, softcap)
     return autograd.attention_with_lse(query, key, value, mask, scale, is_causal, dropout_p,
-                                       seed)[0]
+                                       seed, softcap)[0]
 
 
-def attention_with_op_mask(query, key, value, mask, scale, enable_gqa):
+def attention_with_op_mask(query, key, value, mask, scale, enable_gqa, softcap=0.0):
     """`attention` for a mask in a form only the ops take (int32 key intervals, a uint8
     packed BlockMask: ops.flat_mask), which bob_compile.flex_attention passes; the public
     call refuses both."""
     query, key, value, _, _, scale, _ = _checked_call(query, key, value, None, 0.0, False,
                                                       scale, enable_gqa)
-    return _through_functions(query, key, value, mask, scale, False)
+    return _through_functions(query, key, value, mask, scale, False, softcap=softcap)
 
 
 def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

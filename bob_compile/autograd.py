@@ -117,8 +117,8 @@ def plain_eager(tensors):
 
 def _tensor_arguments(args):
     """The tensor (or None) arguments of a Function's call: all but the trailing scale,
-    causal and dropout_p (the seed, last, is a tensor)."""
-    return args[:-4] + args[-1:]
+    causal, dropout_p and softcap (the seed, before softcap, is a tensor)."""
+    return args[:-5] + args[-2:-1]
 
 
 # Whether the running `_Fused.apply` found its call plain eager (per thread: the autograd
@@ -213,7 +213,7 @@ def _apply_below_jvp_level(interpreter, cls, args):
     return tuple(None if t is None else _wrap_for_grad(t, level) for t in outputs)
 
 
-def _plain_call_path(q, k, v, mask, scale, causal, dropout_p):
+def _plain_call_path(q, k, v, mask, scale, causal, dropout_p, softcap):
     """In the forward of a plain eager `_Fused.apply`: the implementation's CallPath for this
     call (ops.call_path), also kept for the setup_context that runs next on this thread (its
     backward may then run its kernels directly); None in any other call, or where
@@ -221,7 +221,7 @@ def _plain_call_path(q, k, v, mask, scale, causal, dropout_p):
     if not getattr(_apply_state, "plain", False):
         return None
     path = _apply_state.call_path = ops.call_path(kernels.select, q, k, v, mask, scale, causal,
-                                                  dropout_p)
+                                                  dropout_p, softcap)
     return None if _profiling() else path
 
 
@@ -287,23 +287,23 @@ def plain_call(tensors):
     return not _functorch_active() and plain_eager(tensors)
 
 
-def forward_output(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
+def forward_output(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None, softcap=0.0):
     """o of a plain call that nothing can differentiate (no grad needed, no forward-mode
     AD): the implementation's forward_output, without an lse (PyTorch's fused forward then
     skips computing it, as native SDPA does without grad)."""
     return _direct(ops.call_forward_output, "bob_compile::attn_fwd",
-                   (q, k, v, mask, scale, causal, dropout_p, seed))
+                   (q, k, v, mask, scale, causal, dropout_p, seed, softcap))
 
 
-def attention_with_lse(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
+def attention_with_lse(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None, softcap=0.0):
     """(o, lse) of the attention op, differentiable to any order (AttnFn, or its twin where
     legacy vmap would drop AttnFn's node)."""
     if _needs_twin_under_legacy_vmap(q, k, v):
-        return _forward_twin(q, k, v, mask, scale, causal, dropout_p, seed)
-    return AttnFn.apply(q, k, v, mask, scale, causal, dropout_p, seed)
+        return _forward_twin(q, k, v, mask, scale, causal, dropout_p, seed, softcap)
+    return AttnFn.apply(q, k, v, mask, scale, causal, dropout_p, seed, softcap)
 
 
-def learned_bias_output(q, k, v, bias, scale, causal, dropout_p=0.0, seed=None):
+def learned_bias_output(q, k, v, bias, scale, causal, dropout_p=0.0, seed=None, softcap=0.0):
     """o of a call whose additive mask requires grad (a learned bias), differentiable to any
     order in every input, the bias included: BiasAttnFn (the fused first and second order
     of the bias) for 4-D inputs; for others, and under legacy vmap, the closed-form twin,
@@ -313,21 +313,21 @@ def learned_bias_output(q, k, v, bias, scale, causal, dropout_p=0.0, seed=None):
             and not _needs_twin_under_legacy_vmap(q, k, v, bias):
         if any(stride == 0 and n > 1 for stride, n in zip(bias.stride(), bias.shape)):
             bias = bias.contiguous()    # its broadcast dims must be the ones the op adds
-        return BiasAttnFn.apply(q, k, v, bias, scale, causal, dropout_p, seed)[0]
+        return BiasAttnFn.apply(q, k, v, bias, scale, causal, dropout_p, seed, softcap)[0]
     global _learned_bias_logged
     if not _learned_bias_logged:
         _learned_bias_logged = True
         log.warning("bob_compile.attention: attn_mask requires grad (a learned bias) with "
                     "inputs other than 4-D (or under legacy vmap): such calls run the "
                     "closed-form math, unfused (O(L*S) memory), exact at every order")
-    return _forward_twin(q, k, v, bias, scale, causal, dropout_p, seed)[0]
+    return _forward_twin(q, k, v, bias, scale, causal, dropout_p, seed, softcap)[0]
 
 
 _learned_bias_logged = False
 
 
 def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal,
-                                  dropout_p=0.0, seed=None, kernel_choices=None):
+                                  dropout_p=0.0, seed=None, softcap=0.0, kernel_choices=None):
     """(dq, dk, dv) of the forward's (o, lse) by the general path, differentiable again
     (_first_backward, or its closed-form twin where legacy vmap would drop AttnBwdFn's node),
     under the kernel choices of the forward: what the first order's nodes (AttnFn, and the
@@ -336,7 +336,7 @@ def differentiable_first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal
     backward = _backward_twin if _needs_twin_under_legacy_vmap(do, dlse) else _first_backward
     return kernel_settings.run_with(kernel_choices, backward, q, k, v, o, lse,
                                     _zeros_if_none(do, o), dlse, mask, scale, causal,
-                                    dropout_p, seed)
+                                    dropout_p, seed, softcap)
 
 
 class AttnFn(_Fused):
@@ -345,47 +345,48 @@ class AttnFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, scale, causal, dropout_p, seed):
-        path = _plain_call_path(q, k, v, mask, scale, causal, dropout_p)
+    def forward(q, k, v, mask, scale, causal, dropout_p, seed, softcap):
+        path = _plain_call_path(q, k, v, mask, scale, causal, dropout_p, softcap)
         if path is not None:
             out = path.forward(q, k, v)
             if out is not None:
                 return out
             _call_path_refused()
         return _run(op.attn_fwd, ops.call_forward, "bob_compile::attn_fwd",
-                    (q, k, v, mask, scale, causal, dropout_p, seed))
+                    (q, k, v, mask, scale, causal, dropout_p, seed, softcap))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, scale, causal, dropout_p, seed = inputs
+        q, k, v, mask, scale, causal, dropout_p, seed, softcap = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, mask, seed)
         ctx.kernel_choices = kernel_settings.overridden()
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, mask, seed)
-        ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+        ctx.scale, ctx.causal, ctx.dropout_p, ctx.softcap = scale, causal, dropout_p, softcap
         ctx.set_materialize_grads(False)            # dlse stays None in ordinary training
         ctx.call_path = _call_path_of_plain_call()
 
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None and dlse is None:
-            return (None,) * 8
+            return (None,) * 9
         q, k, v, o, lse, mask, seed = ctx.saved_tensors
         if _call_path_applies(ctx, (do, dlse)):
             grads = ctx.call_path.backward(q, k, v, o, lse, _zeros_if_none(do, o), dlse)
             if grads is not None:
-                return (*grads, None, None, None, None, None)
+                return (*grads, None, None, None, None, None, None)
         dq, dk, dv = differentiable_first_backward(
             q, k, v, o, lse, do, dlse, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed,
-            kernel_choices=ctx.kernel_choices)
-        return dq, dk, dv, None, None, None, None, None
+            ctx.softcap, kernel_choices=ctx.kernel_choices)
+        return dq, dk, dv, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, _tmask, _scale, _causal, _dropout_p, _tseed):
+    def jvp(ctx, tq, tk, tv, _tmask, _scale, _causal, _dropout_p, _tseed, _softcap):
         q, k, v, o, lse, mask, seed = ctx.saved_tensors
         jvp = _forward_jvp_twin if _needs_twin_under_legacy_vmap(tq, tk, tv) else AttnFwdJvpFn.apply
-        return jvp(q, k, v, o, lse, tq, tk, tv, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed)
+        return jvp(q, k, v, o, lse, tq, tk, tv, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed,
+                   ctx.softcap)
 
 
 # ----------------------------------------------------------------------------- second order
@@ -419,19 +420,19 @@ class AttnBwdFn(_Fused):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed):
-        path = _plain_call_path(q, k, v, mask, scale, causal, dropout_p)
+    def forward(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed, softcap):
+        path = _plain_call_path(q, k, v, mask, scale, causal, dropout_p, softcap)
         if path is not None:
             grads = path.backward(q, k, v, o, lse, do, dlse)
             if grads is not None:
                 return grads
             _call_path_refused()
         return _run(op.attn_bwd, ops.call_backward, "bob_compile::attn_bwd",
-                    (q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed))
+                    (q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed, softcap))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed = inputs
+        q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed, softcap = inputs
         ctx.has_dlse = dlse is not None
         ctx.kernel_choices = kernel_settings.overridden()
         ctx.call_path = _call_path_of_plain_call()
@@ -445,14 +446,14 @@ class AttnBwdFn(_Fused):
         ctx.save_for_backward(q, k, v, o, lse, do, dlse, mask, seed, *(attached or ()))
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, do, dlse, mask, seed)
-        ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+        ctx.scale, ctx.causal, ctx.dropout_p, ctx.softcap = scale, causal, dropout_p, softcap
         ctx.set_materialize_grads(False)            # None cotangents skip their GEMMs
         _keep_dq(ctx, output[0])
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv):
         if gdq is None and gdk is None and gdv is None:
-            return (None,) * 12
+            return (None,) * 13
         q, k, v, o, lse, do, dlse, mask, seed, *attached = ctx.saved_tensors
         if ctx.came_detached:       # o and lse came in detached: the BoB folds
             fold = True
@@ -464,27 +465,28 @@ class AttnBwdFn(_Fused):
         path = ctx.call_path if _call_path_applies(ctx, (gdq, gdk, gdv)) else None
         outs = run_bob(fold, path, ctx.kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
                        _kept_dq(ctx) if fold else None, mask, ctx.scale, ctx.causal,
-                       ctx.dropout_p, seed)
+                       ctx.dropout_p, seed, ctx.softcap)
         if fold:        # nothing for o and lse: their cotangents are in gq, gk, gv
             (gq, gk, gv, gdo, gdlse), go, glse = outs, None, None
         else:
             gq, gk, gv, go, glse, gdo, gdlse = outs
         return (gq, gk, gv, go, glse, gdo, (gdlse if ctx.has_dlse else None),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, _tmask, _scale, _causal, _dropout_p, _tseed):
+    def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, _tmask, _scale, _causal, _dropout_p, _tseed,
+            _softcap):
         q, k, v, o, lse, do, dlse, mask, seed = ctx.saved_tensors
         if dlse is None:
             tdlse = None
         tangents = (tq, tk, tv, to, tlse, tdo, tdlse)
         jvp = _backward_jvp_twin if _needs_twin_under_legacy_vmap(*tangents) else AttnBwdJvpFn.apply
         return jvp(q, k, v, o, lse, do, dlse, *tangents, mask, ctx.scale, ctx.causal,
-                   ctx.dropout_p, seed)
+                   ctx.dropout_p, seed, ctx.softcap)
 
 
 def run_bob(fold, path, kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
-            scale, causal, dropout_p=0.0, seed=None):
+            scale, causal, dropout_p=0.0, seed=None, softcap=0.0):
     """The BoB of a first backward (AttnBwdFn's, or the C++ node's second node's), folded
     (reading dq, if given) or in the chain form: `path`'s kernels directly where a call path
     applies (path not None), else through its Function (its closed-form twin where legacy
@@ -498,11 +500,12 @@ def run_bob(fold, path, kernel_choices, q, k, v, o, lse, do, dlse, gdq, gdk, gdv
     if outs is None:
         bob = twin if _needs_twin_under_legacy_vmap(gdq, gdk, gdv) else function.apply
         outs = kernel_settings.run_with(kernel_choices, bob, q, k, v, o, lse, do, dlse,
-                                        *cotangents, mask, scale, causal, dropout_p, seed)
+                                        *cotangents, mask, scale, causal, dropout_p, seed,
+                                        softcap)
     return outs
 
 
-def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed):
+def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed, softcap):
     """AttnBwdFn.apply from AttnFn.backward. Where its graph is recorded (create_graph) in
     plain autograd (no torch.func transform, no forward-mode AD, plain tensors) and its BoB
     will take the folded form, o and lse enter it detached: the folded BoB returns no
@@ -518,10 +521,11 @@ def _first_backward(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, s
         _apply_state.folded_forward_outputs = (o, lse)
         try:
             return AttnBwdFn.apply(q, k, v, o.detach(), lse.detach(), do, dlse, mask, scale,
-                                   causal, dropout_p, seed)
+                                   causal, dropout_p, seed, softcap)
         finally:
             _apply_state.folded_forward_outputs = None
-    return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed)
+    return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p, seed,
+                           softcap)
 
 
 # ----------------------------------------------------------------------------- third order
@@ -556,39 +560,41 @@ def _twin_inputs(ctx, like):
 
 def _third_order(twin, ctx, grads, like):
     """Cotangents of a fused op's inputs, by differentiating its closed-form twin; the mask
-    and the seed (saved last, constants) get None, as do scale, causal and dropout_p.
+    and the seed (saved last, constants) get None, as do scale, causal, dropout_p and softcap.
 
     A None (optional) input becomes zeros shaped like input like[i]; its gradient is
     dropped again."""
     primals, mask, seed = _twin_inputs(ctx, like)
     outputs, pull = torch.func.vjp(
-        lambda *a: twin(*a, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed), *primals)
+        lambda *a: twin(*a, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed, ctx.softcap),
+        *primals)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
     cotangents = pull(tuple(grads))
     return (*(g if present else None for g, present in zip(cotangents, ctx.present)),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 def _third_order_jvp(twin, ctx, tangents, like):
     """Tangents of a fused op's outputs (forward mode over a derivative op: jvp of a jvp,
     jacfwd(jacfwd), forward over reverse over reverse), by pushing the tangents of its
-    inputs through its closed-form twin; the mask, scale, causal, dropout_p and seed have
-    none. A None input or tangent is zeros, as in _third_order."""
+    inputs through its closed-form twin; the mask, scale, causal, dropout_p, seed and softcap
+    have none. A None input or tangent is zeros, as in _third_order."""
     primals, mask, seed = _twin_inputs(ctx, like)
     pushed = tuple(torch.zeros_like(p) if t is None else t
                    for t, p in zip(tangents[:len(primals)], primals))
     _, out = torch.func.jvp(
-        lambda *a: twin(*a, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed), primals, pushed)
+        lambda *a: twin(*a, mask, ctx.scale, ctx.causal, ctx.dropout_p, seed, ctx.softcap),
+        primals, pushed)
     return out
 
 
 def _save_all(ctx, inputs):
-    *tensors, mask, scale, causal, dropout_p, seed = inputs
+    *tensors, mask, scale, causal, dropout_p, seed, softcap = inputs
     ctx.present = [t is not None for t in tensors]
     ctx.save_for_backward(*tensors, mask, seed)
     if _forward_mode_possible():
         ctx.save_for_forward(*tensors, mask, seed)
-    ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+    ctx.scale, ctx.causal, ctx.dropout_p, ctx.softcap = scale, causal, dropout_p, softcap
     ctx.set_materialize_grads(False)
 
 
@@ -660,33 +666,34 @@ class BiasAttnFn(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, bias, scale, causal, dropout_p, seed):
-        return op.attn_fwd(q, k, v, bias, scale, causal, dropout_p, seed)
+    def forward(q, k, v, bias, scale, causal, dropout_p, seed, softcap):
+        return op.attn_fwd(q, k, v, bias, scale, causal, dropout_p, seed, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, bias, scale, causal, dropout_p, seed = inputs
+        q, k, v, bias, scale, causal, dropout_p, seed, softcap = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, bias, seed)
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, bias, seed)
         ctx.constants = (scale, causal, dropout_p)
+        ctx.softcap = softcap
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None and dlse is None:
-            return (None,) * 8
+            return (None,) * 9
         q, k, v, o, lse, bias, seed = ctx.saved_tensors
         grads = BiasAttnBwdFn.apply(q, k, v, o, lse, _zeros_if_none(do, o), dlse, bias,
-                                    *ctx.constants, seed)
-        return (*grads, None, None, None, None)
+                                    *ctx.constants, seed, ctx.softcap)
+        return (*grads, None, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, tbias, _scale, _causal, _dropout_p, _tseed):
+    def jvp(ctx, tq, tk, tv, tbias, _scale, _causal, _dropout_p, _tseed, _softcap):
         q, k, v, bias, seed = ctx.saved_tensors
         return _bias_twin_jvp(_forward_twin, (q, k, v, bias), (tq, tk, tv, tbias),
-                              (*ctx.constants, seed))
+                              (*ctx.constants, seed, ctx.softcap))
 
 
 class BiasAttnBwdFn(torch.autograd.Function):
@@ -698,25 +705,27 @@ class BiasAttnBwdFn(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed):
-        return op.attn_bwd_bias(q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed)
+    def forward(q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed, softcap):
+        return op.attn_bwd_bias(q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed,
+                                softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed = inputs
+        q, k, v, o, lse, do, dlse, bias, scale, causal, dropout_p, seed, softcap = inputs
         ctx.has_dlse = dlse is not None
         ctx.save_for_backward(q, k, v, o, lse, do, dlse, bias, seed)
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, o, lse, do, dlse, bias, seed)
         ctx.constants = (scale, causal, dropout_p)
+        ctx.softcap = softcap
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv, gdbias):
         if gdq is None and gdk is None and gdv is None and gdbias is None:
-            return (None,) * 12
+            return (None,) * 13
         q, k, v, o, lse, do, dlse, bias, seed = ctx.saved_tensors
-        constants = (*ctx.constants, seed)
+        constants = (*ctx.constants, seed, ctx.softcap)
         if torch.is_grad_enabled():
             o, lse = _forward_twin(q, k, v, bias, *constants)
             outs = _bob_folded_bias_twin(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdbias, bias,
@@ -726,15 +735,16 @@ class BiasAttnBwdFn(torch.autograd.Function):
                                            bias, *constants)
         gq, gk, gv, gdo, gdlse, gbias = outs
         return (gq, gk, gv, None, None, gdo, gdlse if ctx.has_dlse else None, gbias,
-                None, None, None, None)
+                None, None, None, None, None)
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, to, tlse, tdo, tdlse, tbias, _scale, _causal, _dropout_p,
-            _tseed):
+            _tseed, _softcap):
         q, k, v, o, lse, do, dlse, bias, seed = ctx.saved_tensors
         dlse = _zeros_if_none(dlse, lse)
         return _bias_twin_jvp(_backward_bias_twin, (q, k, v, o, lse, do, dlse, bias),
-                              (tq, tk, tv, to, tlse, tdo, tdlse, tbias), (*ctx.constants, seed))
+                              (tq, tk, tv, to, tlse, tdo, tdlse, tbias),
+                              (*ctx.constants, seed, ctx.softcap))
 
 
 _backward_bias_twin = _canonical_twin(ops.call_backward_bias)

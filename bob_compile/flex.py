@@ -14,19 +14,21 @@ call's visible pairs and additive scores as one attention mask of bob_compile.at
 - a score_mod of the form `score + bias(b, h, q_idx, kv_idx)` (ALiBi, relative-position
   buffers, a learned bias: captured tensors that require grad get their gradients), checked
   on the function's traced graph; its bias is score_mod evaluated at score 0, in the
-  query's dtype.
+  query's dtype. The score may be soft-capped first, `c * tanh(a * score) [+ bias]`
+  (Gemma 2: a = 1 / c): the op's softcap c, its scale multiplied by a c, applied in the
+  kernels, exact at every order.
 
 Both are materialized at the call's (B or 1, H or 1, L, S) shape: memory O(L S) per distinct
 batch and head of the BlockMask, and of the bias where it reads b or h (broadcast once
 otherwise), not the O(partial blocks) that reading the blocks in the kernels would cost.
-Other score_mods (tanh soft-capping, anything nonlinear in the score), and return_lse=True,
-run as math with a warning: exact at every order, N x N in memory.
+Other score_mods (anything else nonlinear in the score), and return_lse=True, run as math
+with a warning: exact at every order, N x N in memory.
 
 The passes (bob_compile/passes/flex_attention.py) put `flex_call` in place of the
 higher-order op Dynamo records for torch.nn.attention.flex_attention (its arguments, the
 BlockMask as a tuple, the mods as graphs taking their captured tensors as extra arguments),
-and `flex_math` where the score_mod is not additive: the same function written as math
-(N x N in memory), exact at every order.
+and `flex_math` where the score_mod is not of those forms: the same function written as
+math (N x N in memory), exact at every order.
 """
 import dataclasses
 import math
@@ -39,6 +41,8 @@ from .block_masks import (Blocks, may_synchronize, over_indices, pack, reused_ke
                           trace_mod, visible_pairs)
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
+_MULTIPLY, _DIVIDE = torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor
+_TANH = torch.ops.aten.tanh.default
 
 
 # ------------------------------------------------------------------ the public call
@@ -67,7 +71,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if isinstance(form, str) or return_lse:
         why = "return_lse=True" if not isinstance(form, str) else (
             f"its score_mod {getattr(score_mod, '__name__', score_mod)} {form} (only "
-            f"score + bias(b, h, q_idx, kv_idx) runs fused)")
+            f"[c tanh(score / c)] + bias(b, h, q_idx, kv_idx) runs fused)")
         warnings.warn(f"bob_compile.flex_attention runs this call as math, N x N in memory, "
                       f"exact at every order: {why}", stacklevel=2)
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -79,18 +83,21 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 # ------------------------------------------------------------------ the score_mod
 @dataclasses.dataclass
 class AdditiveScoreMod:
-    """A score_mod that returns score + bias(b, h, q_idx, kv_idx) (identity: bias 0), and
-    which indices its bias reads."""
+    """A score_mod that returns φ(score) + bias(b, h, q_idx, kv_idx) (identity: bias 0), with
+    φ the identity or, softcap c > 0, c tanh(a score) = c tanh(a c score / c): the op's cap
+    c on scores scaled by scale_factor = a c; and which indices its bias reads."""
     identity: bool
     reads_batch: bool
     reads_head: bool
+    softcap: float = 0.0
+    scale_factor: float = 1.0
 
 
 def score_mod_form(score_mod, dtype, buffers=()):
     """AdditiveScoreMod for `score_mod(score, b, h, q_idx, kv_idx, *buffers)` when its
-    traced graph is additive in the score, else a phrase saying what it does instead.
-    `buffers`: tensors (real, fake or meta) standing for the captured tensors Dynamo passes
-    as extra arguments."""
+    traced graph is (soft-capped score) plus a term without the score, else a phrase saying
+    what it does instead. `buffers`: tensors (real, fake or meta) standing for the captured
+    tensors Dynamo passes as extra arguments."""
     graph = trace_mod(score_mod, buffers, dtype)
     if isinstance(graph, str):
         return f"could not be traced ({graph})"
@@ -98,15 +105,51 @@ def score_mod_form(score_mod, dtype, buffers=()):
     result = graph.output_node().args[0]
     if isinstance(result, (tuple, list)):
         result = result[0]
-    if result is score:
-        return AdditiveScoreMod(True, False, False)
+    capped = _softcap_of(result, score)
+    if result is score or capped:
+        return AdditiveScoreMod(True, False, False, *(capped or ()))
     if getattr(result, "target", None) in (_ADD, _SUBTRACT) and \
             result.kwargs.get("alpha", 1) == 1:
-        operands = list(result.args[:2])
-        if (operands[0] is score and not _reads(operands[1], score)) or \
-                (result.target is _ADD and operands[1] is score and not _reads(operands[0], score)):
-            return AdditiveScoreMod(False, bool(b.users), bool(h.users))
-    return "is not score plus a term without the score"
+        first, second = result.args[:2]
+        orders = [(first, second), (second, first)] if result.target is _ADD else [(first, second)]
+        for term, bias in orders:
+            capped = _softcap_of(term, score)
+            if (term is score or capped) and not _reads(bias, score):
+                return AdditiveScoreMod(False, bool(b.users), bool(h.users), *(capped or ()))
+    return "is not score (or c * tanh(a * score)) plus a term without the score"
+
+
+def _softcap_of(node, score):
+    """(c, a c) where `node` computes c * tanh(a * score) (a as a factor or a divisor, the
+    factors in either order) for constants c > 0 and a > 0, else None."""
+    outer = _times_constant(node)
+    if outer is None or getattr(outer[0], "target", None) is not _TANH:
+        return None
+    inner = _times_constant(outer[0].args[0])
+    if inner is None or inner[0] is not score:
+        return None
+    cap, slope = outer[1], inner[1]
+    if not (cap > 0 and slope > 0):
+        return None
+    factor = cap * slope
+    return cap, 1.0 if abs(factor - 1) < 1e-12 else factor
+
+
+def _times_constant(node):
+    """(x, c) where `node` is x * c, c * x or x / c (as x * (1 / c)) for a Python number c,
+    else None."""
+    if not isinstance(node, torch.fx.Node) or node.kwargs:
+        return None
+    if node.target is _MULTIPLY:
+        x, c = node.args
+        if isinstance(x, (int, float)):
+            x, c = c, x
+        return (x, float(c)) if isinstance(c, (int, float)) and isinstance(x, torch.fx.Node) \
+            else None
+    if node.target is _DIVIDE:
+        x, c = node.args
+        return (x, 1.0 / c) if isinstance(c, (int, float)) and c != 0 else None
+    return None
 
 
 def _reads(value, node):
@@ -148,16 +191,20 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
         scale = 1.0 / math.sqrt(query.shape[-1])
     biased = score_mod is not None and not form.identity
     mask = None
+    softcap = 0.0
+    if score_mod is not None and form.softcap:
+        softcap, scale = form.softcap, scale * form.scale_factor
     if blocks is not None and not biased:
         mask = _mask_for_the_op(blocks, L, S, query, mask_mod_key)
         if mask is not None and mask.dtype != torch.bool:
-            return attention_with_op_mask(query, key, value, mask, scale, enable_gqa)
+            return attention_with_op_mask(query, key, value, mask, scale, enable_gqa, softcap)
     if blocks is not None and mask is None:
         mask = visible_pairs(blocks, L, S, query.device, *query.shape[:2])
     if biased:
         bias = additive_bias(score_mod, query, L, S, form, score_mod_buffers)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-    return attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
+                     softcap=softcap)
 
 
 def _mask_for_the_op(blocks, L, S, query, mask_mod_key):

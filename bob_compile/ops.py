@@ -13,9 +13,11 @@
     attn_bwd_jvp(q, k, v, o, lse, do, dlse?, tq?, tk?, tv?, to?, tlse?, tdo?, tdlse?, mask?,
                  scale, causal)    -> (tdq, tdk, tdv)                       JVP of attn_bwd
 
-Every op ends with (mask?, scale, causal, dropout_p, seed?), dropout_p = 0 and seed None by
-default: attention dropout with SDPA's semantics, its keep mask regenerated from `seed` (an
-int64 tensor of one element) by every op of the call (bob_compile/kernels/dropout.py).
+Every op ends with (mask?, scale, causal, dropout_p, seed?, softcap), dropout_p = 0, seed None
+and softcap 0 by default: attention dropout with SDPA's semantics, its keep mask regenerated
+from `seed` (an int64 tensor of one element) by every op of the call
+(bob_compile/kernels/dropout.py); softcap c > 0 caps the scaled scores at c tanh(s / c)
+before any mask (Gemma 2; bob_compile/kernels/params.py).
 
 Shapes: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev) with equal leading dims
 and Hkv dividing Hq (rank-2 inputs have one implicit head); lse and other row vectors are
@@ -103,7 +105,8 @@ def _flat_compact_mask(mask, q, k):
     return KeyIntervals.of(mask, batch, heads, L, S)
 
 
-def _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p=0.0, seed=None):
+def _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p=0.0, seed=None,
+            softcap=0.0):
     if not dropout_p:
         dropout_p, seed = 0.0, None
     elif seed is None:
@@ -115,10 +118,10 @@ def _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p=0.0, seed=No
             dropout.check_counter_range((1, heads, q.shape[-2], k.shape[-2]))
     if mask is None:
         return AttentionParams(scale=scale, causal=causal, dropout_p=dropout_p,
-                               dropout_seed=seed)
+                               dropout_seed=seed, softcap=softcap)
     return AttentionParams(scale=scale, causal=causal, mask=flat_mask(mask, q, k),
                            keep_mask_summary=keep_mask_summary, dropout_p=dropout_p,
-                           dropout_seed=seed)
+                           dropout_seed=seed, softcap=softcap)
 
 
 def _unflat(t: Tensor, shape, like: Optional[Tensor]):
@@ -129,74 +132,75 @@ def _unflat(t: Tensor, shape, like: Optional[Tensor]):
     return t.contiguous() if like is None else layout.in_order_of(t, like)
 
 
-def call_path(pick, q, k, v, mask, scale, causal, dropout_p=0.0):
+def call_path(pick, q, k, v, mask, scale, causal, dropout_p=0.0, softcap=0.0):
     """The CallPath of a call of the real implementations (pick is kernels.select) on 4-D
-    inputs without a mask or dropout (kernels.call_path): what runs for its signature,
-    decided once, so that such calls skip the flattening and the choice of an
+    inputs without a mask, dropout or soft-cap (kernels.call_path): what runs for its
+    signature, decided once, so that such calls skip the flattening and the choice of an
     implementation."""
-    if pick is kernels.select and mask is None and not dropout_p and q.dim() == 4 \
+    if pick is kernels.select and mask is None and not dropout_p and not softcap \
+            and q.dim() == 4 \
             and k.dim() == 4 and v.dim() == 4:
         return kernels.call_path(q, k, v, scale, causal)
     return None
 
 
-def call_forward(pick, q, k, v, mask, scale, causal, dropout_p=0.0, seed=None,
+def call_forward(pick, q, k, v, mask, scale, causal, dropout_p=0.0, seed=None, softcap=0.0,
                  keep_mask_summary=False):
     """Flatten, run pick(q, k, v).forward (pick chooses the implementation module), and
     restore the leading dims and the output layout. The call_* functions below do the same
     for each op. keep_mask_summary: see AttentionParams (True only from the plain eager
     path of bob_compile/autograd.py, never from the ops themselves)."""
-    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p, softcap)
     if known is not None:
         out = known.forward(q, k, v)
         if out is not None:
             return out
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed, softcap)
     o, lse = pick(qf, kf, vf).forward(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q), _unflat(lse, q.shape[:-1], None)
 
 
 def call_forward_output(pick, q, k, v, mask, scale, causal, dropout_p=0.0, seed=None,
-                        keep_mask_summary=False):
+                        softcap=0.0, keep_mask_summary=False):
     """o of call_forward, from the implementation's forward_output (no lse to compute)."""
-    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p, softcap)
     if known is not None:
         o = known.forward_output(q, k, v)
         if o is not None:
             return o
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed, softcap)
     o = pick(qf, kf, vf).forward_output(qf, kf, vf, params)
     return _unflat(o, (*q.shape[:-1], v.shape[-1]), q)
 
 
 def call_backward(pick, q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0,
-                  seed=None, keep_mask_summary=False):
-    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
+                  seed=None, softcap=0.0, keep_mask_summary=False):
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p, softcap)
     if known is not None:
         grads = known.backward(q, k, v, o, lse, do, dlse)
         if grads is not None:
             return grads
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed, softcap)
     dq, dk, dv = pick(qf, kf, vf).backward(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), params)
     return _unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v)
 
 
 def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, shaped_like_q_k_v,
-                       mask, scale, causal, dropout_p, seed, keep_mask_summary):
+                       mask, scale, causal, dropout_p, seed, softcap, keep_mask_summary):
     """The implementation's `method` (bob or bob_folded); shaped_like_q_k_v: its optional
     arguments after dlse (gdq, gdk, gdv, and bob_folded's dq); likes: the input each output
     is shaped and laid out like (None: a row vector shaped like lse)."""
-    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p)
+    known = call_path(pick, q, k, v, mask, scale, causal, dropout_p, softcap)
     if known is not None:
         outs = getattr(known, method)(q, k, v, o, lse, do, dlse, *shaped_like_q_k_v)
         if outs is not None:
             return outs
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed, softcap)
     outs = getattr(pick(qf, kf, vf), method)(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf),
         *map(_flat, shaped_like_q_k_v), params)
@@ -205,30 +209,30 @@ def _call_second_order(method, likes, pick, q, k, v, o, lse, do, dlse, shaped_li
 
 
 def call_bob(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal,
-             dropout_p=0.0, seed=None, keep_mask_summary=False):
+             dropout_p=0.0, seed=None, softcap=0.0, keep_mask_summary=False):
     return _call_second_order("bob", (q, k, v, o, None, do, None), pick, q, k, v, o, lse, do,
                               dlse, (gdq, gdk, gdv), mask, scale, causal, dropout_p, seed,
-                              keep_mask_summary)
+                              softcap, keep_mask_summary)
 
 
 def call_bob_folded(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal,
-                    dropout_p=0.0, seed=None, keep_mask_summary=False):
+                    dropout_p=0.0, seed=None, softcap=0.0, keep_mask_summary=False):
     if dq is not None and dq.shape != q.shape:
         raise ValueError(f"attn_bob_folded: dq must be shaped like q {tuple(q.shape)} (it is "
                          f"attn_bwd's dq for the same inputs), got {tuple(dq.shape)}")
     return _call_second_order("bob_folded", (q, k, v, do, None), pick, q, k, v, o, lse, do,
                               dlse, (gdq, gdk, gdv, dq), mask, scale, causal, dropout_p, seed,
-                              keep_mask_summary)
+                              softcap, keep_mask_summary)
 
 
 def call_backward_bias(pick, q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0,
-                       seed=None):
+                       seed=None, softcap=0.0):
     """call_backward, and the additive mask's cotangent, shaped like the mask. The
     implementations return it with 1 on the flat mask's broadcast (stride-0) dims, which
     are the mask's missing or size-1 dims: a mask with a stride-0 dim of its own comes in
     contiguous (autograd.learned_bias_output), and the inputs are 4-D."""
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, False, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, False, dropout_p, seed, softcap)
     dq, dk, dv, dmask = pick(qf, kf, vf).backward_bias(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), params)
     return (_unflat(dq, q.shape, q), _unflat(dk, k.shape, k), _unflat(dv, v.shape, v),
@@ -236,12 +240,12 @@ def call_backward_bias(pick, q, k, v, o, lse, do, dlse, mask, scale, causal, dro
 
 
 def call_bob_folded_bias(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, mask, scale,
-                         causal, dropout_p=0.0, seed=None):
+                         causal, dropout_p=0.0, seed=None, softcap=0.0):
     """call_bob_folded where the additive mask is an input too: gdmask (shaped like the
     mask, or None) is the cotangent of call_backward_bias's mask cotangent; the mask's own
     cotangent comes last."""
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, False, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, False, dropout_p, seed, softcap)
     gdmask = None if gdmask is None else gdmask.reshape(mask_own_shape(params.mask))
     outs = pick(qf, kf, vf).bob_folded_bias(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(gdq),
@@ -252,18 +256,19 @@ def call_bob_folded_bias(pick, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask,
 
 
 def call_forward_jvp(pick, q, k, v, o, lse, tq, tk, tv, mask, scale, causal, dropout_p=0.0,
-                     seed=None, keep_mask_summary=False):
+                     seed=None, softcap=0.0, keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed, softcap)
     to, tlse = pick(qf, kf, vf).forward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(tq), _flat(tk), _flat(tv), params)
     return _unflat(to, o.shape, o), _unflat(tlse, lse.shape, None)
 
 
 def call_backward_jvp(pick, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse,
-                      mask, scale, causal, dropout_p=0.0, seed=None, keep_mask_summary=False):
+                      mask, scale, causal, dropout_p=0.0, seed=None, softcap=0.0,
+                      keep_mask_summary=False):
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed)
+    params = _params(q, k, mask, scale, causal, keep_mask_summary, dropout_p, seed, softcap)
     outs = pick(qf, kf, vf).backward_jvp(
         qf, kf, vf, _flat(o), _flat_rows(lse, qf), _flat(do), _flat_rows(dlse, qf), _flat(tq),
         _flat(tk), _flat(tv), _flat(to), _flat_rows(tlse, qf), _flat(tdo), _flat_rows(tdlse, qf),
@@ -284,13 +289,14 @@ def _rows(t: Tensor, dtype=None):
 # ----------------------------------------------------------------------------- forward
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd", mutates_args=(), tags=_TAGS)
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
-             causal: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None
+             causal: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+             softcap: float = 0.0
              ) -> tuple[Tensor, Tensor]:
-    return call_forward(kernels.select, q, k, v, mask, scale, causal, dropout_p, seed)
+    return call_forward(kernels.select, q, k, v, mask, scale, causal, dropout_p, seed, softcap)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
+def _(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None, softcap=0.0):
     return _like(q, (*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
@@ -298,14 +304,15 @@ def _(q, k, v, mask, scale, causal, dropout_p=0.0, seed=None):
 @torch.library.custom_op(f"{NAMESPACE}::attn_bwd", mutates_args=(), tags=_TAGS)
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
              dlse: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool,
-             dropout_p: float = 0.0, seed: Optional[Tensor] = None
+             dropout_p: float = 0.0, seed: Optional[Tensor] = None, softcap: float = 0.0
              ) -> tuple[Tensor, Tensor, Tensor]:
     return call_backward(kernels.select, q, k, v, o, lse, do, dlse, mask, scale, causal,
-                         dropout_p, seed)
+                         dropout_p, seed, softcap)
 
 
 @attn_bwd.register_fake
-def _(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0, seed=None):
+def _(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0, seed=None,
+      softcap=0.0):
     return _like(q), _like(k), _like(v)
 
 
@@ -314,14 +321,15 @@ def _(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0, seed=None):
 def attn_bob(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
              dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
              gdv: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool,
-             dropout_p: float = 0.0, seed: Optional[Tensor] = None
+             dropout_p: float = 0.0, seed: Optional[Tensor] = None, softcap: float = 0.0
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return call_bob(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale,
-                    causal, dropout_p, seed)
+                    causal, dropout_p, seed, softcap)
 
 
 @attn_bob.register_fake
-def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal, dropout_p=0.0, seed=None):
+def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, mask, scale, causal, dropout_p=0.0, seed=None,
+      softcap=0.0):
     return _like(q), _like(k), _like(v), _like(o), _rows(lse), _like(do), _rows(lse)
 
 
@@ -330,15 +338,15 @@ def attn_bob_folded(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do:
                     dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
                     gdv: Optional[Tensor], dq: Optional[Tensor], mask: Optional[Tensor],
                     scale: float, causal: bool, dropout_p: float = 0.0,
-                    seed: Optional[Tensor] = None
+                    seed: Optional[Tensor] = None, softcap: float = 0.0
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return call_bob_folded(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask,
-                           scale, causal, dropout_p, seed)
+                           scale, causal, dropout_p, seed, softcap)
 
 
 @attn_bob_folded.register_fake
 def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal, dropout_p=0.0,
-      seed=None):
+      seed=None, softcap=0.0):
     return _like(q), _like(k), _like(v), _like(do), _rows(lse)
 
 
@@ -348,14 +356,15 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, mask, scale, causal, dropout
 @torch.library.custom_op(f"{NAMESPACE}::attn_bwd_bias", mutates_args=(), tags=_TAGS)
 def attn_bwd_bias(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                   dlse: Optional[Tensor], mask: Tensor, scale: float, causal: bool,
-                  dropout_p: float = 0.0, seed: Optional[Tensor] = None
+                  dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+                  softcap: float = 0.0
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return call_backward_bias(kernels.select, q, k, v, o, lse, do, dlse, mask, scale,
-                              causal, dropout_p, seed)
+                              causal, dropout_p, seed, softcap)
 
 
 @attn_bwd_bias.register_fake
-def _(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0, seed=None):
+def _(q, k, v, o, lse, do, dlse, mask, scale, causal, dropout_p=0.0, seed=None, softcap=0.0):
     return _like(q), _like(k), _like(v), _like(mask)
 
 
@@ -364,15 +373,15 @@ def attn_bob_folded_bias(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                          dlse: Optional[Tensor], gdq: Optional[Tensor], gdk: Optional[Tensor],
                          gdv: Optional[Tensor], gdmask: Optional[Tensor], mask: Tensor,
                          scale: float, causal: bool, dropout_p: float = 0.0,
-                         seed: Optional[Tensor] = None
+                         seed: Optional[Tensor] = None, softcap: float = 0.0
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return call_bob_folded_bias(kernels.select, q, k, v, o, lse, do, dlse, gdq, gdk, gdv,
-                                gdmask, mask, scale, causal, dropout_p, seed)
+                                gdmask, mask, scale, causal, dropout_p, seed, softcap)
 
 
 @attn_bob_folded_bias.register_fake
 def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, mask, scale, causal, dropout_p=0.0,
-      seed=None):
+      seed=None, softcap=0.0):
     return _like(q), _like(k), _like(v), _like(do), _rows(lse), _like(mask)
 
 
@@ -380,14 +389,15 @@ def _(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, gdmask, mask, scale, causal, dro
 @torch.library.custom_op(f"{NAMESPACE}::attn_fwd_jvp", mutates_args=(), tags=_TAGS)
 def attn_fwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, tq: Optional[Tensor],
                  tk: Optional[Tensor], tv: Optional[Tensor], mask: Optional[Tensor], scale: float,
-                 causal: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None
+                 causal: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+             softcap: float = 0.0
                  ) -> tuple[Tensor, Tensor]:
     return call_forward_jvp(kernels.select, q, k, v, o, lse, tq, tk, tv, mask, scale, causal,
-                            dropout_p, seed)
+                            dropout_p, seed, softcap)
 
 
 @attn_fwd_jvp.register_fake
-def _(q, k, v, o, lse, tq, tk, tv, mask, scale, causal, dropout_p=0.0, seed=None):
+def _(q, k, v, o, lse, tq, tk, tv, mask, scale, causal, dropout_p=0.0, seed=None, softcap=0.0):
     return _like(o), _rows(lse)
 
 
@@ -397,14 +407,15 @@ def attn_bwd_jvp(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Te
                  tv: Optional[Tensor], to: Optional[Tensor], tlse: Optional[Tensor],
                  tdo: Optional[Tensor], tdlse: Optional[Tensor], mask: Optional[Tensor],
                  scale: float, causal: bool, dropout_p: float = 0.0,
-                 seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                 seed: Optional[Tensor] = None, softcap: float = 0.0
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     return call_backward_jvp(kernels.select, q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse,
-                             tdo, tdlse, mask, scale, causal, dropout_p, seed)
+                             tdo, tdlse, mask, scale, causal, dropout_p, seed, softcap)
 
 
 @attn_bwd_jvp.register_fake
 def _(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, mask, scale, causal,
-      dropout_p=0.0, seed=None):
+      dropout_p=0.0, seed=None, softcap=0.0):
     return _like(q), _like(k), _like(v)
 
 

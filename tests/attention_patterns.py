@@ -139,6 +139,42 @@ def active_dropout(q, k, v, bias):
     return F.dropout(probs, p=0.1, training=True) @ v
 
 
+def gemma2_eager(q, k, v, bias):
+    # transformers Gemma2 eager_attention_forward: scaled scores soft-capped
+    # (attn_logit_softcapping = 50), then the additive causal mask, softmax in float32.
+    T = q.shape[-2]
+    causal_mask = torch.triu(torch.full((T, T), torch.finfo(q.dtype).min, dtype=q.dtype), 1)
+    attn_weights = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5)
+    attn_weights = attn_weights / 50.0
+    attn_weights = torch.tanh(attn_weights)
+    attn_weights = attn_weights * 50.0
+    attn_weights = attn_weights + causal_mask[None, None, :, : k.shape[-2]]
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(attn_weights, v)
+
+
+def grok_capped(q, k, v, bias):
+    # xai-org grok-1 (and its PyTorch ports): 30 * tanh(logits / 30) after the scale, then a
+    # masked_fill with nanoGPT's causal buffer
+    T = q.size(-2)
+    logits = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    logits = 30.0 * torch.tanh(logits / 30.0)
+    logits = logits.masked_fill(bias[:, :, :T, :T] == 0, float("-inf"))
+    return F.softmax(logits, dim=-1) @ v
+
+
+def bare_tanh(q, k, v, bias):
+    # tanh of the scores, no factor: a cap of 1 (the op's scale multiplied by it)
+    scores = torch.tanh(q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5))
+    return scores.softmax(-1) @ v
+
+
+# patterns with soft-capped scores: name -> (function, causal, cap); replaced by the op with
+# its softcap, exact at every order against the written code
+SOFTCAPPED_PATTERNS = {"gemma2_eager": (gemma2_eager, True, 50.0),
+                       "grok_capped": (grok_capped, True, 30.0),
+                       "bare_tanh": (bare_tanh, False, 1.0)}
+
 # patterns that draw random numbers: replaced by the op with their dropout, which draws its
 # own mask (tests/passes/test_passes.py compares with the op given the same generator state)
 RANDOM_PATTERNS = {"active_dropout": (active_dropout, 0.1)}
@@ -261,6 +297,13 @@ MASKED_PATTERNS = {
     "relative_position_bias": relative_position_bias,
 }
 
+def mask_under_the_cap(q, k, v, bias):
+    # masked, then capped: -inf becomes -c, the masked keys are seen (not the op's order)
+    T = q.size(-2)
+    logits = (q @ k.transpose(-2, -1)).masked_fill(bias[:, :, :T, :T] == 0, float("-inf"))
+    return F.softmax(30.0 * torch.tanh(logits / 30.0), dim=-1) @ v
+
+
 MUST_NOT_MATCH = {
     "linear_attention": (linear_attention, "no softmax"),
     "ttt_dual_form": (ttt_dual_form, "no softmax"),
@@ -270,4 +313,5 @@ MUST_NOT_MATCH = {
     "dropout_in_place": (dropout_in_place, "dropout of the probabilities in place"),
     "alibi_baddbmm": (alibi_baddbmm, "not provably causal"),
     "einsum_over_queries": (einsum_over_queries, "does not contract the probabilities' key dim"),
+    "mask_under_the_cap": (mask_under_the_cap, "before they are soft-capped"),
 }

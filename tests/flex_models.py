@@ -46,6 +46,10 @@ def softcap_50(score, b, h, q_idx, kv_idx):
     return 50 * torch.tanh(score / 50)
 
 
+def bias_inside_the_cap(score, b, h, q_idx, kv_idx):    # not the op's order: the bias
+    return 30 * torch.tanh((score + (kv_idx - q_idx) * 0.1) / 30)   # is capped too
+
+
 RELATIVE = torch.randn(2 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
 
 
@@ -124,8 +128,9 @@ CASES = {   # name: (length, mask_mod, score_mod, kv heads, learned bias)
     "ALiBi alone, GQA": (19, None, alibi, 1, False),
     "soft-capping 30 + sliding window": (45, sliding_window, softcap_30, H, False),
     "soft-capping 50 + causal": (29, causal, softcap_50, H, False),
+    "a bias inside the cap + causal": (27, causal, bias_inside_the_cap, H, False),
 }
-REPLACED = {name: case[2] not in (softcap_30, softcap_50) for name, case in CASES.items()}
+REPLACED = {name: case[2] is not bias_inside_the_cap for name, case in CASES.items()}
 
 
 def make(name, device="cpu", dtype=torch.float64, head_dim=E):

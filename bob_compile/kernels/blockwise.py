@@ -8,6 +8,8 @@ with L·S elements per head is ever created, for any L, S larger than one tile.
 
 The probabilities are rebuilt per tile from the saved log-sum-exp, P = exp(scale q kᵀ - lse),
 as the fused kernels do; the formulas are those of `bob_compile/kernels/reference.py` (chain form).
+With a soft-cap (params.softcap) the scores are T = φ(U), U = scale q kᵀ, and the derivatives
+take φ'(U) and φ''(U) from each tile's U (docs/second-order.md, "Score transforms").
 """
 import contextlib
 import contextvars
@@ -17,7 +19,8 @@ import torch
 
 from . import dropout
 from .params import mask_own_shape
-from .reference import acc_dtype, apply_mask, dropped, expand_kv, lse_for_probabilities, reduce_kv
+from .reference import (acc_dtype, apply_mask, cap_curvature, cap_slope, capped, dropped,
+                        expand_kv, lse_for_probabilities, reduce_kv, sloped)
 
 # Tile edge lengths (query rows, key columns). 256 keeps Python overhead low on CPU while
 # one tile stays far below an L·S tensor; tests shrink them (`tiles`) so short sequences
@@ -61,10 +64,16 @@ def _visible_tiles(L, S, causal):
             yield rows, cols, masked
 
 
-def _scores(q_tile, k_tile, params, rows, cols, masked):
-    """Scaled scores of one tile; `masked`: the tile crosses the causal diagonal. The
-    params' mask tile applies as reference.masked applies the whole mask."""
-    s = params.scale * q_tile @ k_tile.transpose(-2, -1)
+def _natural_scores(q_tile, k_tile, params):
+    """U = scale q kᵀ of one tile: the scores before any cap or mask."""
+    return params.scale * q_tile @ k_tile.transpose(-2, -1)
+
+
+def _scores(u, params, rows, cols, masked):
+    """The tile's scores from its U: soft-capped where params say so, then masked;
+    `masked`: the tile crosses the causal diagonal. The params' mask tile applies as
+    reference.masked applies the whole mask."""
+    s = capped(u, params.softcap)
     if masked:
         qi = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
         kj = torch.arange(cols.start, cols.stop, device=s.device)[None, :]
@@ -75,9 +84,20 @@ def _scores(q_tile, k_tile, params, rows, cols, masked):
 
 
 def _probs(q_tile, k_tile, lse_rows, params, rows, cols, masked):
-    """P tile from the saved lse (0 where masked and on rows that see no key)."""
-    s = _scores(q_tile, k_tile, params, rows, cols, masked)
-    return torch.exp(s - lse_for_probabilities(lse_rows).unsqueeze(-1))
+    """(P, U) of a tile: P from the saved lse (0 where masked and on rows that see no key),
+    U for the cap's derivatives."""
+    u = _natural_scores(q_tile, k_tile, params)
+    s = _scores(u, params, rows, cols, masked)
+    return torch.exp(s - lse_for_probabilities(lse_rows).unsqueeze(-1)), u
+
+
+def _curvature_term(u, params, ds, t):
+    """φ''(U) ∘ dT ∘ t, the cap's curvature term: of U's cotangent where t is dU's cotangent F
+    (BoB), of dU's tangent where t is U's tangent (forward mode); None where it is zero (no
+    cap, or t None)."""
+    if not params.softcap or t is None:
+        return None
+    return cap_curvature(u, params.softcap) * ds * t
 
 
 def _keep(params, q, S, rows, cols):
@@ -120,7 +140,8 @@ def forward(q, k, v, params):
         denom = torch.zeros(B, H, n, dtype=q.dtype, device=q.device)
         acc = torch.zeros(B, H, n, Ev, dtype=q.dtype, device=q.device)
         for cols, masked in _key_tiles(rows, S, causal):
-            s = _scores(q[:, :, rows], k[:, :, cols], params, rows, cols, masked)
+            s = _scores(_natural_scores(q[:, :, rows], k[:, :, cols], params), params, rows, cols,
+                        masked)
             m_new = torch.maximum(m, s.amax(-1))
             # rows with every score -inf so far keep a finite reference point (no inf - inf);
             # a +inf score makes the row NaN, as softmax does
@@ -150,7 +171,8 @@ def backward(q, k, v, o, lse, do, dlse, params):
 
 
 def backward_bias(q, k, v, o, lse, do, dlse, params):
-    """backward, and the cotangent of an additive mask, dS (summed over its broadcast dims)."""
+    """backward, and the cotangent of an additive mask, dS (dT with a cap; summed over its
+    broadcast dims)."""
     dmask = _mask_accumulator(params.mask, acc_dtype(q.dtype))
     return (*_backward(q, k, v, o, lse, do, dlse, params, dmask), dmask.to(params.mask.dtype))
 
@@ -166,11 +188,12 @@ def _backward(q, k, v, o, lse, do, dlse, params, dmask):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        p, u = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
         z = _keep(params, q, S, rows, cols)
         ds = p * (dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1))
-        dq[:, :, rows] += scale * ds @ k_j
-        dk[:, :, cols] += scale * ds.transpose(-2, -1) @ q_i
+        du = sloped(ds, cap_slope(u, params.softcap))
+        dq[:, :, rows] += scale * du @ k_j
+        dk[:, :, cols] += scale * du.transpose(-2, -1) @ q_i
         dv[:, :, cols] += dropped(p, z).transpose(-2, -1) @ do_i
         if dmask is not None:
             _accumulate_on_mask(dmask, ds, rows, cols)
@@ -215,31 +238,39 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
     has_f = gdq is not None or gdk is not None      # F = 0 (so A = 0) when both are None
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        p, u = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        slope = cap_slope(u, params.softcap)
         z = _keep(params, q, S, rows, cols)
         dp_shifted = dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1)
         ds = p * dp_shifted
+        du = sloped(ds, slope)
         p_bar = torch.zeros_like(p)                 # cotangent of P (lse held fixed)
         if gdv is not None:
             p_bar = p_bar + dropped(do_i @ gdv[:, :, cols].transpose(-2, -1), z)
             gdo[:, :, rows] += dropped(p, z) @ gdv[:, :, cols]
+        F = None                                    # cotangent of dS (of dU with a cap)
         if has_f:
-            F = torch.zeros_like(p)                 # cotangent of dS
+            F = torch.zeros_like(p)
             if gdq is not None:
                 F = F + scale * gdq[:, :, rows] @ k_j.transpose(-2, -1)
-                gk[:, :, cols] += scale * ds.transpose(-2, -1) @ gdq[:, :, rows]
+                gk[:, :, cols] += scale * du.transpose(-2, -1) @ gdq[:, :, rows]
             if gdk is not None:
                 F = F + scale * q_i @ gdk[:, :, cols].transpose(-2, -1)
-                gq[:, :, rows] += scale * ds @ gdk[:, :, cols]
-            A = p * F                               # cotangent of dP
-            p_bar = p_bar + F * dp_shifted
+                gq[:, :, rows] += scale * du @ gdk[:, :, cols]
+            F_t = sloped(F, slope)                  # cotangent of dT
+            A = p * F_t                             # cotangent of dP
+            p_bar = p_bar + F_t * dp_shifted
             Dg[:, :, rows] += A.sum(-1)
             gv[:, :, cols] += dropped(A, z).transpose(-2, -1) @ do_i
             gdo[:, :, rows] += dropped(A, z) @ v_j
         s_bar = p * p_bar                           # cotangent of the scores
         glse[:, :, rows] -= s_bar.sum(-1)
-        gq[:, :, rows] += scale * s_bar @ k_j
-        gk[:, :, cols] += scale * s_bar.transpose(-2, -1) @ q_i
+        u_bar = sloped(s_bar, slope)                # cotangent of U
+        bend = _curvature_term(u, params, ds, F)
+        if bend is not None:
+            u_bar = u_bar + bend
+        gq[:, :, rows] += scale * u_bar @ k_j
+        gk[:, :, cols] += scale * u_bar.transpose(-2, -1) @ q_i
     go = -Dg.unsqueeze(-1) * do
     gdo = gdo - Dg.unsqueeze(-1) * o
     outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), go, glse, gdo, Dg)
@@ -266,7 +297,9 @@ def _bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, gdmask, gm
     tiles gathers the row scalars alpha = rowsum(P F) and E = rowsum(P (C + F (dP - D))) -
     alpha dlse with the row outputs' alpha-free sums; a second sweep adds the column
     outputs, whose every term carries the row's alpha and E. R = dS k is read from the
-    first backward's dq (= scale R) where it is given."""
+    first backward's dq (= scale R) where it is given. With a cap F is F_T = φ'(U) F, R is
+    dU k, B = P k becomes (φ'(U) P) k and U's cotangent gains the curvature term
+    (docs/second-order.md, "Score transforms")."""
     scale, causal = params.scale, params.causal
     dts, hkv = [t.dtype for t in (q, k, v, do, lse)], k.shape[1]
     q, k, v, o, lse, do, dlse, gdq, gdk, gdv, D = _second_order_inputs(
@@ -279,25 +312,31 @@ def _bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, gdmask, gm
     has_f = gdq is not None or gdk is not None or gdmask is not None
 
     def tile(rows, cols, masked):
-        """P, Z, dP - D, F (None when zero) and C + F (dP - D), the alpha-free cotangent of
-        P."""
+        """P, Z, dP - D, φ'(U) (None without a cap), F (that of dT with a cap; None when
+        zero), C + F (dP - D), the alpha-free cotangent of P, and the cap's curvature term
+        of U's cotangent (None when zero)."""
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        p, u = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        slope = cap_slope(u, params.softcap)
         z = _keep(params, q, S, rows, cols)
         dp_shifted = dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1)
-        F = None
+        F = bend = None
         if has_f:
             F = torch.zeros_like(p)
             if gdq is not None:
                 F = F + scale * gdq[:, :, rows] @ k_j.transpose(-2, -1)
             if gdk is not None:
                 F = F + scale * q_i @ gdk[:, :, cols].transpose(-2, -1)
+            # F so far is dU's cotangent; the bias's gdmask is dT's, added after the slope
+            if params.softcap:      # dT formed here only where the curvature term needs it
+                bend = _curvature_term(u, params, p * dp_shifted, F)
+            F = sloped(F, slope)
             if gdmask is not None:
                 F = F + gdmask[_on_mask(gdmask, rows, cols)]
         p_bar = torch.zeros_like(p) if F is None else F * dp_shifted
         if gdv is not None:
             p_bar = p_bar + dropped(do_i @ gdv[:, :, cols].transpose(-2, -1), z)
-        return p, z, dp_shifted, F, p_bar
+        return p, z, dp_shifted, slope, F, p_bar, bend
 
     for rows in _row_tiles(L):
         key_tiles = list(_key_tiles(rows, S, causal))
@@ -306,20 +345,23 @@ def _bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, gdmask, gm
         e_i = torch.zeros_like(a_i)
         omega, r, b = torch.zeros_like(q_i), torch.zeros_like(q_i), torch.zeros_like(q_i)
         for cols, masked in key_tiles:
-            p, z, dp_shifted, F, p_bar = tile(rows, cols, masked)
+            p, z, dp_shifted, slope, F, p_bar, bend = tile(rows, cols, masked)
             k_j, v_j = k[:, :, cols], v[:, :, cols]
-            ds = p * dp_shifted
+            du = sloped(p * dp_shifted, slope)
             e_i += (p * p_bar).sum(-1)
-            omega += (p * p_bar) @ k_j
-            b += p @ k_j
+            u_bar_free = sloped(p * p_bar, slope)   # U's cotangent without alpha and E
+            if bend is not None:
+                u_bar_free = u_bar_free + bend
+            omega += u_bar_free @ k_j
+            b += sloped(p, slope) @ k_j
             if gdv is not None:
                 gdo[:, :, rows] += dropped(p, z) @ gdv[:, :, cols]
             if gdk is not None:
-                omega += ds @ gdk[:, :, cols]
+                omega += du @ gdk[:, :, cols]
             if F is not None:
                 a_i += (p * F).sum(-1)
                 if dq is None:
-                    r += ds @ k_j
+                    r += du @ k_j
                 gdo[:, :, rows] += dropped(p * F, z) @ v_j
         if dlse is not None:
             e_i = e_i - a_i * dlse[:, :, rows]
@@ -329,14 +371,18 @@ def _bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, gdmask, gm
         gdo[:, :, rows] -= a_i.unsqueeze(-1) * o[:, :, rows]
         alpha[:, :, rows] = a_i
         for cols, masked in key_tiles:
-            p, z, dp_shifted, F, p_bar = tile(rows, cols, masked)
+            p, z, dp_shifted, slope, F, p_bar, bend = tile(rows, cols, masked)
             # Sbar = P (C + (F - alpha)(dP - D) - E)
             s_bar = p * (p_bar - a_i.unsqueeze(-1) * dp_shifted - e_i.unsqueeze(-1))
-            gk[:, :, cols] += scale * s_bar.transpose(-2, -1) @ q_i
+            u_bar = sloped(s_bar, slope)
+            if bend is not None:
+                u_bar = u_bar + bend
+            gk[:, :, cols] += scale * u_bar.transpose(-2, -1) @ q_i
             if gmask is not None:
                 _accumulate_on_mask(gmask, s_bar, rows, cols)
             if gdq is not None:
-                gk[:, :, cols] += scale * (p * dp_shifted).transpose(-2, -1) @ gdq[:, :, rows]
+                gk[:, :, cols] += scale * sloped(p * dp_shifted, slope).transpose(-2, -1) \
+                    @ gdq[:, :, rows]
             if F is not None:
                 gv[:, :, cols] += dropped(p * (F - a_i.unsqueeze(-1)), z).transpose(-2, -1) @ do_i
     outs = (gq, reduce_kv(gk, hkv), reduce_kv(gv, hkv), gdo, alpha)
@@ -355,7 +401,7 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
     to = torch.zeros_like(o)
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, k_j = q[:, :, rows], k[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        p, u = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
         z = _keep(params, q, S, rows, cols)
         if tq is not None or tk is not None:
             ts = torch.zeros_like(p)
@@ -363,6 +409,7 @@ def forward_jvp(q, k, v, o, lse, tq, tk, tv, params):
                 ts = ts + scale * tq[:, :, rows] @ k_j.transpose(-2, -1)
             if tk is not None:
                 ts = ts + scale * q_i @ tk[:, :, cols].transpose(-2, -1)
+            ts = sloped(ts, cap_slope(u, params.softcap))     # U's tangent as T's
             tlse[:, :, rows] += (p * ts).sum(-1)
             to[:, :, rows] += dropped(p * ts, z) @ v[:, :, cols]
         if tv is not None:
@@ -390,15 +437,17 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
     tdq, tdk, tdv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, cols, masked in _visible_tiles(L, S, causal):
         q_i, do_i, k_j, v_j = q[:, :, rows], do[:, :, rows], k[:, :, cols], v[:, :, cols]
-        p = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        p, u = _probs(q_i, k_j, lse[:, :, rows], params, rows, cols, masked)
+        slope = cap_slope(u, params.softcap)
         z = _keep(params, q, S, rows, cols)
         dp_shifted = dropped(do_i @ v_j.transpose(-2, -1), z) - D[:, :, rows].unsqueeze(-1)
         ds = p * dp_shifted
-        ts = torch.zeros_like(p)                    # tangent of the scores minus tangent of lse
+        tu = torch.zeros_like(p)                    # tangent of U
         if tq is not None:
-            ts = ts + scale * tq[:, :, rows] @ k_j.transpose(-2, -1)
+            tu = tu + scale * tq[:, :, rows] @ k_j.transpose(-2, -1)
         if tk is not None:
-            ts = ts + scale * q_i @ tk[:, :, cols].transpose(-2, -1)
+            tu = tu + scale * q_i @ tk[:, :, cols].transpose(-2, -1)
+        ts = sloped(tu, slope)                      # tangent of the scores minus tangent of lse
         if tlse is not None:
             ts = ts - tlse[:, :, rows].unsqueeze(-1)
         tp = p * ts
@@ -409,11 +458,16 @@ def backward_jvp(q, k, v, o, lse, do, dlse, tq, tk, tv, to, tlse, tdo, tdlse, pa
         if tv is not None:
             tdp = tdp + dropped(do_i @ tv[:, :, cols].transpose(-2, -1), z)
         tds = tp * dp_shifted + p * tdp
-        tdq[:, :, rows] += scale * tds @ k_j
-        tdk[:, :, cols] += scale * tds.transpose(-2, -1) @ q_i
+        # q and k see U's: tdU = φ' tdT + φ'' tU dT, dU = φ' dT
+        tdu, du = sloped(tds, slope), sloped(ds, slope)
+        bend = _curvature_term(u, params, ds, tu)
+        if bend is not None:
+            tdu = tdu + bend
+        tdq[:, :, rows] += scale * tdu @ k_j
+        tdk[:, :, cols] += scale * tdu.transpose(-2, -1) @ q_i
         tdv[:, :, cols] += dropped(tp, z).transpose(-2, -1) @ do_i
         if tk is not None:
-            tdq[:, :, rows] += scale * ds @ tk[:, :, cols]
+            tdq[:, :, rows] += scale * du @ tk[:, :, cols]
         if tq is not None:
-            tdk[:, :, cols] += scale * ds.transpose(-2, -1) @ tq[:, :, rows]
+            tdk[:, :, cols] += scale * du.transpose(-2, -1) @ tq[:, :, rows]
     return tdq.to(dts[0]), reduce_kv(tdk, hkv).to(dts[1]), reduce_kv(tdv, hkv).to(dts[2])

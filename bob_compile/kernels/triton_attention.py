@@ -11,11 +11,12 @@
         -> (tdq, tdk, tdv)
 
 Where PyTorch's own fused kernels compute exactly the same thing faster (first order on
-half-precision inputs without a mask tensor, GQA included, dlse = None), forward and backward
-call them, so a first-order step through the op costs what native SDPA costs. Every other
-case, and the whole second order, runs the kernels in triton_forward / triton_backward /
-triton_bob (a mask tensor included: each reads its tiles where it forms the scores);
-forward mode runs triton_forward_mode's (the blockwise path with a mask tensor).
+half-precision inputs without a mask tensor or soft cap, GQA included, dlse = None), forward
+and backward call them, so a first-order step through the op costs what native SDPA costs.
+Every other case, and the whole second order, runs the kernels in triton_forward /
+triton_backward / triton_bob (a mask tensor included: each reads its tiles where it forms the
+scores; a soft cap too); forward mode runs triton_forward_mode's (the blockwise path with a
+mask tensor or a soft cap).
 
 The switches that choose among these (PyTorch's fused kernels or ours, the schedules) are
 settings.SWITCHES (docs/settings.md).
@@ -251,7 +252,8 @@ def bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params):
 
 
 def bob_folded(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, dq, params, keys_out=None):
-    """keys_out: B = P k where the caller computed it already (the C++ node), else None."""
+    """keys_out: B = P k where the caller computed it already (the C++ node, never with a
+    soft cap: _keys_out), else None."""
     S, L = k.shape[2], q.shape[2]
     if S == 0 or L == 0 or (gdq is None and gdk is None and gdv is None):
         like = (q, k, v, do, lse)
@@ -308,7 +310,9 @@ def _keys_out(q, k, params, native=_UNDECIDED):
     """B = P k (the attention output with the keys as values) for the folded row pass of
     heads wider than ACCUMULATE_B_MAX_HEAD_DIM, else None (the row pass accumulates it).
     native: PyTorch's fused backend for it (a call path's), or decided here where needed."""
-    if q.shape[3] <= ACCUMULATE_B_MAX_HEAD_DIM:
+    # with a soft cap the row pass needs (φ' ∘ P) k, which no attention forward computes:
+    # it accumulates that itself at every head dim
+    if q.shape[3] <= ACCUMULATE_B_MAX_HEAD_DIM or params.softcap:
         return None
     params = params.without_dropout()       # B is P k: the keys are not dropped
     if native is _UNDECIDED:
@@ -321,14 +325,15 @@ def _keys_out(q, k, params, native=_UNDECIDED):
     return attention_forward(q, k, k, params)[0]
 
 
-# Forward mode: the Triton kernels of triton_forward_mode.py, except with a mask tensor or an
-# empty length (the blockwise path), and for a configuration whose kernel Triton could not
-# build on this device (remembered, logged once; the blockwise path from then on).
+# Forward mode: the Triton kernels of triton_forward_mode.py, except with a mask tensor, a
+# soft cap (they have neither) or an empty length (the blockwise path), and for a
+# configuration whose kernel Triton could not build on this device (remembered, logged once;
+# the blockwise path from then on).
 _forward_mode_failed = set()
 
 
 def _forward_mode_kernels(kind, q, v, params):
-    return (params.mask is None and q.shape[2] > 0
+    return (params.mask is None and not params.softcap and q.shape[2] > 0
             and (kind, q.dtype, q.shape[3], v.shape[3]) not in _forward_mode_failed)
 
 

@@ -3,6 +3,10 @@
     P = exp(scale q k^T - lse),  dP = dO v^T,  D = rowsum(dO * O) - dlse,  dS = P * (dP - D)
     dq = scale dS k,  dk = scale dS^T q,  dv = P^T dO
 
+With SOFTCAP the scores are T = c tanh(U / c) of U = scale q k^T (triton_softcap.py): P is
+exp(T - lse), dS above is T's cotangent dT (a learned bias's too), and where it meets k or q
+it is U's, dU = φ'(U) dT.
+
 Kernels:
 - `_row_dot_kernel`: D per query row (a row-local pre-pass; dlse is a constexpr option);
 - `_column_kernel`: one program per (key block, kv head); it walks every query head of its
@@ -25,6 +29,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
                     unmasked_key_blocks, unmasked_query_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
+from .triton_softcap import capped_scores, capped_slope, softcap_arguments, softcap_flags
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -86,13 +91,14 @@ def row_dot(do, o, dlse):
 def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_base,
                   sql, sqe, sdl, sde, sql_acc, sml, sme, firsts, ends, m_lo, m_hi, gap_lo,
                   gap_len, n0, L, S, qk_scale_log2,
-                  scale, seed_ptr, head, drop_threshold, keep_scale, dm_base, sdml, sdme,
+                  scale, softcap, seed_ptr, head, drop_threshold, keep_scale, dm_base, sdml, sdme,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr):
+                  MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -108,7 +114,12 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
         lse2 = load_lse2_for_probabilities(lse_ptr, offs_m, L)
         d = load_row_vector(d_ptr, offs_m, L)
         # everything is transposed ([keys, queries]) so that dk, dv accumulate without trans
-        s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
+        kq = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if SOFTCAP:     # capped in natural units, before any mask; tanh kept for φ'
+            t, tht = capped_scores(kq * scale, softcap)
+            s2t = t * 1.4426950408889634   # log2(e)
+        else:
+            s2t = kq * qk_scale_log2
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
@@ -123,9 +134,12 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
             dpt = dpt * zt
         else:
             dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
-        if HAS_DM:      # a learned bias's cotangent: dS itself, [keys, queries]
-            add_score_tile(dm_base, pt * (dpt - d[None, :]), offs_n, offs_m, sdme, sdml, S, L)
-        dst = (pt * (dpt - d[None, :])).to(q.dtype)
+        dst = pt * (dpt - d[None, :])
+        if HAS_DM:      # a learned bias's cotangent: dS itself (dT with a cap), [keys, queries]
+            add_score_tile(dm_base, dst, offs_n, offs_m, sdme, sdml, S, L)
+        if SOFTCAP:
+            dst = dst * capped_slope(tht)
+        dst = dst.to(q.dtype)
         dk += tl.dot(dst, q, input_precision=DOT_PRECISION)
         if DQ_ATOMICS:
             dq_part = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * scale
@@ -141,11 +155,12 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, D
                    sdb, sdh, sdl, sde, sdkb, sdkh, sdkn, sdke, sdvb, sdvh, sdvn, sdve,
                    smb, smh, sml, sme, srb, srh, srl, sre, sdmb, sdmh, sdml, sdme,
                    num_kv_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   softcap, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DQ_ATOMICS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -186,32 +201,32 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, D
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, firsts, ends, m_lo, m_hi, m_a, m_b - m_a, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
-                sdme, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
+                sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_DM)
+                DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_DM, SOFTCAP)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, firsts, ends, m_a, m_b, 0, 0, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
-                sdme, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
+                sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION,
-                NO_MASK_SOURCE, DROPOUT, HAS_DM)
+                NO_MASK_SOURCE, DROPOUT, HAS_DM, SOFTCAP)
         else:
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, firsts, ends, m_lo, m_mid, 0, 0, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
-                sdme, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
+                sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM)
+                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM, SOFTCAP)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, firsts, ends, m_mid, m_hi, 0, 0, n0, L, S,
-                qk_scale_log2, scale, SEED, head, drop_threshold, keep_scale, dm_base, sdml,
-                sdme, HEAD_DIM, HEAD_DIM_V,
+                qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
+                sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM)
+                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM, SOFTCAP)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -228,11 +243,11 @@ strides_of(_column_kernel, Q="sq", K="sk", V="sv", DO="sd", DK="sdk", DV="sdv", 
 @triton.jit
 def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme,
               firsts, ends, offs_m, offs_e, offs_ev, n_lo, n_hi, gap_lo, gap_len, L, S,
-              qk_scale_log2, seed_ptr, head, m0, drop_threshold, keep_scale,
+              qk_scale_log2, scale, softcap, seed_ptr, head, m0, drop_threshold, keep_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr):
+              MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -240,7 +255,12 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
-        s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:     # capped in natural units, before any mask; tanh kept for φ'
+            t, th = capped_scores(qk * scale, softcap)
+            s2 = t * 1.4426950408889634    # log2(e)
+        else:
+            s2 = qk * qk_scale_log2
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
@@ -251,7 +271,10 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
         if DROPOUT:
             dp = dp * dropout_tile(seed_ptr, head, L, m0, n0, S, drop_threshold, keep_scale,
                                    offs_m.shape[0], BLOCK_N)
-        ds = (p * (dp - d[:, None])).to(k.dtype)
+        ds = p * (dp - d[:, None])
+        if SOFTCAP:
+            ds = ds * capped_slope(th)
+        ds = ds.to(k.dtype)
         dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
     return dq
 
@@ -262,11 +285,11 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                sdb, sdh, sdl, sde, sdqb, sdqh, sdql, sdqe, smb, smh, sml, sme,
                srb, srh, srl, sre,
                num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               softcap, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               DROPOUT: tl.constexpr):
+               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -297,25 +320,26 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
         a_end, b_end = unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, a_end,
-                       b_end, 0, 0, L, S, qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
+                       b_end, 0, 0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0,
+                       drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo1, hi2,
-                       a_end, b_end - a_end, L, S, qk_scale_log2, SEED, head, m0, drop_threshold,
-                       keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND,
-                       PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT)
+                       a_end, b_end - a_end, L, S, qk_scale_log2, scale, softcap, SEED, head, m0,
+                       drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT,
+                       SOFTCAP)
     else:
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo1, hi1, 0,
-                       0, L, S, qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT)
+                       0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold,
+                       keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo2, hi2, 0,
-                       0, L, S, qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT)
+                       0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold,
+                       keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 
@@ -382,6 +406,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmas
               if dq_atomics else dk)
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
+    capped, softcap = softcap_arguments(params)
     has_dm = dmask is not None
     # broadcast dims at stride 0 (atomics add the (batch, head)s sharing an element)
     dm_arg = dmask.expand(B, Hq, L, S) if has_dm else dk
@@ -389,22 +414,22 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmas
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
-                    DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout)
+                    DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout, SOFTCAP=capped)
 
     def launch_columns(plan):
         plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DK=dk, DV=dv, DQ_ACC=dq_acc, MASK=mask,
              KEY_RANGE=key_range, SEED=seed, DM=dm_arg,
              num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
-             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale)
+             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale, softcap=softcap)
 
     # the plans first (tuning runs the kernels), then the launches: the atomic dq adds
     # into a buffer zeroed once before them, a masked kernel's two launches included
     paths = mask_paths(mask_kind)
     plans = [launch_plan(
         "bwd_columns", q, k, v, causal,
-        (dq_atomics, *mask_flags(mask_kind, path), *dropout_flags(dropout))
-        + (("dmask",) if has_dm else ()),
+        (dq_atomics, *mask_flags(mask_kind, path), *dropout_flags(dropout),
+         *softcap_flags(capped)) + (("dmask",) if has_dm else ()),
         lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
         lambda: dict(common(path), DQ_ATOMICS=dq_atomics, HAS_DM=has_dm), launch_columns,
         L * S,
@@ -425,11 +450,12 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmas
              Q=q, K=k, V=v, DO=do, LSE=lse, D=d, DQ=dq, MASK=mask, KEY_RANGE=key_range,
              SEED=seed, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
              drop_threshold=drop_threshold, qk_scale_log2=scale * LOG2E, scale=scale,
-             keep_scale=keep_scale)
+             keep_scale=keep_scale, softcap=softcap)
 
     for path in paths:
         launch_rows(launch_plan("bwd_dq", q, k, v, causal,
-                                mask_flags(mask_kind, path) + dropout_flags(dropout),
+                                mask_flags(mask_kind, path) + dropout_flags(dropout)
+                                + softcap_flags(capped),
                                 lambda: dq_candidates(q.dtype, E, Ev, read=path == READ_PATH),
                                 lambda: common(path), launch_rows, L * S,
                                 has_work=mask_path_work(key_range, path)))

@@ -1,4 +1,5 @@
-"""Attention forward in Triton: o = softmax(scale q k^T) v and its natural-log lse.
+"""Attention forward in Triton: o = softmax(scale q k^T) v and its natural-log lse (the scores
+soft-capped first where SOFTCAP is on: triton_softcap.py).
 
 One program per (block of BLOCK_M query rows, batch x query head); it streams the key/value
 blocks its rows can see with the online softmax (running max m, running sum l, both in base
@@ -19,6 +20,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_P
                     store_tile, unmasked_key_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
+from .triton_softcap import capped_scores, softcap_arguments, softcap_flags
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -32,13 +34,13 @@ def _max_keeping_nan(a, b):
 @triton.jit
 def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    mask_base, sml, sme, firsts, ends, offs_m, offs_e, offs_ev, n_lo,
-                   n_hi, gap_lo, gap_len, L, S, qk_scale_log2, seed_ptr, head, m0,
-                   drop_threshold, keep_scale, HEAD_DIM: tl.constexpr,
+                   n_hi, gap_lo, gap_len, L, S, qk_scale_log2, scale, softcap, seed_ptr, head,
+                   m0, drop_threshold, keep_scale, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr,
-                   DROPOUT: tl.constexpr):
+                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -46,7 +48,11 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
-        s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:     # capped in natural units, before any mask; then base 2 as without
+            s2 = capped_scores(qk * scale, softcap)[0] * 1.4426950408889634  # log2(e)
+        else:
+            s2 = qk * qk_scale_log2
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
@@ -70,12 +76,12 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
 def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
                     sqb, sqh, sql, sqe, skb, skh, skn, ske, svb, svh, svn, sve,
                     sob, soh, sol, soe, smb, smh, sml, sme, srb, srh, srl, sre,
-                    num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, keep_scale,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
+                    softcap, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    DROPOUT: tl.constexpr):
+                    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -111,28 +117,28 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
         a_end, b_end = unmasked_key_blocks(lo1, hi1, hi2, firsts, ends, offs_m, L, BLOCK_N)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
-            ends, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-            CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT)
+            ends, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2, scale,
+            softcap, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
-            qk_scale_log2, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
+            qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_FROM_INDICES, DROPOUT)
+            MASK_FROM_INDICES, DROPOUT, SOFTCAP)
     else:
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
-            ends, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2,
+            ends, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale, softcap,
             SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_READ, DROPOUT)
+            MASK_READ, DROPOUT, SOFTCAP)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
-            ends, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2,
+            ends, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale, softcap,
             SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_READ, DROPOUT)
+            MASK_READ, DROPOUT, SOFTCAP)
 
     # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running
     # max still -inf means all its scores are -inf (infinite inputs, or a mask hiding every
@@ -192,19 +198,22 @@ def attention_forward(q, k, v, params):
     lse = torch.empty((B, Hq, L), device=q.device, dtype=torch.float32)
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
     dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
+    capped, softcap = softcap_arguments(params)
 
     def launch(plan):
         plan(_forward_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
              Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range, SEED=seed,
              num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
-             qk_scale_log2=scale * LOG2E, keep_scale=keep_scale)
+             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale, softcap=softcap)
 
     for path in mask_paths(mask_kind):
         launch(launch_plan(
-            "forward", q, k, v, causal, mask_flags(mask_kind, path) + dropout_flags(dropout),
+            "forward", q, k, v, causal,
+            mask_flags(mask_kind, path) + dropout_flags(dropout) + softcap_flags(capped),
             lambda: forward_candidates(q.dtype, E, Ev, path),
             lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E),
                          BLOCK_EV=padded_dim(Ev), CAUSAL=causal, MASK_KIND=mask_kind,
-                         MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout),
+                         MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout,
+                         SOFTCAP=capped),
             launch, L * S, has_work=mask_path_work(key_range, path)))
     return o, lse

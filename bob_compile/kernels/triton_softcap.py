@@ -10,7 +10,9 @@ functions of th = tanh(U / c), which capped_scores returns beside T: nothing els
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E
+from . import tiles
+
+LOG2E = tl.constexpr(tiles.LOG2E)     # jitted code reads constexpr globals only
 
 
 @triton.jit

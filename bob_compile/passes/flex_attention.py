@@ -13,12 +13,13 @@ as trailing arguments (docs/torch-behaviour.md, "flex_attention in Dynamo graphs
 PyTorch's op has no double backward (and no torch.func.grad rule), so:
 
 - a score_mod additive in the score (none, ALiBi, relative-position tables, learned biases;
-  bob_compile/flex.py reads its traced graph) becomes bob_compile.flex.flex_call: the op,
-  with the BlockMask's mask and the bias materialized per call, in every route but
-  inference, where the op goes back to PyTorch's (bob_compile/passes/inference.py);
-- a call with any other score_mod (soft-capping, ...), or whose logsumexp or maximum is
-  read, stays: PyTorch's op for the first order, bob_compile.flex.flex_math (all three
-  outputs, exact, N x N in memory) wherever the graph is differentiated twice
+  bob_compile/flex.py reads its traced graph), the score soft-capped first or not
+  (c * tanh(score / c): Gemma 2), becomes bob_compile.flex.flex_call: the op, with the
+  BlockMask's mask and the bias materialized per call, in every route but inference, where
+  the op goes back to PyTorch's (bob_compile/passes/inference.py);
+- a call with any other score_mod (nonlinear in the score otherwise), or whose logsumexp
+  or maximum is read, stays: PyTorch's op for the first order, bob_compile.flex.flex_math
+  (all three outputs, exact, N x N in memory) wherever the graph is differentiated twice
   (sdpa_math.py) or under torch.func (flex.py's rules for the op), the report saying so.
 """
 import dataclasses
@@ -57,9 +58,9 @@ def _rewrite_call(gm, node):
         return site
     form = _score_mod_form(gm, score_mod, query, node.args[7])
     if isinstance(form, str):
-        site.reason = (f"the score_mod {form}; only score + bias(b, h, q_idx, kv_idx) runs "
-                       f"fused, so the call stays PyTorch's where nothing differentiates it "
-                       f"twice")
+        site.reason = (f"the score_mod {form}; only [c * tanh(a * score)] + bias(b, h, q_idx, "
+                       f"kv_idx) runs fused, so the call stays PyTorch's where nothing "
+                       f"differentiates it twice")
         return site
     erase_unused(gm.graph, [n for u in node.users if not _is_output(u) for n in _downstream(u)])
     block_tuple, mask_buffers = node.args[4], node.args[8]
@@ -77,6 +78,9 @@ def _rewrite_call(gm, node):
     site.mask = ", ".join(what for what, present in (
         (blocks, masked),
         ("score_mod's additive bias (materialized per call)", not form.identity)) if present)
+    site.softcap = form.softcap
+    if form.scale_factor != 1.0 and isinstance(node.args[5], float):   # c tanh(a score), a != 1/c
+        site.scale = f"{node.args[5] * form.scale_factor:.6g}"
     return site
 
 

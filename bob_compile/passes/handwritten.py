@@ -3,11 +3,14 @@
 The matcher starts at each softmax and walks the graph both ways:
 
     q ─[* s]─┐
-             matmul ─[* s | / s]*─[causal mask]─[* s]*─[upcast]─ softmax(dim=-1) ─[cast]─[dropout off]─ matmul ─> out
-    k ─[* s]─ transpose(-2, -1) ┘                                                                        v ┘
+             matmul ─[* s | / s]*─[tanh ─[* c]*]─[causal mask]─[* s]*─[upcast]─ softmax(dim=-1) ─[cast]─[dropout]─ matmul ─> out
+    k ─[* s]─ transpose(-2, -1) ┘                                                                                 v ┘
 
 - scales: constants, numbers computed in the graph (1/sqrt(head_dim) under dynamic shapes)
   or 0-d constant tensors (GPT-2), on the scores or on q/k; several multiply;
+- soft-capping (Gemma 2's eager attention: scores / c, tanh, * c): the constant factors
+  after the tanh are the cap c, and those before it times c the op's scale; the mask must
+  come after the cap (a mask under tanh would be capped too: not the op's order);
 - mask: masked_fill(mask, -inf), `+ additive_mask` or where(mask, scores, min); a mask
   proven causal by causal_mask.py makes the site causal, any other mask that does not
   require grad (HF eager's padding and sliding-window masks) is passed on as attention's
@@ -59,6 +62,7 @@ class _Chain:
         self.q_perm = self.k_perm = self.v_perm = self.out_perm = None
         self.shared_kv_head = False   # k and v have one head that the matmuls broadcast
         self.dropout_p = 0.0          # an active dropout of the probabilities
+        self.softcap = 0.0            # the cap c of soft-capped scores (c tanh(u / c))
 
 
 def rewrite_handwritten(gm, prover, report):
@@ -146,6 +150,7 @@ def _match_scores(x, chain, prover):
     """Walk up from the softmax input to the q @ k^T matmul, collecting scales and the mask."""
     node, masked = x, False
     scales_after_mask = []  # met before the mask on the way up: applied after it
+    factors_above_mask = 0  # how many of chain.factors were met before the mask
     while True:
         _single_user(node, "attention scores")
         factor = _scale_factor(node, prover)
@@ -159,9 +164,18 @@ def _match_scores(x, chain, prover):
             chain.nodes.extend(constant_nodes)
             node_next = operand
         elif not masked and is_op(node, "masked_fill", "add", "where"):
+            if chain.softcap:
+                raise _Skip(f"{describe(node)} masks the scores before they are soft-capped: "
+                            f"the op caps first, then masks")
             node_next = _match_mask(node, chain, prover, scaled_after=bool(scales_after_mask))
             masked = True
+            factors_above_mask = len(chain.factors)
             _check_positive(scales_after_mask)
+        elif is_op(node, "tanh") and not chain.softcap:
+            _take_softcap(node, chain, factors_above_mask if masked else 0,
+                          scales_after_mask if masked else [])
+            scales_after_mask = [] if not masked else scales_after_mask
+            node_next = node.args[0]
         elif is_op(node, "matmul") and len(node.args) == 2 or is_op(node, "einsum"):
             chain.nodes.append(node)
             return node
@@ -175,6 +189,28 @@ def _match_scores(x, chain, prover):
                         f"not from q @ k^T with scales and a causal mask")
         chain.nodes.append(node)
         node = node_next
+
+
+def _take_softcap(tanh, chain, first, scales_after_mask):
+    """The factors met since `first` (on the way up: between the tanh and the softmax or
+    the mask) are the cap c of c * tanh(u / c); they leave chain.factors, and c becomes one
+    more factor of the scale (u / c = the factors under the tanh times q kᵀ)."""
+    if scales_after_mask:
+        raise _Skip(f"the soft-capped scores are scaled after the mask "
+                    f"({describe(scales_after_mask[0][0])})")
+    outer = chain.factors[first:]
+    if not all(is_number(value) for value, _ in outer):
+        raise _Skip(f"{describe(tanh)} is multiplied by a factor computed in the graph; the "
+                    f"op takes a constant soft-cap c (c * tanh(scores / c))")
+    cap = 1.0       # (a bare tanh is the cap c = 1)
+    for value, divides in outer:
+        cap = cap / value if divides else cap * value
+    if not cap > 0:
+        raise _Skip(f"{describe(tanh)} is multiplied by {cap:g}: a soft-cap must be positive")
+    del chain.factors[first:]
+    chain.softcap = cap
+    chain.factors.append((cap, False))
+    chain.nodes.append(tanh)
 
 
 def _check_positive(scales_after_mask):
@@ -415,7 +451,8 @@ def _scale_factor(node, prover):
 
 
 def _reaches_matmul(x, depth=8):
-    """Whether x is computed from a matmul through casts and scales (the scores side)."""
+    """Whether x is computed from a matmul through casts, scales and soft-capping (the
+    scores side)."""
     for _ in range(depth):
         if not isinstance(x, torch.fx.Node):
             return False
@@ -424,7 +461,7 @@ def _reaches_matmul(x, depth=8):
         factor = _scale_factor(x, None)
         if factor is not None:
             x = factor[0]
-        elif is_op(x, "cast"):
+        elif is_op(x, "cast", "tanh"):
             x = x.args[0]
         else:
             return False
@@ -503,6 +540,8 @@ def _replace(gm, chain, site):
             kwargs["attn_mask"] = graph.call_function(torch.logical_not, (mask,)) if negate else mask
         if chain.dropout_p:
             kwargs["dropout_p"] = site.dropout = chain.dropout_p
+        if chain.softcap:
+            kwargs["softcap"] = site.softcap = chain.softcap
         replacement = graph.call_function(attention, (q, k, v), kwargs)
         result = _permuted(graph, replacement, chain.out_perm)
     replacement.meta = dict(chain.output.meta)

@@ -21,7 +21,9 @@ def _same_in_sdpa(node):
     """Whether SDPA computes exactly what this attention call does: no mask, or a boolean
     mask without is_causal (SDPA takes one of them). An additive mask stays ours: its
     values at or below -1e4 hide keys (bob_compile/kernels/params.py), which SDPA does not do for a
-    row that every key is hidden from."""
+    row that every key is hidden from. Soft-capped scores stay ours: SDPA has no cap."""
+    if node.kwargs.get("softcap"):
+        return False
     mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
     if mask is None:
         return True

@@ -52,6 +52,7 @@ class Site:
     causal_proof: str = ""       # how the mask was proven causal, when there was one
     mask: str = ""               # the mask tensor passed on to attention, when there is one
     dropout: float = 0.0         # the attention dropout's probability, drawn by the op
+    softcap: float = 0.0         # the cap c of soft-capped scores, applied by the op
 
     def line(self):
         where = f"{self.kind} at {self.node}" + (f" ({self.code})" if self.code else "")
@@ -61,7 +62,9 @@ class Site:
         gqa = " enable_gqa=True" if self.enable_gqa else ""
         mask = f" mask={self.mask}" if self.mask else ""
         dropout = f" dropout_p={self.dropout:g}" if self.dropout else ""
-        return f"replaced {where}: {self.shapes} scale={self.scale} {causal}{gqa}{mask}{dropout}"
+        softcap = f" softcap={self.softcap:g}" if self.softcap else ""
+        return (f"replaced {where}: {self.shapes} scale={self.scale} {causal}{gqa}{mask}"
+                f"{dropout}{softcap}")
 
 
 @dataclasses.dataclass

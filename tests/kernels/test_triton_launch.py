@@ -113,7 +113,8 @@ def test_strides_come_from_the_tensor_they_belong_to():
     key_range = torch.empty(2, 1, 1, 2, dtype=torch.int32).expand(2, 5, 1, 2)
     args = launching.packer(_forward_kernel)(
         Q=q, K=k, V=v, O=o, LSE=lse, MASK=mask, KEY_RANGE=key_range, SEED=lse, num_q_heads=5,
-        kv_group=1, L=3, S=7, drop_threshold=0, qk_scale_log2=0.5, keep_scale=0.0)
+        kv_group=1, L=3, S=7, drop_threshold=0, qk_scale_log2=0.5, keep_scale=0.0, scale=0.5,
+        softcap=1.0)
     named = dict(zip([p.name for p in _forward_kernel.params], args))
     assert [named[n] for n in ("sqb", "sqh", "sql", "sqe")] == list(q.stride())
     assert [named[n] for n in ("skb", "skh", "skn", "ske")] == list(k.stride())
@@ -128,7 +129,8 @@ def test_a_missing_or_misspelled_argument_is_an_error():
     pack = launching.packer(_forward_kernel)
     t = torch.empty(1, 1, 2, 4)
     given = dict(Q=t, K=t, V=t, O=t, LSE=t, MASK=t, KEY_RANGE=t, SEED=t, num_q_heads=1,
-                 kv_group=1, L=2, S=2, drop_threshold=0, qk_scale_log2=1.0, keep_scale=0.0)
+                 kv_group=1, L=2, S=2, drop_threshold=0, qk_scale_log2=1.0, keep_scale=0.0,
+                 scale=1.0, softcap=1.0)
     pack(**given)
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'kv_group'"):
         pack(**{k: v for k, v in given.items() if k != "kv_group"})

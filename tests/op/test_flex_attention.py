@@ -2,6 +2,8 @@
 the op, in float64 on the CPU. The forward against PyTorch's own flex_attention (which has
 no second derivative); every order against SDPA's math with the same mask and bias, built
 here from the patterns' definitions, not from the code under test."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,10 @@ def alibi(score, b, h, q_idx, kv_idx):
 
 def softcap(score, b, h, q_idx, kv_idx):
     return 30 * torch.tanh(score / 30)
+
+
+def bias_inside_the_cap(score, b, h, q_idx, kv_idx):    # capped with the scores: not the
+    return 10 * torch.tanh((score + SLOPES[h] * (kv_idx - q_idx)) / 20)    # op's order
 
 
 def documents(L, seed):
@@ -175,20 +181,53 @@ def test_a_learned_bias_in_the_score_mod_gets_its_gradient():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("score_mod,cap,with_bias", [
+    (softcap, 30.0, False),
+    # c tanh(a score) with a != 1 / c: a cap of c on scores scaled by a c
+    (lambda score, b, h, q_idx, kv_idx: 10 * torch.tanh(score / 20), None, False),
+    # Gemma 2's form in Hugging Face: cap first, then an additive term
+    (lambda score, b, h, q_idx, kv_idx: 2 * torch.tanh(score * 0.5) + SLOPES[h] * (kv_idx - q_idx),
+     2.0, True),
+])
+def test_soft_capped_scores_run_through_the_op_at_every_order(monkeypatch, score_mod, cap,
+                                                                with_bias):
+    """c * tanh(score / c) [+ bias]: the op's softcap, no math fallback (no warning, and the
+    math path is never called), exact at every order against math with the same cap."""
+    from bob_compile import flex
+    monkeypatch.setattr(flex, "_math", None)        # any call of the math path fails
+    L = 37
+    q, k, v = (t * 3 for t in inputs(L, L, seed=4))      # scores of several units: capped
+    block_mask = create_block_mask(prefix_lm, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    bias = alibi_bias(L, L) if with_bias else None
+
+    def capped(q, k, v):
+        scores = score_mod(q @ k.transpose(-1, -2) / E ** 0.5, 0, 0, 0, 0) if cap is None \
+            else cap * torch.tanh(q @ k.transpose(-1, -2) / E ** 0.5 / cap)
+        if bias is not None:
+            scores = scores + bias
+        return scores.masked_fill(~dense(prefix_lm, L, L), float("-inf")).softmax(-1) @ v
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask), q, k, v)
+    for a, e in zip(ours, second_orders(capped, q, k, v)):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
 def test_nonlinear_score_mods_and_the_logsumexp_run_as_math_with_a_warning():
-    """Soft-capping (not additive in the score) and return_lse=True: exact at every order as
-    math (N x N), with a warning that says so; a BlockMask built for other lengths is an
-    error."""
+    """A score_mod nonlinear in the score otherwise (a bias capped with the scores) and
+    return_lse=True: exact at every order as math (N x N), with a warning that says so;
+    a BlockMask built for other lengths is an error."""
     q, k, v = inputs(20, 20)
     block_mask = create_block_mask(causal, None, None, 20, 20, device="cpu", BLOCK_SIZE=BLOCK)
 
-    def capped(q, k, v):
-        scores = 30 * torch.tanh(q @ k.transpose(-1, -2) / E ** 0.5 / 30)
+    def squashed(q, k, v):
+        scores = 10 * torch.tanh((q @ k.transpose(-1, -2) / E ** 0.5 + alibi_bias(20, 20)) / 20)
         return scores.masked_fill(~dense(causal, 20, 20), float("-inf")).softmax(-1) @ v
-    with pytest.warns(UserWarning, match="runs this call as math.*is not score plus"):
+    with pytest.warns(UserWarning, match="runs this call as math.*is not score"):
         ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
-            q, k, v, score_mod=softcap, block_mask=block_mask), q, k, v)
-    for a, e in zip(ours, second_orders(capped, q, k, v)):
+            q, k, v, score_mod=bias_inside_the_cap, block_mask=block_mask), q, k, v)
+    for a, e in zip(ours, second_orders(squashed, q, k, v)):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
     with pytest.warns(UserWarning, match="return_lse"):
         out, lse = bob_compile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)

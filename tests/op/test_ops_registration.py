@@ -151,7 +151,8 @@ def test_gradcheck_first_backward_over_all_seven_inputs(monkeypatch, causal, mas
     o, lse = op.attn_fwd(q, k, v, mask, 0.5, causal)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, o, lse, do, dlse)]
-    assert torch.autograd.gradcheck(lambda *a: AttnBwdFn.apply(*a, mask, 0.5, causal, 0.0, None), inputs)
+    assert torch.autograd.gradcheck(
+        lambda *a: AttnBwdFn.apply(*a, mask, 0.5, causal, 0.0, None, 0.0), inputs)
 
 
 @pytest.mark.sweep
@@ -167,8 +168,8 @@ def test_gradcheck_first_backward_through_the_forward_folded(causal, mask_kind):
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, do, dlse)]
 
     def first_backward(q, k, v, do, dlse):
-        o, lse = AttnFn.apply(q, k, v, mask, 0.5, causal, 0.0, None)
-        return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, 0.5, causal, 0.0, None)
+        o, lse = AttnFn.apply(q, k, v, mask, 0.5, causal, 0.0, None, 0.0)
+        return AttnBwdFn.apply(q, k, v, o, lse, do, dlse, mask, 0.5, causal, 0.0, None, 0.0)
     assert torch.autograd.gradcheck(first_backward, inputs)
 
 
@@ -208,6 +209,6 @@ def test_first_order_keeps_lse_cotangent_none():
             return func(*args, **(kwargs or {}))
     q, k, v = (torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
     with Spy():
-        o, _ = AttnFn.apply(q, k, v, None, 1.0, True, 0.0, None)
+        o, _ = AttnFn.apply(q, k, v, None, 1.0, True, 0.0, None, 0.0)
         o.sum().backward()
     assert seen == [None]

@@ -35,7 +35,7 @@ def assert_report(name):
     if REPLACED[name]:
         assert all(s.replaced for s in sites), [s.line() for s in sites]
     else:
-        assert all(not s.replaced and "is not score plus a term" in s.reason
+        assert all(not s.replaced and "plus a term without the score" in s.reason
                    and "runs as math" in s.reason for s in sites), [s.line() for s in sites]
 
 
@@ -53,7 +53,8 @@ def test_differentiated_from_outside(name, scenario):
 
 
 @pytest.mark.parametrize("name,scenario", diagonal(
-    ["sliding window + ALiBi", "soft-capping 30 + sliding window", "documents"],
+    ["sliding window + ALiBi", "soft-capping 30 + sliding window", "documents",
+     "a bias inside the cap + causal"],
     [jvp_of_grad, grad_of_grad, vmap_of_grad],
     ids=lambda v: v if isinstance(v, str) else v.__name__))
 def test_transforms_compiled(name, scenario):
@@ -210,15 +211,15 @@ def test_a_call_without_a_block_mask_materializes_no_mask():
 
 
 # ---------------------------------------------------------------------------- fallbacks
-SOFT_CAPPED = "soft-capping 30 + sliding window"
+NONLINEAR = "a bias inside the cap + causal"
 
 
 def test_a_compiler_failure_runs_the_rewritten_graph_eagerly_and_exactly():
-    """Inductor cannot lower PyTorch's FlexAttention in float64 on the CPU (the soft-capped
-    site keeps PyTorch's op for its first order). Running the untouched graph would give a
-    silently wrong Hessian-vector product: PyTorch's FlexAttention backward is not
+    """Inductor cannot lower PyTorch's FlexAttention in float64 on the CPU (the site with a
+    nonlinear score_mod keeps PyTorch's op for its first order). Running the untouched graph
+    would give a silently wrong Hessian-vector product: PyTorch's FlexAttention backward is not
     differentiated again. The rewritten graph runs eagerly instead: exact, with a warning."""
-    model, batches = make(SOFT_CAPPED)
+    model, batches = make(NONLINEAR)
     expected = hutchinson_hvp(reference(model), batches[:1])
     with pytest.warns(UserWarning, match="with inductor .*running its rewritten graph eagerly"):
         actual = hutchinson_hvp(torch.compile(model, backend=flashbob), batches[:1])
@@ -236,7 +237,7 @@ def test_a_failure_of_the_passes_runs_the_untouched_graph_with_its_attention_as_
     def failing(*args, **kwargs):
         raise RuntimeError("a pass failed")
     monkeypatch.setattr(backend, "rewrite_attention", failing)
-    model, batches = make(SOFT_CAPPED)
+    model, batches = make(NONLINEAR)
     expected = hutchinson_hvp(reference(model), batches[:1])
     with pytest.warns(UserWarning, match="running it untouched"):
         actual = hutchinson_hvp(torch.compile(model, backend=flashbob,

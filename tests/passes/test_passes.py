@@ -16,9 +16,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bob_compile import _compat
 from bob_compile.attention import attention
+from bob_compile.kernels import reference
 from bob_compile.passes import rewrite_attention
+from bob_compile.passes.inference import use_native_sdpa
 from bob_compile.passes.causal_mask import CausalTensorGuard, failing_guards
-from attention_patterns import MASKED_PATTERNS, MUST_NOT_MATCH, PATTERNS, RANDOM_PATTERNS
+from attention_patterns import (MASKED_PATTERNS, MUST_NOT_MATCH, PATTERNS, RANDOM_PATTERNS,
+                                SOFTCAPPED_PATTERNS)
 
 B, H, L, E = 2, 2, 8, 4
 
@@ -118,6 +121,44 @@ def test_masked_pattern_is_replaced_with_its_mask_and_exact(name):
         return run_graph(gm, [swap.get(id(t), t) for t in inputs])
     for ours, expected in zip(second_order(compiled), second_order(pattern)):
         torch.testing.assert_close(ours, expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(SOFTCAPPED_PATTERNS))
+def test_soft_capped_pattern_is_replaced_with_its_cap_and_exact(name):
+    """c * tanh(scores / c) before the mask (Gemma 2): the op's softcap, the tanh and its
+    factors gone, values and first and second derivatives those of math with the cap."""
+    pattern, is_causal, cap = SOFTCAPPED_PATTERNS[name]
+    q, k, v = (t * 4 for t in qkv())        # scores of several units: the cap bends them
+    gm, inputs = capture(pattern, q, k, v, nanogpt_bias())
+    report = rewrite_attention(gm, inputs)
+    (site,) = report.sites
+    assert site.replaced and f"softcap={cap:g}" in site.line(), report.text()
+    (node,) = attention_nodes(gm)
+    assert node.kwargs["softcap"] == pytest.approx(cap)
+    assert node.kwargs["is_causal"] is is_causal
+    assert node.kwargs["scale"] == pytest.approx(E ** -0.5)
+    assert not any(n.target is torch.tanh or n.target == "tanh" for n in gm.graph.nodes)
+
+    def second_order(fn):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*xs)
+        grads = torch.autograd.grad(out.sin().sum(), xs, create_graph=True)
+        return (out, *torch.autograd.grad(sum(g.square().sum() for g in grads), xs))
+    positions = [next(i for i, t in enumerate(inputs) if t is x) for x in (q, k, v)]
+
+    def compiled(*qkv_):
+        args = list(inputs)
+        for i, t in zip(positions, qkv_):
+            args[i] = t
+        return run_graph(gm, args)
+    # (the written code's float32 softmax, in Gemma's case, is not the yardstick: math is)
+    expected = second_order(lambda q, k, v: reference.sdpa_math(
+        q, k, v, is_causal=is_causal, scale=E ** -0.5, softcap=cap))
+    for ours, want in zip(second_order(compiled), expected):
+        torch.testing.assert_close(ours, want, atol=1e-10, rtol=0)
+    # a graph nothing differentiates keeps the op: SDPA has no cap
+    use_native_sdpa(gm)
+    assert len(attention_nodes(gm)) == 1
 
 
 @pytest.mark.parametrize("name", sorted(MUST_NOT_MATCH))
@@ -564,10 +605,11 @@ def test_causal_buffer_written_in_the_graph_is_not_trusted():
 
 
 # ---------------------------------------------------------------------------- what counts as a site
-def softcapped(q, k, v):
-    # Gemma 2: scores soft-capped by tanh before the softmax (not supported: a site left alone).
+def capped_by_a_computed_factor(q, k, v):
+    # a soft-cap whose factor is computed from the values: not a constant cap (left alone)
     scores = (q @ k.transpose(-2, -1)) * 0.5
-    scores = torch.tanh(scores / 50.0) * 50.0
+    cap = v.detach().abs().amax() + 1.0
+    scores = torch.tanh(scores / cap) * cap
     return F.softmax(scores, dim=-1) @ v
 
 
@@ -577,7 +619,8 @@ def with_long_chain(q, k, v):
     return F.softmax(scores + torch.cos(scores.detach()), dim=-1) @ v
 
 
-@pytest.mark.parametrize("pattern", [softcapped, with_long_chain], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("pattern", [capped_by_a_computed_factor, with_long_chain],
+                         ids=lambda f: f.__name__)
 def test_every_softmax_over_attention_scores_is_reported(pattern):
     q, k, v = qkv()
     gm, inputs = capture(pattern, q, k, v)
