@@ -14,9 +14,9 @@ create_graph=True, Hessian-vector product with Rademacher z) is timed for:
 
   math      eager PyTorch, the same model with the mask (and soft-capping) written out
             densely before SDPA's math kernel, the only alternative with a double backward
-  flashbob  torch.compile(model, backend="flashbob") of the flex_attention model: additive
-            or absent score_mods run the fused op; soft-capped sites run as math where they
-            are differentiated twice (bob_compile/passes/flex_attention.py)
+  flashbob  torch.compile(model, backend="flashbob") of the flex_attention model: additive,
+            soft-capped or absent score_mods run the fused op (the cap in its kernels:
+            bob_compile/passes/flex_attention.py)
 
 CUDA events after warm-up (the first step, with compilation, reported apart), median of
 --reps; peak memory over the timed steps; the HVP's relative error of flashbob against math

@@ -29,6 +29,15 @@ R is read from it instead of accumulated: one GEMM per tile and one accumulator 
 B (HAS_B: an attention forward with the keys as values), B is read too, so that wide heads
 keep no more accumulators than the chain form's row pass. The column pass then forms
 Sbar' = P (dO gdv^T + (F - alpha)(dP - D) - E) and A' = P (F - alpha) for gk and gv.
+
+Soft-capped scores (SOFTCAP, softcap = c; docs/second-order.md, "Score transforms"): the
+scores are T = c tanh(U / c) of U = scale q k^T, before any mask. The formulas above hold
+for T, with dS = dT = P * (dP - D), F_T = phi'(U) F in F's place (a learned bias's gdM adds
+to F_T, not to F) and Sbar, Sbar' standing for T's cotangent Tbar (glse, E and the bias's
+cotangent are built from it); what meets q and k is U's: dU = phi' dT and
+Ubar = phi' Tbar + phi'' dT F. So gq = scale (Ubar k + dU gdk), gk = scale (Ubar^T q +
+dU^T gdq), the folded row pass's R = dU k (still dq / scale) and B = (phi' P) k, which no
+attention forward gives: the row pass accumulates it.
 """
 import torch
 import triton
@@ -45,6 +54,8 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
 from .tuning import Untimed, interpreting, row_bytes, wide_candidates
 from . import settings
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
+from .triton_softcap import (capped_curvature, capped_scores, capped_slope, softcap_arguments,
+                             softcap_flags)
 from .triton_masks import (NO_MASK, mask_flags, mask_kind_and_tensor, mask_path_work,
                            mask_paths)
 
@@ -90,18 +101,22 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                k_base, v_base, gdk_base, gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve,
                mask_base, sml, sme, firsts, ends, offs_m, offs_e, offs_ev, n_lo, n_hi,
                gap_lo, gap_len, L, S, qk_scale_log2, scale, seed_ptr, head, m0, drop_threshold,
-               keep_scale, gdm_base, sgml, sgme, HEAD_DIM: tl.constexpr,
+               keep_scale, gdm_base, sgml, sgme, softcap, HEAD_DIM: tl.constexpr,
                HEAD_DIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
                SPLIT_SBAR: tl.constexpr, SPLIT_ALL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr):
+               MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """SPLIT_SBAR: Sbar's GEMM with k in two half-precision parts; SPLIT_ALL: also those of
     dS (with gdk), P (with gdv) and A (with v), the roundings behind gq's and gdo's error.
-    HAS_GDM: a learned bias's cotangent gdM (gdm_base: its (batch, head)) adds to F."""
+    HAS_GDM: a learned bias's cotangent gdM (gdm_base: its (batch, head)) adds to F.
+    SOFTCAP: the scores are T = c tanh(U / c); what meets k or gdk is U's (dU, Ubar)."""
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK or HAS_GDM
+    # the cap's curvature term phi'' dT F of Ubar, where F (without gdM) can be non-zero
+    CURVED: tl.constexpr = SOFTCAP and (HAS_GDQ or HAS_GDK)
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -109,7 +124,12 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
-        s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        if SOFTCAP:     # capped in natural units, before any mask
+            t, th = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale,
+                                  softcap)
+            s2 = t * 1.4426950408889634     # log2(e)
+        else:
+            s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
@@ -130,16 +150,25 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
             if DROPOUT:
                 cot_scores = cot_scores * z
             gdo = _dot_halves(p_v, gdv, gdo, SPLIT_ALL, DOT_PRECISION)
-        if HAS_GDK or ACCUMULATE_R:
-            ds = p * delta
+        if SOFTCAP:
+            slope = capped_slope(th)
+        if HAS_GDK or ACCUMULATE_R or CURVED:
+            ds = p * delta      # dT
+            du = ds
+            if SOFTCAP:
+                du = slope * ds
         if HAS_GDK:
             gdk = load_tile(gdk_base, offs_n, offs_e, sgkn, sgke, S, HEAD_DIM, MASKED, PAD_E)
-            gq = _dot_halves(ds, gdk, gq, SPLIT_ALL, DOT_PRECISION)
-        # the folded form's B = P k, and R = dS k where alpha can be non-zero (each unless read)
+            gq = _dot_halves(du, gdk, gq, SPLIT_ALL, DOT_PRECISION)
+        # the folded form's B = (phi' P) k, and R = dU k where alpha can be non-zero (each
+        # unless read)
         if ACCUMULATE_B:
-            b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
+            if SOFTCAP:
+                b_acc += tl.dot((slope * p).to(k.dtype), k, input_precision=DOT_PRECISION)
+            else:
+                b_acc += tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
         if ACCUMULATE_R:
-            r_acc = _dot_halves(ds, k, r_acc, False, DOT_PRECISION)
+            r_acc = _dot_halves(du, k, r_acc, False, DOT_PRECISION)
         if HAS_F:
             if HAS_GDQ and HAS_GDK:
                 f = (tl.dot(gdq, tl.trans(k), input_precision=DOT_PRECISION)
@@ -150,6 +179,10 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                 f = tl.dot(q, tl.trans(gdk), input_precision=DOT_PRECISION) * scale
             else:
                 f = tl.zeros_like(p)
+            if SOFTCAP:     # F is dU's cotangent; dT's, which the softmax sees, is phi' F
+                if CURVED:
+                    curvature = capped_curvature(th, softcap) * ds * f
+                f = slope * f
             if HAS_GDM:
                 f += load_tile(gdm_base, offs_m, offs_n, sgml, sgme, L, S, True, True)
             a = p * f
@@ -162,9 +195,14 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                 cot_scores += f * delta
             else:
                 cot_scores = f * delta
-        sbar = p * cot_scores
+        sbar = p * cot_scores       # Tbar with a cap: glse's, and E's
         sbar_sum += tl.sum(sbar, 1)
-        gq = _dot_halves(sbar, k, gq, SPLIT_SBAR or SPLIT_ALL, DOT_PRECISION)
+        ubar = sbar
+        if SOFTCAP:     # Ubar = phi' Tbar + phi'' dT F meets k
+            ubar = slope * sbar
+            if CURVED:
+                ubar += curvature
+        gq = _dot_halves(ubar, k, gq, SPLIT_SBAR or SPLIT_ALL, DOT_PRECISION)
     return gq, gdo, dg, sbar_sum, r_acc, b_acc
 
 
@@ -177,14 +215,15 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 skob, skoh, skol, skoe, smb, smh, sml, sme, srb, srh, srl, sre,
                 sgmb, sgmh, sgml, sgme,
                 num_q_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                softcap, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr,
                 HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
                 HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, SPLIT_EDGES: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
@@ -240,35 +279,35 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2,
-            scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
+            scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme, softcap,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
             HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            NO_MASK_SOURCE, DROPOUT, HAS_GDM)
+            NO_MASK_SOURCE, DROPOUT, HAS_GDM, SOFTCAP)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
             qk_scale_log2, scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
+            softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM)
+            DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM, SOFTCAP)
     else:
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale,
-            SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
+            SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme, softcap,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            MASK_READ, DROPOUT, HAS_GDM)
+            MASK_READ, DROPOUT, HAS_GDM, SOFTCAP)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale,
-            SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
+            SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme, softcap,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM)
+            DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, SOFTCAP)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
     if FOLD:
@@ -306,7 +345,7 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                   alpha_ptr, e_ptr, row_acc, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml, sme,
                   firsts, ends, m_lo, m_hi, gap_lo, gap_len, n0, L, S, qk_scale_log2, scale, GQ_ACC,
                   GDO_ACC, DG_ACC, SBAR_ACC, seed_ptr, head, drop_threshold, keep_scale,
-                  gdm_base, gm_base, sgml, sgme, sbgl, sbge,
+                  gdm_base, gm_base, sgml, sgme, sbgl, sbge, softcap,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -314,12 +353,17 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
-                  HAS_GM: tl.constexpr):
+                  HAS_GM: tl.constexpr, SOFTCAP: tl.constexpr):
     """HAS_GDM: a learned bias's cotangent gdM adds to F; HAS_GM: the folded form's Sbar,
-    the bias's cotangent, is added into gm_base (fp32, by atomics)."""
+    the bias's cotangent, is added into gm_base (fp32, by atomics). SOFTCAP: the scores are
+    T = c tanh(U / c); what meets q, gdq or k is U's (dU, Ubar)."""
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     HAS_F: tl.constexpr = HAS_GDQ or HAS_GDK or HAS_GDM
+    # the cap's curvature term phi'' dT F of Ubar, where F (without gdM) can be non-zero
+    CURVED: tl.constexpr = SOFTCAP and (HAS_GDQ or HAS_GDK)
+    # dU meets gdq (gk) or, with the row outputs, gdk (gq); with a cap only where CURVED
+    HAS_DU: tl.constexpr = HAS_GDQ or (ROW_ATOMICS and HAS_GDK)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
@@ -337,7 +381,12 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
             if HAS_F:
                 alpha = load_row_vector(alpha_ptr, offs_m, L)
         # tiles are [keys, queries] so that gk, gv accumulate without transposes
-        s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
+        if SOFTCAP:     # capped in natural units, before any mask
+            tt, tht = capped_scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale,
+                                    softcap)
+            s2t = tt * 1.4426950408889634     # log2(e)
+        else:
+            s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
@@ -350,6 +399,10 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                                        keep_scale, BLOCK_M, BLOCK_N))
             dpt = dpt * zt
         deltat = dpt - d[None, :]
+        if SOFTCAP:
+            slope_t = capped_slope(tht)
+            if CURVED:
+                dtt = pt * deltat       # dT
         if HAS_GDV:
             cot_scores_t = tl.dot(gdv, tl.trans(do), input_precision=DOT_PRECISION)
             if DROPOUT:
@@ -366,6 +419,10 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                 ft = tl.dot(gdk, tl.trans(q), input_precision=DOT_PRECISION) * scale
             else:
                 ft = tl.zeros_like(pt)
+            if SOFTCAP:     # F is dU's cotangent; dT's, which the softmax sees, is phi' F
+                if CURVED:
+                    curvature_t = capped_curvature(tht, softcap) * dtt * ft
+                ft = slope_t * ft
             if HAS_GDM:     # [keys, queries]
                 ft += load_tile(gdm_base, offs_n, offs_m, sgme, sgml, S, L, True, True)
             if FOLD:
@@ -381,22 +438,30 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                 cot_scores_t = ft * deltat
         if FOLD:
             cot_scores_t -= e[None, :]
-        sbart = pt * cot_scores_t
+        sbart = pt * cot_scores_t       # Tbar with a cap: the bias's and glse's
         if HAS_GM:
             add_score_tile(gm_base, sbart, offs_n, offs_m, sbge, sbgl, S, L)
-        gk += tl.dot(sbart.to(q.dtype), q, input_precision=DOT_PRECISION)
-        if HAS_GDQ or (ROW_ATOMICS and HAS_GDK):
-            dst = (pt * deltat).to(q.dtype)
+        ubart = sbart
+        if SOFTCAP:     # Ubar = phi' Tbar + phi'' dT F meets q and k
+            ubart = slope_t * sbart
+            if CURVED:
+                ubart += curvature_t
+        gk += tl.dot(ubart.to(q.dtype), q, input_precision=DOT_PRECISION)
+        if HAS_DU:
+            if SOFTCAP:
+                dut = (slope_t * dtt).to(q.dtype)
+            else:
+                dut = (pt * deltat).to(q.dtype)
         if HAS_GDQ:
-            gk += tl.dot(dst, gdq, input_precision=DOT_PRECISION)
+            gk += tl.dot(dut, gdq, input_precision=DOT_PRECISION)
         if ROW_ATOMICS:
             pt_v = pt       # where P meets gdv: dropped
             if DROPOUT:
                 pt_v = pt * zt
             row_ok = offs_m < L
-            gq_part = tl.dot(tl.trans(sbart.to(k.dtype)), k, input_precision=DOT_PRECISION)
+            gq_part = tl.dot(tl.trans(ubart.to(k.dtype)), k, input_precision=DOT_PRECISION)
             if HAS_GDK:
-                gq_part += tl.dot(tl.trans(dst), gdk, input_precision=DOT_PRECISION)
+                gq_part += tl.dot(tl.trans(dut), gdk, input_precision=DOT_PRECISION)
             tl.atomic_add(GQ_ACC + (row_acc + offs_m[:, None]) * HEAD_DIM + offs_e[None, :],
                           gq_part * scale, mask=row_ok[:, None] & (offs_e[None, :] < HEAD_DIM),
                           sem="relaxed")
@@ -426,13 +491,14 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                    sgkb, sgkh, sgkn, sgke, sgvb, sgvh, sgvn, sgve, smb, smh, sml, sme,
                    srb, srh, srl, sre, sgmb, sgmh, sgml, sgme, sbgb, sbgh, sbgl, sbge,
                    num_kv_heads, kv_group, L, S, drop_threshold, qk_scale_log2, scale, keep_scale,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   softcap, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                    ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr, HAS_GM: tl.constexpr):
+                   DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr, HAS_GM: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -484,34 +550,38 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, firsts, ends, m_lo, m_hi, m_a, m_b - m_a, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
-                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM, HAS_GM)
+                gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
+                BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM, HAS_GM,
+                SOFTCAP)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, firsts, ends, m_a, m_b, 0, 0, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
-                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV, ROW_ATOMICS,
-                FOLD, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, HAS_GDM, HAS_GM)
+                gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
+                BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV,
+                ROW_ATOMICS, FOLD, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, HAS_GDM, HAS_GM,
+                SOFTCAP)
         else:
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, firsts, ends, m_lo, m_mid, 0, 0, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
-                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM)
+                gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
+                BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM,
+                SOFTCAP)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
                 sme, firsts, ends, m_mid, m_hi, 0, 0, n0, L, S, qk_scale_log2, scale,
                 GQ_ACC, GDO_ACC, DG_ACC, SBAR_ACC, SEED, head, drop_threshold, keep_scale, gdm_base,
-                gm_base, sgml, sgme, sbgl, sbge, HEAD_DIM, HEAD_DIM_V, BLOCK_E, BLOCK_EV,
-                BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
-                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM)
+                gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
+                BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
+                ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM,
+                SOFTCAP)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
     store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),
@@ -664,9 +734,14 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     reads R from it) and keys_out, if given, is B = forward(q, k, k)'s o (read instead of
     accumulated). A learned bias (folded form only): gdmask, the cotangent of its cotangent
     (shaped like params.mask with 1 on its broadcast dims), adds to F; gmask, a buffer of that
-    shape in fp32, receives the bias's cotangent Sbar."""
+    shape in fp32, receives the bias's cotangent Sbar. With params.softcap the row pass
+    accumulates B = (phi'(U) P) k itself: keys_out must be None."""
     assert not (fold and row_atomics), "the folded form needs the row pass's scalars first"
     assert fold or (gdmask is None and gmask is None), "a learned bias takes the folded form"
+    capped, softcap = softcap_arguments(params)
+    if capped and keys_out is not None:
+        raise ValueError("attention_bob: keys_out with a softcap: the folded row pass's B is "
+                         "then (phi'(U) P) k, not forward(q, k, k)'s o; pass keys_out=None")
     scale, causal = params.scale, params.causal
     B, Hq, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -705,13 +780,15 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
 
     def flag_key(path):
         return (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind, path),
-                int(fold), *dropout_flags(dropout)) + (("gdmask",) if has_gdm else ())
+                int(fold), *dropout_flags(dropout), *softcap_flags(capped)) \
+            + (("gdmask",) if has_gdm else ())
 
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
                     DOT_PRECISION=dot_precision(q.dtype), HAS_GDQ=has_gdq, HAS_GDK=has_gdk,
-                    HAS_GDV=has_gdv, FOLD=fold, DROPOUT=dropout, HAS_GDM=has_gdm)
+                    HAS_GDV=has_gdv, FOLD=fold, DROPOUT=dropout, HAS_GDM=has_gdm,
+                    SOFTCAP=capped)
 
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
@@ -720,7 +797,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              GDO=gdo, GLSE=row_e if fold else glse, GDLSE=gdlse, ROW_E=row_e, MASK=mask,
              KEY_RANGE=key_range, SEED=seed, GDM=gdm_arg, num_q_heads=Hq, kv_group=Hq // Hkv, L=L, S=S,
              drop_threshold=drop_threshold, qk_scale_log2=scale * LOG2E, scale=scale,
-             keep_scale=keep_scale)
+             keep_scale=keep_scale, softcap=softcap)
 
     # gq's score cotangent as two half-precision GEMMs (BOB_COMPILE_DEV_SBAR_SPLIT); the tuning
     # key grows a flag for each split compiled in, so that the keys of a kernel without
@@ -766,7 +843,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
              DG_ACC=dg_acc, SBAR_ACC=sbar_acc, MASK=mask, KEY_RANGE=key_range, SEED=seed,
              GDM=gdm_arg, GM=gm_arg,
              num_kv_heads=Hkv, kv_group=Hq // Hkv, L=L, S=S, drop_threshold=drop_threshold,
-             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale)
+             qk_scale_log2=scale * LOG2E, scale=scale, keep_scale=keep_scale, softcap=softcap)
 
     # the plans first (tuning runs the kernels), then the launches: the atomic row sums add
     # into buffers zeroed once before them, a masked kernel's two launches included

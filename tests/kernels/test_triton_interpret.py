@@ -1074,7 +1074,6 @@ SOFTCAP_COTANGENTS = pytest.mark.parametrize(
 
 
 @in_interpreter
-@pytest.mark.xfail(strict=False, reason="triton_bob softcap in progress")
 @SOFTCAP_COTANGENTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("causal,softcap", SOFTCAP_BOB_CASES)
@@ -1091,7 +1090,6 @@ def test_softcap_bob(causal, softcap, dtype, present):
 
 
 @in_interpreter
-@pytest.mark.xfail(strict=False, reason="triton_bob softcap in progress")
 @pytest.mark.parametrize("wide", [False, True], ids=["B-accumulated", "wide-head"])
 @SOFTCAP_COTANGENTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -1116,7 +1114,6 @@ def test_softcap_bob_folded(monkeypatch, causal, softcap, dtype, present, wide):
 
 
 @in_interpreter
-@pytest.mark.xfail(strict=False, reason="triton_bob softcap in progress")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("causal,softcap", SOFTCAP_BOB_CASES)
 def test_softcap_bob_folded_bias(causal, softcap, dtype):
