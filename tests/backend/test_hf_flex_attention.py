@@ -32,10 +32,12 @@ def _model(name, attn_implementation):
                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
     config = {
         "llama": lambda: T.LlamaConfig(**small),
-        # soft-capped scores, and a sliding window (4) on alternate layers
+        # soft-capped scores, and a sliding window (4) on alternate layers; weights of std
+        # 0.5 and a cap of 1, so that the cap matters (HF's init and a cap of 50 change the
+        # scores by 1e-7)
         "gemma2": lambda: T.Gemma2Config(**small, head_dim=8, sliding_window=4,
-                                         attn_logit_softcapping=50.0,
-                                         final_logit_softcapping=None),
+                                         attn_logit_softcapping=1.0,
+                                         final_logit_softcapping=None, initializer_range=0.5),
     }[name]()
     cls = {"llama": T.LlamaForCausalLM, "gemma2": T.Gemma2ForCausalLM}[name]
     torch.manual_seed(0)
