@@ -29,7 +29,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
                     unmasked_key_blocks, unmasked_query_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
-from .triton_softcap import capped_scores, capped_slope, softcap_arguments, softcap_flags
+from .triton_softcap import base2_scores, capped_slope, softcap_arguments, softcap_flags
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -114,12 +114,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
         lse2 = load_lse2_for_probabilities(lse_ptr, offs_m, L)
         d = load_row_vector(d_ptr, offs_m, L)
         # everything is transposed ([keys, queries]) so that dk, dv accumulate without trans
-        kq = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        if SOFTCAP:     # capped in natural units, before any mask; tanh kept for φ'
-            t, tht = capped_scores(kq * scale, softcap)
-            s2t = t * 1.4426950408889634   # log2(e)
-        else:
-            s2t = kq * qk_scale_log2
+        s2t, tht = base2_scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale,
+                                qk_scale_log2, softcap, SOFTCAP)
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
@@ -255,12 +251,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if SOFTCAP:     # capped in natural units, before any mask; tanh kept for φ'
-            t, th = capped_scores(qk * scale, softcap)
-            s2 = t * 1.4426950408889634    # log2(e)
-        else:
-            s2 = qk * qk_scale_log2
+        s2, th = base2_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale,
+                              qk_scale_log2, softcap, SOFTCAP)
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:

@@ -54,8 +54,8 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
 from .tuning import Untimed, interpreting, row_bytes, wide_candidates
 from . import settings
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
-from .triton_softcap import (capped_curvature, capped_scores, capped_slope, softcap_arguments,
-                             softcap_flags)
+from .triton_softcap import (base2_scores, capped_curvature, capped_scores, capped_slope,
+                             softcap_arguments, softcap_flags)
 from .triton_masks import (NO_MASK, mask_flags, mask_kind_and_tensor, mask_path_work,
                            mask_paths)
 
@@ -124,10 +124,11 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
-        if SOFTCAP:     # capped in natural units, before any mask
+        if SOFTCAP:     # capped in natural units, before any mask (base2_scores, inlined:
+            # the helper's call cost the uncapped d = 128 folded row pass 144 bytes of spills)
             t, th = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale,
                                   softcap)
-            s2 = t * 1.4426950408889634     # log2(e)
+            s2 = t * 1.4426950408889634    # log2(e)
         else:
             s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         if MASKED:
@@ -381,12 +382,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
             if HAS_F:
                 alpha = load_row_vector(alpha_ptr, offs_m, L)
         # tiles are [keys, queries] so that gk, gv accumulate without transposes
-        if SOFTCAP:     # capped in natural units, before any mask
-            tt, tht = capped_scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale,
-                                    softcap)
-            s2t = tt * 1.4426950408889634     # log2(e)
-        else:
-            s2t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
+        s2t, tht = base2_scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale,
+                                qk_scale_log2, softcap, SOFTCAP)
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:

@@ -20,7 +20,7 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_P
                     store_tile, unmasked_key_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
-from .triton_softcap import capped_scores, softcap_arguments, softcap_flags
+from .triton_softcap import base2_scores, softcap_arguments, softcap_flags
 from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
 
 
@@ -48,11 +48,8 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, offs_e, skn, ske, S, HEAD_DIM, MASKED, PAD_E)
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if SOFTCAP:     # capped in natural units, before any mask; then base 2 as without
-            s2 = capped_scores(qk * scale, softcap)[0] * 1.4426950408889634  # log2(e)
-        else:
-            s2 = qk * qk_scale_log2
+        s2 = base2_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale,
+                          qk_scale_log2, softcap, SOFTCAP)[0]
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:

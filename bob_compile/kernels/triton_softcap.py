@@ -2,7 +2,7 @@
 and the transform's derivatives (docs/second-order.md, "Score transforms").
 
 A kernel with SOFTCAP on takes `softcap` (c > 0) and forms its tile's scores as
-capped_scores(scale * q kᵀ) before any mask applies. Where a derivative of the scores meets
+capped_scores(scale * q kᵀ) before any mask applies (base2_scores). Where a derivative of the scores meets
 q or k it is the cotangent of T, dT; the GEMMs want that of U: dU = φ'(U) dT. The BoB also
 needs φ''(U) = -(2 / c) tanh(U / c) φ'(U) (curvature term of the scores' cotangent). Both are
 functions of th = tanh(U / c), which capped_scores returns beside T: nothing else is kept.
@@ -23,6 +23,17 @@ def capped_scores(u, softcap):
     e = tl.math.exp2(u * (2.0 * LOG2E / softcap))
     th = 1.0 - 2.0 / (e + 1.0)
     return softcap * th, th
+
+
+@triton.jit
+def base2_scores(qk, scale, qk_scale_log2, softcap, SOFTCAP: tl.constexpr):
+    """(scores in base 2, th) of a tile qk = q·k, as every kernel's loop forms them before
+    its masks: capped in natural units with SOFTCAP (th = tanh(U / c), for φ' and φ''),
+    else qk times scale·log2(e) (th is then qk, never read)."""
+    if SOFTCAP:
+        t, th = capped_scores(qk * scale, softcap)
+        return t * LOG2E, th
+    return qk * qk_scale_log2, qk
 
 
 @triton.jit

@@ -161,7 +161,28 @@ def test_hf_causal_folded_masks_against_float64(monkeypatch, schedule):
                        (padded & causal).expand(B, Hq, L, L))
 
 
-def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None, dropout_p=0.0):
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("dtype,B,Hq,Hkv,L,S,E,Ev,causal,masked,softcap", [
+    pytest.param(torch.bfloat16, 1, 4, 4, 2048, 2048, 64, 64, True, False, 2.0,
+                 id="bf16-causal-d64-cap2"),
+    pytest.param(torch.bfloat16, 2, 4, 2, 777, 1000, 128, 128, False, True, 2.0,
+                 id="bf16-gqa-L<S-d128-masked-cap2"),
+    pytest.param(torch.float16, 1, 3, 3, 777, 777, 64, 64, True, False, 50.0,
+                 id="fp16-777-causal-cap50"),
+])
+def test_softcap_against_float64(monkeypatch, schedule, dtype, B, Hq, Hkv, L, S, E, Ev, causal,
+                                 masked, softcap):
+    """Soft-capped scores (Gemma 2) in every kernel: each output within the same factor of
+    math's own error in the same dtype as without a cap (a cap of 2 bends these scores)."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    mask = padding_mask("bool", B, Hq, L, S, dtype) if masked else None
+    check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=mask, softcap=softcap)
+
+
+def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None, dropout_p=0.0,
+                       softcap=0.0):
     dev = "cuda"
     scale = 1.0 / math.sqrt(E)
     q = torch.randn(B, Hq, L, E, device=dev, dtype=dtype)
@@ -173,7 +194,7 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None, dropou
     # first order: forward
     seed = torch.tensor(2 ** 40 + 7, device=dev) if dropout_p else None
     params = AttentionParams(scale=scale, causal=causal, mask=mask, dropout_p=dropout_p,
-                             dropout_seed=seed)
+                             dropout_seed=seed, softcap=softcap)
     o, lse = triton_attention.forward(q, k, v, params)
     ro, rlse = reference.forward(*f64(q, k, v), params)
     mo, mlse = reference.forward(q, k, v, params, upcast=False)   # precision baseline
@@ -211,8 +232,8 @@ def check_every_output(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask=None, dropou
             check_against("folded." + name + tag, a, m, e, report)
 
     # the full second-order step (what a user's double backward computes; SDPA's own
-    # dropout would draw another mask)
-    if Hq == Hkv and E == Ev and not dropout_p:
+    # dropout would draw another mask, and SDPA has no cap)
+    if Hq == Hkv and E == Ev and not dropout_p and not softcap:
         ours = chain_step(q, k, v, do, *cot, scale, causal, triton_attention, mask)
         exact = chain_step(*f64(q, k, v, do, *cot), scale, causal, reference, mask)
         sdpa_mask, sdpa_causal = mask, causal
