@@ -66,6 +66,29 @@ def _build_directory():
     return os.path.join(kernel_settings.current().cache_dir, "native_node", key), key
 
 
+# A build takes a minute or two; torch's build lock (a file in the build folder) left by a
+# process killed mid-build makes every later build wait on it forever. One older than this
+# belongs to no live build.
+STALE_BUILD_LOCK_S = 30 * 60
+
+
+def _clear_stale_build_lock(directory):
+    """Remove the build folder's lock file where it is older than STALE_BUILD_LOCK_S (a
+    build killed before it finished); said in the log."""
+    lock = os.path.join(directory, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        log.warning("bob_compile: removing a stale C++ node build lock (%s, %.0f min old: a "
+                    "build was killed before it finished)", lock, age / 60)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
+
+
 def _build():
     global _extension
     start = time.perf_counter()
@@ -73,6 +96,7 @@ def _build():
         from torch.utils.cpp_extension import load
         directory, key = _build_directory()
         os.makedirs(directory, exist_ok=True)
+        _clear_stale_build_lock(directory)
         module = load(f"bob_compile_native_node_{key}", [_SOURCE], extra_cflags=["-O2"],
                       build_directory=directory, verbose=False)
         module.set_general_backward(general_backward)

@@ -647,3 +647,20 @@ def test_no_cpp_entry_when_off(cpu_kernels_as_native, reread_settings, monkeypat
     monkeypatch.setenv("BOB_COMPILE_CPP_NODE", "off")
     settings.reload()
     assert eager_node.fast_entry is None
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    """torch's build lock left by a build killed midway would make every later build wait
+    forever; one younger than STALE_BUILD_LOCK_S may be a live build in another process."""
+    import os
+    import time
+    lock = tmp_path / "lock"
+    lock.touch()
+    eager_node._clear_stale_build_lock(str(tmp_path))
+    assert lock.exists()                        # fresh: another process may be building
+    old = time.time() - eager_node.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="bob_compile.eager"):
+        eager_node._clear_stale_build_lock(str(tmp_path))
+    assert not lock.exists() and "stale C++ node build lock" in caplog.text
+    eager_node._clear_stale_build_lock(str(tmp_path))     # no lock: nothing to do
