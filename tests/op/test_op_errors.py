@@ -134,3 +134,11 @@ def test_folded_bob_with_a_dq_not_shaped_like_q():
     dq = op.attn_bwd(q, k, v, o, lse, do, None, None, 0.5, False)[0]
     with pytest.raises(ValueError, match="dq must be shaped like q"):
         op.attn_bob_folded(q, k, v, o, lse, do, None, q, k, v, dq[:, :1], None, 0.5, False)
+
+
+@pytest.mark.parametrize("softcap,error", [(-1.0, ValueError), (float("inf"), ValueError),
+                                           (torch.tensor(2.0), TypeError), ("2", TypeError)])
+def test_softcap_must_be_a_positive_finite_number(softcap, error):
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(error, match="softcap"):
+        attention(q, q, q, softcap=softcap)
