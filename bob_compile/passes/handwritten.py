@@ -174,7 +174,7 @@ def _match_scores(x, chain, prover):
         elif is_op(node, "tanh") and not chain.softcap:
             _take_softcap(node, chain, factors_above_mask if masked else 0,
                           scales_after_mask if masked else [])
-            scales_after_mask = [] if not masked else scales_after_mask
+            scales_after_mask = []      # the cap's factors: none scales the mask
             node_next = node.args[0]
         elif is_op(node, "matmul") and len(node.args) == 2 or is_op(node, "einsum"):
             chain.nodes.append(node)
