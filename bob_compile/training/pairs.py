@@ -10,6 +10,7 @@ aliased outputs are first retried as copies.
 import contextlib
 import copy
 import dataclasses
+import logging
 import time
 from typing import Callable
 
@@ -19,7 +20,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import _compat
 from ..static_inputs import uses_cuda_graphs
+from . import pair_cache
 from .draws import UnreplayableDraw, find_draws
+
+log = logging.getLogger("bob_compile")
 
 
 class NotSupported(Exception):
@@ -178,7 +182,7 @@ class _AliasedOutputs(Exception):
 
 def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, donate,
                   static_inputs):
-    captured = {}
+    captured, halves = {}, {}
 
     def capture(kind, inner, reports_strides):
         def compile_half(graph, inputs, **kwargs):
@@ -204,6 +208,7 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
             # the meta device and fail
             with unset_fake_temporarily():
                 captured[key] = copy.deepcopy(graph)
+            halves[key] = (captured[key], list(inputs), dict(kwargs))
             compiled = inner(graph, inputs, **kwargs)
             captured[key + "_compiled"] = compiled
             return compiled
@@ -212,10 +217,13 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
     # The backward must compile now (we call it ourselves); it reuses the memory of saved
     # tensors only where asked (see ForwardFn.backward for when that is safe). AOTAutograd's
     # cache stays out: a hit returns a compiled function without calling the compilers that
-    # capture the graphs (a split graph's identical pieces under dynamic shapes hit it).
+    # capture the graphs (a split graph's identical pieces under dynamic shapes hit it);
+    # pair_cache.py keeps what they captured instead.
     # fallback_random (both compilers: the decompositions depend on it): aten's random ops,
     # not inductor's seeds-and-offsets form, whose draws a replay could not be handed
     # (draws.py)
+    digest = _cache_key(gm, example_inputs, compiler, config_patches, nested, donate,
+                        static_inputs)
     context, ignore_shape_env = _tracing_context(example_inputs, nested)
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
                                        donated_buffer=donate, enable_autograd_cache=False), \
@@ -223,7 +231,10 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
             torch.enable_grad(), \
             without_inductor_attention_fusion(), \
             context:
-        if compiler == "inductor":
+        cached = digest and pair_cache.load(digest, torch._guards.TracingContext.get().fake_mode)
+        if cached:
+            _compile_cached_halves(cached, captured, config_patches)
+        elif compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
             compile_fx(copy.deepcopy(gm), example_inputs,
                        inner_compile=capture(None, compile_fx_inner, reports_strides=True),
@@ -247,7 +258,45 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
                                                                ignore_shape_env))
     if "backward" not in captured:
         raise NotSupported(f"AOTAutograd produced no backward for {what}")
-    return _pair(captured, len(example_inputs), what, static_inputs)
+    pair = _pair(captured, len(example_inputs), what, static_inputs)
+    if digest and not cached:
+        torch._dynamo.utils.counters["bob_compile"]["pair_cache_miss"] += 1
+        pair_cache.save(digest, halves, captured["metadata"], captured["random"])
+    return pair
+
+
+def _cache_key(gm, example_inputs, compiler, config_patches, nested, donate, static_inputs):
+    """The pair's key in pair_cache, or None where it is not cached (another compiler than
+    inductor, CUDA graphs or inductor's C++ wrapper, whose compile takes contexts that
+    compile_fx alone sets up, or a graph the key cannot pin down)."""
+    counters = torch._dynamo.utils.counters["bob_compile"]
+    if compiler != "inductor" or not pair_cache.enabled() or \
+            uses_cuda_graphs(config_patches) or torch._inductor.config.cpp_wrapper or \
+            dict(config_patches).get("cpp_wrapper"):
+        return None
+    options = (compiler, sorted((k, repr(v)) for k, v in dict(config_patches).items()),
+               nested, donate, sorted(static_inputs))
+    try:
+        return pair_cache.key(gm, example_inputs, options)
+    except pair_cache.Uncacheable as e:
+        counters["pair_cache_uncacheable"] += 1
+        log.debug("flashbob: a pair is not cached: %s", e)
+        return None
+
+
+def _compile_cached_halves(cached, captured, config_patches):
+    """Both halves of a cached pair through inductor's compile, as compile_fx hands them."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    halves, metadata, random = cached
+    torch._guards.TracingContext.get().fw_metadata = metadata
+    captured.update(metadata=metadata, random=random)
+    with torch._inductor.config.patch({**dict(config_patches), "fallback_random": True}):
+        for half in ("forward", "backward"):
+            graph, inputs, kwargs = halves[half]
+            with unset_fake_temporarily():
+                captured[half] = copy.deepcopy(graph)
+            captured[half + "_compiled"] = compile_fx_inner(graph, inputs, **kwargs)
+    torch._dynamo.utils.counters["bob_compile"]["pair_cache_hit"] += 1
 
 
 @contextlib.contextmanager
