@@ -245,6 +245,10 @@ def load(digest, fake_mode):
     return halves, metadata, entry["random"]
 
 
+def discard(digest):
+    (directory() / f"{digest}.pkl").unlink(missing_ok=True)
+
+
 def _portable_kwargs(kwargs):
     """inductor's compile arguments without process-bound objects: its boxed flag and
     device index as their values (shared again on load), no graph id (a new one is drawn)."""

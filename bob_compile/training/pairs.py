@@ -232,15 +232,15 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
             without_inductor_attention_fusion(), \
             context:
         cached = digest and pair_cache.load(digest, torch._guards.TracingContext.get().fake_mode)
-        if cached:
-            _compile_cached_halves(cached, captured, config_patches)
-        elif compiler == "inductor":
+        cached = cached and _compile_cached_halves(cached, captured, config_patches, digest,
+                                                   what)
+        if not cached and compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
             compile_fx(copy.deepcopy(gm), example_inputs,
                        inner_compile=capture(None, compile_fx_inner, reports_strides=True),
                        config_patches={**dict(config_patches), "fallback_random": True},
                        **_compat.ignoring_shape_env(compile_fx, ignore_shape_env))
-        else:
+        elif not cached:
             from functorch.compile import min_cut_rematerialization_partition
             from torch._functorch.aot_autograd import aot_module_simplified
             from torch._inductor.decomposition import select_decomp_table
@@ -284,19 +284,28 @@ def _cache_key(gm, example_inputs, compiler, config_patches, nested, donate, sta
         return None
 
 
-def _compile_cached_halves(cached, captured, config_patches):
-    """Both halves of a cached pair through inductor's compile, as compile_fx hands them."""
+def _compile_cached_halves(cached, captured, config_patches, digest, what):
+    """Both halves of a cached pair through inductor's compile, as compile_fx hands them;
+    False (the entry dropped, nothing captured) where that fails."""
     from torch._inductor.compile_fx import compile_fx_inner
     halves, metadata, random = cached
     torch._guards.TracingContext.get().fw_metadata = metadata
     captured.update(metadata=metadata, random=random)
-    with torch._inductor.config.patch({**dict(config_patches), "fallback_random": True}):
-        for half in ("forward", "backward"):
-            graph, inputs, kwargs = halves[half]
-            with unset_fake_temporarily():
-                captured[half] = copy.deepcopy(graph)
-            captured[half + "_compiled"] = compile_fx_inner(graph, inputs, **kwargs)
+    try:
+        with torch._inductor.config.patch({**dict(config_patches), "fallback_random": True}):
+            for half in ("forward", "backward"):
+                graph, inputs, kwargs = halves[half]
+                with unset_fake_temporarily():
+                    captured[half] = copy.deepcopy(graph)
+                captured[half + "_compiled"] = compile_fx_inner(graph, inputs, **kwargs)
+    except Exception as e:      # noqa: BLE001 (an entry that no longer compiles: trace again)
+        log.warning("flashbob: a cached pair of %s failed to compile (%s: %s); tracing it "
+                    "again", what, type(e).__name__, e)
+        pair_cache.discard(digest)
+        captured.clear()
+        return False
     torch._dynamo.utils.counters["bob_compile"]["pair_cache_hit"] += 1
+    return True
 
 
 @contextlib.contextmanager

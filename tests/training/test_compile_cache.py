@@ -69,6 +69,30 @@ def check_warm_start(monkeypatch):
     assert max_error(cold, expected) <= 1e-10
     assert max_error(warm, expected) <= 1e-10
 
+    # an entry that no longer compiles is dropped and traced again, exactly
+    import torch._inductor.compile_fx as compile_fx_module
+    from bob_compile.training import pair_cache
+    load, compile_fx_inner = pair_cache.load, compile_fx_module.compile_fx_inner
+
+    def refusing(graph, inputs, an_argument_inductor_lacks=False, **kwargs):
+        if an_argument_inductor_lacks:
+            raise TypeError("an argument inductor lacks")
+        return compile_fx_inner(graph, inputs, **kwargs)
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", refusing)
+
+    def stale(digest, fake_mode):
+        halves, metadata, random = load(digest, fake_mode)
+        return ({half: (graph, inputs, {**kwargs, "an_argument_inductor_lacks": True})
+                 for half, (graph, inputs, kwargs) in halves.items()}, metadata, random)
+    monkeypatch.setattr(pair_cache, "load", stale)
+    again, counts = compiled_hvp(model, x)
+    assert counts["pair_cache_miss"] == 2 and counts["pair_cache_hit"] == 0, counts
+    assert max_error(again, expected) <= 1e-10
+    monkeypatch.setattr(pair_cache, "load", load)
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", compile_fx_inner)
+    _, counts = compiled_hvp(model, x)
+    assert counts["pair_cache_hit"] == 2, counts       # written again
+
     # an entry that cannot be read is traced again, exactly
     for entry in (pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) /
                   "bob_compile_pairs").glob("*.pkl"):
