@@ -12,12 +12,13 @@ keyword arguments inductor's compile took, AOTAutograd's metadata and the draws 
 hit hands them to the same inductor entry point, whose FX graph cache then hits as well.
 
 The key is everything the halves are a function of: the graph handed to compile_pair (its
-code, every value's shape, strides and dtype, recursively through the modules it calls,
-the bytes of any tensor it holds), the example inputs' metadata, the pair's options,
-AOTAutograd's and inductor's configuration, the versions of torch, triton and Python, and
-the source of this package. Whatever cannot be put in the key (symbolic shapes, a callable
-or module of the user's inside the graph, a fake tensor constant) is not cached. The
-cache follows inductor's: off where inductor's FX graph cache is off.
+nodes by position, each with its op, target, arguments and value's shape, strides and
+dtype, recursively through the modules it calls, and the bytes of any tensor it holds),
+the example inputs' metadata, the pair's options, AOTAutograd's and inductor's
+configuration, the versions of torch, triton and Python, and the source of this package.
+Node names are not in it: graphs that differ only there share an entry. Whatever cannot be
+put in the key (symbolic shapes, a callable or module of the user's inside the graph, an
+object known by its address, a fake tensor constant) is not cached. The cache follows inductor's: off where inductor's FX graph cache is off.
 """
 import functools
 import hashlib
@@ -78,13 +79,20 @@ def _add_module(add, module, seen):
     if isinstance(module, GraphVjp):
         add(module.num_primals, module.draw_kinds, module.tangent_outputs, module.wanted)
     elif isinstance(module, fx.GraphModule):
-        add(module.code)
+        # the nodes by position, not by name: graphs that differ only in their names (a
+        # model's blocks, split apart by DDP or by graph breaks) share one entry
+        position = {node: i for i, node in enumerate(module.graph.nodes)}
         for node in module.graph.nodes:
-            add(node.name, _value_text(node.meta.get("val", node.meta.get("example_value"))))
             if node.op == "call_function":
                 _check_target(node.target)
             elif node.op == "get_attr":
                 _add_attribute(add, module, node.target, seen)
+            arguments = repr(fx.node.map_arg((node.args, node.kwargs),
+                                             lambda n: ("node", position[n])))
+            if " at 0x" in arguments:       # an object known by its address only
+                raise Uncacheable(f"an argument of {node.op} {node.target}: {arguments}")
+            add(node.op, None if node.op == "placeholder" else _target_text(node.target),
+                arguments, _value_text(node.meta.get("val", node.meta.get("example_value"))))
     elif type(module) is not torch.nn.Module:
         raise Uncacheable(f"a module of type {type(module).__name__} (its code is not in "
                           f"the graph)")
@@ -120,6 +128,17 @@ def _add_tensor(add, tensor):
     digest = hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
                             .numpy().tobytes()).hexdigest() if tensor.numel() else ""
     add(digest)
+
+
+def _target_text(target):
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                           torch._ops.HigherOrderOperator)):
+        return str(target)
+    owner = getattr(target, "__objclass__", None)
+    module = getattr(owner if owner is not None else target, "__module__", None)
+    return f"{module}.{getattr(target, '__qualname__', repr(target))}"
 
 
 _SAFE_MODULES = ("torch", "operator", "builtins", "math", "_operator", "bob_compile")

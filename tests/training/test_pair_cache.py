@@ -31,6 +31,30 @@ def test_the_same_graph_and_inputs_give_the_same_key():
     assert key_of(gm, inputs) == key_of(again, inputs_again)
 
 
+def test_node_names_do_not_change_the_key():
+    """A model's blocks split apart (by DDP, or by a graph break in each) differ only in
+    their node names: one entry serves them all."""
+    import copy
+    gm, inputs = example()
+    renamed = copy.deepcopy(gm)
+    for i, node in enumerate(renamed.graph.nodes):
+        if node.op != "output":
+            node.name = f"block_3_value_{i}"
+            if node.op == "placeholder":
+                node.target = node.name
+    renamed.recompile()
+    assert "block_3_value" in renamed.code
+    assert key_of(gm, inputs) == key_of(renamed, inputs)
+
+
+def test_an_argument_known_by_its_address_is_not_cached():
+    gm = fx.symbolic_trace(lambda x: torch.sin(x))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    node.kwargs = {"out": None, "tag": object()}
+    with pytest.raises(pair_cache.Uncacheable, match="address|at 0x"):
+        key_of(gm, [torch.randn(3)])
+
+
 def test_the_code_changes_the_key():
     gm, inputs = example()
     other, _ = traced(lambda x, y: torch.cos(x) * y)
