@@ -18,7 +18,8 @@ the example inputs' metadata, the pair's options, AOTAutograd's and inductor's
 configuration, the versions of torch, triton and Python, and the source of this package.
 Node names are not in it: graphs that differ only there share an entry. Whatever cannot be
 put in the key (symbolic shapes, a callable or module of the user's inside the graph, an
-object known by its address, a fake tensor constant) is not cached. The cache follows inductor's: off where inductor's FX graph cache is off.
+object known by its address, a fake tensor constant) is not cached. The cache follows
+inductor's: off where inductor's FX graph cache is off.
 """
 import functools
 import hashlib
@@ -184,7 +185,7 @@ def _value_text(value):
     if value is None or isinstance(value, (int, float, bool, str, torch.dtype, torch.device,
                                            torch.memory_format, torch.layout)):
         return value
-    return type(value).__qualname__
+    raise Uncacheable(f"a value of type {type(value).__qualname__}")
 
 
 def _config_text(config_module):
