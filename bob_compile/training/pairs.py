@@ -234,6 +234,11 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
         cached = digest and pair_cache.load(digest, torch._guards.TracingContext.get().fake_mode)
         cached = cached and _compile_cached_halves(cached, captured, config_patches, digest,
                                                    what)
+        if cached and not nested:
+            # what AOTAutograd's entry counts: DDPOptimizer tells from it that a piece of its
+            # split graph was traced (and then reads the fw_metadata set above), so a hit
+            # must look to it as a trace does
+            torch._dynamo.utils.counters["aot_autograd"]["total"] += 1
         if not cached and compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
             compile_fx(copy.deepcopy(gm), example_inputs,
