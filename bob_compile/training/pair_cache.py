@@ -131,15 +131,20 @@ def _add_tensor(add, tensor):
     add(digest)
 
 
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+
+
+def _module_of(target):
+    owner = getattr(target, "__objclass__", None)      # a method of torch.Tensor
+    return getattr(owner if owner is not None else target, "__module__", None) or ""
+
+
 def _target_text(target):
     if isinstance(target, str):
         return target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
-                           torch._ops.HigherOrderOperator)):
+    if isinstance(target, _OPS):
         return str(target)
-    owner = getattr(target, "__objclass__", None)
-    module = getattr(owner if owner is not None else target, "__module__", None)
-    return f"{module}.{getattr(target, '__qualname__', repr(target))}"
+    return f"{_module_of(target)}.{getattr(target, '__qualname__', repr(target))}"
 
 
 _SAFE_MODULES = ("torch", "operator", "builtins", "math", "_operator", "bob_compile")
@@ -149,11 +154,9 @@ def _check_target(target):
     """A call_function target whose behaviour its name in the code pins down: an op, or a
     function of torch, Python or this package (a user's function could change under the
     same name)."""
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
-                           torch._ops.HigherOrderOperator)):
+    if isinstance(target, _OPS):
         return
-    owner = getattr(target, "__objclass__", None)      # a method of torch.Tensor
-    module = getattr(owner if owner is not None else target, "__module__", None) or ""
+    module = _module_of(target)
     if isinstance(target, (types.BuiltinFunctionType, types.FunctionType, types.MethodType,
                            types.MethodDescriptorType, types.WrapperDescriptorType,
                            type)) and module.split(".")[0] in _SAFE_MODULES:
@@ -252,16 +255,15 @@ def load(digest, fake_mode):
         entry = pickle.loads(path.read_bytes())
         if entry.get("format") != FORMAT:
             return None
+        kwargs = _restored_kwargs([data["kwargs"] for data in entry["halves"].values()])
         halves = {half: (GraphPickler.loads(data["graph"], fake_mode),
-                         GraphPickler.loads(data["inputs"], fake_mode),
-                         _restored_kwargs(data["kwargs"]))
-                  for half, data in entry["halves"].items()}
+                         GraphPickler.loads(data["inputs"], fake_mode), half_kwargs)
+                  for (half, data), half_kwargs in zip(entry["halves"].items(), kwargs)}
         metadata = GraphPickler.loads(entry["metadata"], fake_mode)
     except Exception as e:
         log.info("flashbob: a cached pair could not be read (%s: %s); tracing it again",
                  type(e).__name__, e)
         return None
-    _link_forward_device(halves)
     return halves, metadata, entry["random"]
 
 
@@ -270,8 +272,10 @@ def discard(digest):
 
 
 def _portable_kwargs(kwargs):
-    """inductor's compile arguments without process-bound objects: its boxed flag and
-    device index as their values (shared again on load), no graph id (a new one is drawn)."""
+    """inductor's compile arguments without process-bound objects: its boxed flag as its
+    value, its device index as a marker (one is shared again on load), no graph id (a new
+    one is drawn)."""
+    from torch._inductor.cudagraph_utils import BoxedDeviceIndex
     from torch._inductor.utils import BoxedBool
     portable = {}
     for name, value in kwargs.items():
@@ -279,30 +283,28 @@ def _portable_kwargs(kwargs):
             continue
         if isinstance(value, BoxedBool):
             value = ("BoxedBool", value.value)
-        elif type(value).__name__ == "BoxedDeviceIndex":
+        elif isinstance(value, BoxedDeviceIndex):
             value = ("BoxedDeviceIndex", None)
         pickle.dumps(value)                # raises for anything else process-bound
         portable[name] = value
     return portable
 
 
-def _restored_kwargs(kwargs):
-    from torch._inductor.utils import BoxedBool
-    restored = {}
-    for name, value in kwargs.items():
-        if isinstance(value, tuple) and len(value) == 2 and value[0] == "BoxedBool":
-            value = BoxedBool(value[1])
-        restored[name] = value
-    return restored
-
-
-def _link_forward_device(halves):
-    """The forward and backward share one device index and one graph id, as compile_fx
-    gives them."""
+def _restored_kwargs(halves_kwargs):
+    """The halves' compile arguments back from _portable_kwargs: the forward and backward
+    share one device index and one graph id, as compile_fx gives them."""
     from torch._inductor.compile_fx import _graph_counter
     from torch._inductor.cudagraph_utils import BoxedDeviceIndex
+    from torch._inductor.utils import BoxedBool
     shared, graph_id = BoxedDeviceIndex(None), next(_graph_counter)
-    for _, _, kwargs in halves.values():
-        if isinstance(kwargs.get("boxed_forward_device_index"), tuple):
-            kwargs["boxed_forward_device_index"] = shared
-        kwargs["graph_id"] = graph_id
+    restored = []
+    for kwargs in halves_kwargs:
+        half = {"graph_id": graph_id}
+        for name, value in kwargs.items():
+            if value == ("BoxedDeviceIndex", None):
+                value = shared
+            elif isinstance(value, tuple) and len(value) == 2 and value[0] == "BoxedBool":
+                value = BoxedBool(value[1])
+            half[name] = value
+        restored.append(half)
+    return restored

@@ -234,33 +234,13 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
         cached = digest and pair_cache.load(digest, torch._guards.TracingContext.get().fake_mode)
         cached = cached and _compile_cached_halves(cached, captured, config_patches, digest,
                                                    what)
-        if cached and not nested:
+        if not cached:
+            _trace(gm, example_inputs, compiler, config_patches, capture, ignore_shape_env)
+        elif not nested:
             # what AOTAutograd's entry counts: DDPOptimizer tells from it that a piece of its
-            # split graph was traced (and then reads the fw_metadata set above), so a hit
-            # must look to it as a trace does
+            # split graph was traced (and then reads the fw_metadata _compile_cached_halves
+            # set), so a hit must look to it as a trace does
             torch._dynamo.utils.counters["aot_autograd"]["total"] += 1
-        if not cached and compiler == "inductor":
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-            compile_fx(copy.deepcopy(gm), example_inputs,
-                       inner_compile=capture(None, compile_fx_inner, reports_strides=True),
-                       config_patches={**dict(config_patches), "fallback_random": True},
-                       **_compat.ignoring_shape_env(compile_fx, ignore_shape_env))
-        elif not cached:
-            from functorch.compile import min_cut_rematerialization_partition
-            from torch._functorch.aot_autograd import aot_module_simplified
-            from torch._inductor.decomposition import select_decomp_table
-
-            def nop(graph, inputs, **kwargs):
-                return graph
-            # inductor's decompositions here too: the same graphs, and only primitive ops,
-            # whose derivatives all exist (native_layer_norm_backward has none for `mean`)
-            aot_module_simplified(copy.deepcopy(gm), example_inputs,
-                                  fw_compiler=capture("forward", nop, reports_strides=False),
-                                  bw_compiler=capture("backward", nop, reports_strides=False),
-                                  partition_fn=min_cut_rematerialization_partition,
-                                  decompositions=select_decomp_table(),
-                                  **_compat.ignoring_shape_env(aot_module_simplified,
-                                                               ignore_shape_env))
     if "backward" not in captured:
         raise NotSupported(f"AOTAutograd produced no backward for {what}")
     pair = _pair(captured, len(example_inputs), what, static_inputs)
@@ -268,6 +248,31 @@ def _compile_pair(gm, example_inputs, compiler, config_patches, what, nested, do
         torch._dynamo.utils.counters["bob_compile"]["pair_cache_miss"] += 1
         pair_cache.save(digest, halves, captured["metadata"], captured["random"])
     return pair
+
+
+def _trace(gm, example_inputs, compiler, config_patches, capture, ignore_shape_env):
+    """AOTAutograd over `gm`, its halves handed to `capture`'s compilers."""
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        compile_fx(copy.deepcopy(gm), example_inputs,
+                   inner_compile=capture(None, compile_fx_inner, reports_strides=True),
+                   config_patches={**dict(config_patches), "fallback_random": True},
+                   **_compat.ignoring_shape_env(compile_fx, ignore_shape_env))
+        return
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    def nop(graph, inputs, **kwargs):
+        return graph
+    # inductor's decompositions here too: the same graphs, and only primitive ops, whose
+    # derivatives all exist (native_layer_norm_backward has none for `mean`)
+    aot_module_simplified(copy.deepcopy(gm), example_inputs,
+                          fw_compiler=capture("forward", nop, reports_strides=False),
+                          bw_compiler=capture("backward", nop, reports_strides=False),
+                          partition_fn=min_cut_rematerialization_partition,
+                          decompositions=select_decomp_table(),
+                          **_compat.ignoring_shape_env(aot_module_simplified, ignore_shape_env))
 
 
 def _cache_key(gm, example_inputs, compiler, config_patches, nested, donate, static_inputs):
