@@ -8,6 +8,7 @@ others cover what the default tier's own tests cover, and run in the slow tier."
 import importlib.util
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -21,13 +22,27 @@ def run_example(name, *args, timeout=300, python_prefix=()):
     """The stdout of `python examples/<name> <args>`, once it exited 0."""
     # One intra-op thread: the tiny default sizes gain nothing from more, and on a busy
     # 2-core machine torch's spinning OpenMP threads made the same run 5-10x slower.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    result = subprocess.run([sys.executable, *python_prefix, str(EXAMPLES / name), *args],
-                            env=env, cwd=EXAMPLES.parent, capture_output=True, text=True,
-                            timeout=timeout)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{result.args} exited with {result.returncode}:\n{output[-6000:]}"
-    return result.stdout
+    # PYTHONFAULTHANDLER: a run that outlives its timeout is sent SIGABRT (each process of
+    # its session: torchrun's ranks too), and every Python process prints where it was
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONFAULTHANDLER": "1"}
+    command = [sys.executable, *python_prefix, str(EXAMPLES / name), *args]
+    process = subprocess.Popen(command, env=env, cwd=EXAMPLES.parent, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:   # a launcher that outlives its children
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+        pytest.fail(f"{command} did not finish in {timeout} s; where it was:\n"
+                    f"{(stdout + stderr)[-12000:]}")
+    output = stdout + stderr
+    assert process.returncode == 0, f"{command} exited with {process.returncode}:\n{output[-6000:]}"
+    return stdout
 
 
 def torchrun_two_processes():
