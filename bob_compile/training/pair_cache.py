@@ -301,9 +301,10 @@ def _restored_kwargs(halves_kwargs):
     for kwargs in halves_kwargs:
         half = {"graph_id": graph_id}
         for name, value in kwargs.items():
-            if value == ("BoxedDeviceIndex", None):
+            marker = value[0] if isinstance(value, tuple) and len(value) == 2 else None
+            if marker == "BoxedDeviceIndex":
                 value = shared
-            elif isinstance(value, tuple) and len(value) == 2 and value[0] == "BoxedBool":
+            elif marker == "BoxedBool":
                 value = BoxedBool(value[1])
             half[name] = value
         restored.append(half)
