@@ -19,6 +19,7 @@ had to recompute their residuals (a create_graph backward frees them: docs/routi
     python benchmarks/bench_second_order_memory.py --compiler eager ...   # the eager route
     python benchmarks/bench_second_order_memory.py --activation-memory-budget 0.3 ...
         # PyTorch's partitioner knob (torch._functorch.config), which our orders honour
+    python benchmarks/bench_second_order_memory.py --regions graph ...   # one compile, whole
     python benchmarks/bench_second_order_memory.py --cpp-wrapper ...   # inductor's C++ wrapper
     python benchmarks/bench_second_order_memory.py --mode reduce-overhead ...   # CUDA graphs
 
@@ -104,7 +105,9 @@ def measure(args, seq_len, watch):
     if args.impl == "math":         # eager PyTorch, SDPA's math: the only double backward
         run, attention = model, functools.partial(sdpa_kernel, SDPBackend.MATH)
     else:
-        options = {"compiler": args.compiler} if args.compiler else None
+        options = {"regions": args.regions}
+        if args.compiler:
+            options["compiler"] = args.compiler
         run = torch.compile(model, backend="flashbob", dynamic=False, options=options,
                             mode=args.mode)
         attention = contextlib.nullcontext
@@ -120,7 +123,7 @@ def measure(args, seq_len, watch):
         if cuda:
             torch.cuda.synchronize()
     row = dict(impl=args.impl, checkpoint=args.checkpoint, batch_size=args.batch_size,
-               seq_len=seq_len, compiler=args.compiler, mode=args.mode,
+               seq_len=seq_len, compiler=args.compiler, mode=args.mode, regions=args.regions,
                cpp_wrapper=args.cpp_wrapper,
                activation_memory_budget=args.activation_memory_budget)
     try:
@@ -182,7 +185,8 @@ def print_row(row):
     head = (f"{row['impl']}{' +checkpoint' if row['checkpoint'] else ''} B={row['batch_size']} "
             f"T={row['seq_len']} compiler={row['compiler'] or 'default'} "
             f"budget={row['activation_memory_budget']} mode={row['mode'] or 'default'}"
-            f"{' cpp_wrapper' if row['cpp_wrapper'] else ''}")
+            f"{' cpp_wrapper' if row['cpp_wrapper'] else ''}"
+            f"{' regions=' + row['regions'] if row['impl'] == 'flashbob' else ''}")
     if row.get("out_of_memory"):
         print(f"{head}: out of memory")
         return
@@ -218,6 +222,9 @@ def main():
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--vocab-size", type=int, default=50304)
     p.add_argument("--compiler", default=None, help="flashbob's compiler option (eager: the eager route)")
+    p.add_argument("--regions", choices=["blocks", "graph"], default="blocks",
+                   help="flashbob's regions option: compile each distinct block once "
+                        "(default) or the graph whole")
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="torch._functorch.config.activation_memory_budget for every compile")
     p.add_argument("--mode", default=None, help="torch.compile's mode (reduce-overhead: CUDA graphs)")
@@ -238,7 +245,8 @@ def main():
     out = pathlib.Path(args.out)
     if out.is_dir() or args.out.endswith("/"):
         tag = (f"_{args.impl}{'_checkpoint' if args.checkpoint else ''}_b{args.batch_size}"
-               f"{'_' + args.mode if args.mode else ''}{'_cpp' if args.cpp_wrapper else ''}")
+               f"{'_' + args.mode if args.mode else ''}{'_cpp' if args.cpp_wrapper else ''}"
+               f"{'_whole' if args.regions == 'graph' else ''}")
         out = out / f"bench_second_order_memory{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -19,6 +19,7 @@ from .kernels import settings as kernel_settings
 
 DUMP_DIR_ENV = "BOB_COMPILE_DUMP_DIR"
 COMPILERS = ("inductor", "aot_eager", "eager")
+REGIONS = ("blocks", "graph")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Options:
     dump_dir: Optional[str] = None
     compiler: str = "inductor"
     fallback: bool = True
+    regions: str = "blocks"
     # Inductor config patches for torch.compile's `mode` (not an option key).
     inductor_config: tuple = ()
     kernel_choices: Optional[kernel_settings.KernelChoices] = None   # None: the environment's
@@ -45,6 +47,12 @@ OWN_OPTIONS = (
      "rewritten graph eagerly where the compiler failed; else the graph untouched, its "
      "attention as math where gradients are on); `False` raises, for debugging the backend "
      "itself"),
+    ("regions", "`blocks`, `graph`", "`blocks`",
+     "what one compile of a training graph covers: `blocks` cuts the graph at its repeated "
+     "blocks (the children of a module list, alike) and compiles each distinct block once "
+     "for all of them, the code around them apart (the first step of GPT-2 small compiles "
+     "one block, not twelve); `graph` compiles the graph whole, fusing across the blocks' "
+     "boundaries, one autograd node per order instead of one per block"),
 )
 VALID_KEYS = tuple(key for key, *_ in OWN_OPTIONS) + tuple(
     switch.option for switch in kernel_settings.SWITCHES if switch.option)
@@ -66,6 +74,9 @@ def parse(options=None, mode=None):
     compiler = options.get("compiler", "inductor")
     if compiler not in COMPILERS:
         raise ValueError(f"flashbob: options['compiler']={compiler!r}; expected one of {list(COMPILERS)}")
+    regions = options.get("regions", "blocks")
+    if regions not in REGIONS:
+        raise ValueError(f"flashbob: options['regions']={regions!r}; expected one of {list(REGIONS)}")
     for key in ("fallback", "tune"):
         if not isinstance(options.get(key, True), bool):
             raise TypeError(f"flashbob: options[{key!r}] must be True or False, "
@@ -81,6 +92,7 @@ def parse(options=None, mode=None):
         dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         compiler=compiler,
         fallback=options.get("fallback", True),
+        regions=regions,
         inductor_config=tuple(sorted(inductor_config.items())),
         kernel_choices=kernel_settings.KernelChoices.of(
             kernels=options.get("kernels"), native_backend=options.get("native_backend"),

@@ -80,6 +80,9 @@ class GraphReport:
     compiled: list = dataclasses.field(default_factory=list)
     dump_folder: Optional[str] = None
     notes: list = dataclasses.field(default_factory=list)   # other rewrites, one line each
+    # a training graph's cut at its repeated blocks, or why it compiled whole
+    # (bob_compile/training/regions.py); None where it has no repeated blocks
+    regions: Optional[str] = None
 
     @property
     def replaced(self):
@@ -102,12 +105,15 @@ class GraphReport:
         if self.error:
             lines.append(f"  error: {self.error}")
         lines.append(f"  route: {self.route}" + (f" ({self.route_reason})" if self.route_reason else ""))
+        if self.regions:
+            lines.append(f"  regions: {self.regions}")
         lines += [f"  compiled: {line}" for line in self.compiled]
         return "\n".join(lines) + "\n"
 
 
 _ORDERS = {"first_order": "forward and backward",
-           "second_order": "the VJP as a differentiable function (second order)"}
+           "second_order": "the VJP as a differentiable function (second order)",
+           "region": "every order"}
 
 
 def compiled_text_name(what):

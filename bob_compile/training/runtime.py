@@ -88,6 +88,9 @@ class TrainingGraph:
         self.pair, self.graph_module = pair, graph_module
         self.compiler, self.config_patches, self.name = compiler, config_patches, name
         self.on_fakes = on_fakes     # the graph as traced: what a call on fake tensors runs
+        # a create_graph backward frees the residuals even where the cotangents require
+        # grad (a region of a cut graph: backend.RECOMPUTE_REGION_RESIDUALS)
+        self.recompute_residuals = False
         self.on_compile = on_compile or (lambda what, pair: None)
         self.on_eager = on_eager or (lambda what, reason: None)
         self.kernel_choices = kernel_choices   # the compile's options, or None (kernels/settings.py)
@@ -297,10 +300,11 @@ class ForwardFn(torch.autograd.Function):
         # The residuals go, unless this node's first-order backward may still come in the next
         # backward: cotangents that require grad (a nonlinear loss outside the graph, the
         # next graph of a split model) send their own derivative back through it, and it would
-        # recompute the forward every step.
+        # recompute the forward every step (which a region of a cut graph chooses to do).
         primals = _primals(ctx, ctx.saved_tensors)
-        if ctx.residuals is not None and _recomputable(pair) and not any(
-                g is not None and g.requires_grad for g in output_grads):
+        if ctx.residuals is not None and _recomputable(pair) and (
+                graph.recompute_residuals
+                or not any(g is not None and g.requires_grad for g in output_grads)):
             ctx.residuals.release()
         return (None, *graph.input_gradients(primals, ctx.draws, output_grads, ctx.output_meta,
                                              ctx.needs_input_grad[1:]))

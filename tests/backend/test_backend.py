@@ -50,7 +50,7 @@ def max_error(actual, expected):
 # ---------------------------------------------------------------------------- options
 def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['dumpdir'\]; valid options are "
-                                         r"\['dump_dir', 'compiler', 'fallback', 'kernels', "):
+                                         r"\['dump_dir', 'compiler', 'fallback', 'regions', 'kernels', "):
         options.parse({"dumpdir": "/tmp"})
     with pytest.raises(Exception, match="unknown option"):  # through torch.compile too
         torch.compile(lambda x: x + 1, backend="flashbob", options={"dumpdir": "/tmp"})(torch.ones(2))
