@@ -59,8 +59,9 @@ def block_path(node):
 
 
 def readable(path):
-    """`L['self'].h.0` -> `h.0`: the path from the compiled module."""
-    return re.sub(r"^L\['[^']*'\]\.?", "", path) or path
+    """`L['self'].h.0` -> `h.0`: the path from the compiled module (which a decorated
+    forward, as Hugging Face's, receives as `L['args'][0]`)."""
+    return re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", path) or path
 
 
 def find_regions(gm):

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from bob_compile.backend import counters, flashbob, recent_reports
 from bob_compile.training import regions as regions_module
@@ -291,3 +292,47 @@ def test_no_cut_inside_a_context_the_graph_enters():
     assert max_error(hessian_vector_product(compiled(model), x), expected) <= TOLERANCE
     assert report_of_last().regions == ("whole graph: a block begins or ends inside an autocast "
                                         "or grad-mode context the graph enters itself")
+
+
+# ------------------------------------------------------------------- Hugging Face models
+@pytest.mark.parametrize("name, tol", [
+    ("llama", 1e-6),        # HF's RMSNorm computes in float32, even in a float64 model
+    ("gpt2", TOLERANCE)])
+def test_hugging_face_decoders_compile_one_layer_for_all(name, tol):
+    """A Llama's or GPT-2's layers, three of them, padded batch: one compiled layer, the
+    gradient and HVP exact against the same model under SDPA's math."""
+    transformers = pytest.importorskip("transformers")
+    if name == "llama":
+        config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=3, num_attention_heads=2,
+                                          num_key_value_heads=1, max_position_embeddings=32)
+        model_class, layers = transformers.LlamaForCausalLM, "model.layers"
+    else:
+        config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=3,
+                                         n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+        model_class, layers = transformers.GPT2LMHeadModel, "transformer.h"
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation="sdpa",
+                                     dtype=torch.float64).train()
+    ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(2, 8, dtype=torch.long)
+    padding[1, 6:] = 0
+
+    def gradient_and_hvp(m):
+        params = list(m.parameters())
+        logits = m(input_ids=ids, attention_mask=padding).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        hvps = torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params])
+        return grads, hvps
+    with math_sdpa():
+        expected = gradient_and_hvp(model)
+    actual = gradient_and_hvp(compiled(model))
+    for e, a in zip(expected, actual):
+        assert max_error(a, e) <= tol
+    report = report_of_last()
+    assert report.regions.endswith("compiled (2 run another's code)"), report.regions
+    assert any(line.startswith(f"region 1 ({layers}.0) and 2 alike, the VJP")
+               for line in report.compiled), report.compiled
+    assert all(site.replaced for site in report.sites) and len(report.sites) == 3
