@@ -283,8 +283,9 @@ def _repeated_blocks(report, gm, example_inputs, opts):
     if static_inputs.uses_cuda_graphs(opts.inductor_config):
         report.regions = "whole graph: CUDA graphs record it as one"
         return None
+    traced = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
     if any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and x._has_symbolic_sizes_strides)
-           for x in example_inputs):
+           for x in [*example_inputs, *traced]):
         report.regions = "whole graph: its shapes are symbolic"
         return None
     regions, why_not = training.regions.find_regions(gm)

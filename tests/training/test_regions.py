@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from bob_compile.backend import counters, flashbob, recent_reports
 from bob_compile.training import regions as regions_module
 from bob_compile.training.pairs import NotSupported
-from models import GPT, SDPABlock, exact_twin, float_batch, loss_of, token_batch
+from models import GPT, SDPABlock, exact_twin, float_batch, token_batch
 from test_training_route import (AOT_EAGER, TOLERANCE, first_order, hand_written_norms,
                                  hessian_vector_product, math_sdpa, maml, max_error, third_order)
 
