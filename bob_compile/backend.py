@@ -221,8 +221,7 @@ def _compile(report, gm, example_inputs, opts):
             report.route, report.route_reason = "eager", _compiler_failed(report, e, opts)
             route = "eager"
     if route == "eager":
-        sdpa_calls_as_math(gm, report)
-        return _with_kernel_choices(gm.forward, opts.kernel_choices)
+        return _run_eagerly(gm, opts, report)
     if route == "inference" and opts.kernel_choices is None \
             and kernel_settings.current().kernels is None:
         native = use_native_sdpa(gm)
@@ -237,14 +236,20 @@ def _compile(report, gm, example_inputs, opts):
     return _with_kernel_choices(compiled, opts.kernel_choices)
 
 
+def _run_eagerly(gm, opts, report=None):
+    """The rewritten graph run as it is, its SDPA and FlexAttention calls as math: exact at
+    every order. report: where to note those calls on their sites."""
+    sdpa_calls_as_math(gm, report)
+    return _with_kernel_choices(gm.forward, opts.kernel_choices)
+
+
 def _compile_training(report, gm, example_inputs, opts, name, nested, region=None):
     """One training graph (`gm` after the passes) compiled for every order: the first
     order's pair now, the second order's on first use (training/runtime.py).
     region: (index, label) of a region of the graph Dynamo gave (its sites' notes are then
-    the caller's)."""
-    note_sites = region is None
+    the caller's; its residuals are recomputed: RECOMPUTE_REGION_RESIDUALS)."""
     differentiated_twice = copy.deepcopy(gm)
-    sdpa_calls_as_math(differentiated_twice, report if note_sites else None)
+    sdpa_calls_as_math(differentiated_twice, report if region is None else None)
     pair = training.compile_pair(copy.deepcopy(gm), example_inputs, opts.compiler,
                                  opts.inductor_config, name, nested=nested, donate=True)
     on_compile = _on_compile(report, region)
@@ -252,7 +257,9 @@ def _compile_training(report, gm, example_inputs, opts, name, nested, region=Non
     return training.TrainingGraph(pair, differentiated_twice, opts.compiler,
                                   opts.inductor_config, name, on_compile=on_compile,
                                   on_eager=_on_eager(report, region),
-                                  kernel_choices=opts.kernel_choices, on_fakes=gm.forward)
+                                  kernel_choices=opts.kernel_choices, on_fakes=gm.forward,
+                                  recompute_residuals=(region is not None
+                                                       and RECOMPUTE_REGION_RESIDUALS))
 
 
 def _compiler_failed(report, error, opts):
@@ -284,8 +291,7 @@ def _repeated_blocks(report, gm, example_inputs, opts):
         report.regions = "whole graph: CUDA graphs record it as one"
         return None
     traced = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
-    if any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and x._has_symbolic_sizes_strides)
-           for x in [*example_inputs, *traced]):
+    if any(training.is_symbolic(x) for x in [*example_inputs, *traced]):
         report.regions = "whole graph: its shapes are symbolic"
         return None
     regions, why_not = training.regions.find_regions(gm)
@@ -340,19 +346,15 @@ RECOMPUTE_REGION_RESIDUALS = True
 
 def _compile_region(report, region, examples, opts, name, index_and_label):
     try:
-        graph = _compile_training(report, region.graph_module, examples, opts, name,
-                                  nested=True, region=index_and_label)
-        graph.recompute_residuals = RECOMPUTE_REGION_RESIDUALS
-        return graph.__call__
+        return _compile_training(report, region.graph_module, examples, opts, name,
+                                 nested=True, region=index_and_label).__call__
     except Exception as e:
         refused = isinstance(e, training.NotSupported)    # a route, not a failure
         if not refused and (not opts.fallback or isinstance(e, torch._dynamo.exc.RestartAnalysis)):
             raise
         reason = str(e) if refused else _compiler_failed(report, e, opts)
         _on_eager(report, index_and_label)("region", reason)
-        eager = copy.deepcopy(region.graph_module)
-        sdpa_calls_as_math(eager)
-        return _with_kernel_choices(eager.forward, opts.kernel_choices)
+        return _run_eagerly(copy.deepcopy(region.graph_module), opts)
 
 
 def _with_kernel_choices(compiled, choices):

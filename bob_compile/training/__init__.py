@@ -6,7 +6,7 @@ autograd Functions that run them: TrainingGraph).
 """
 from . import regions
 from .pairs import CompiledPair, NotSupported, compile_pair, without_inductor_attention_fusion
-from .runtime import TrainingGraph, under_fake_mode
+from .runtime import TrainingGraph, is_symbolic, under_fake_mode
 
-__all__ = ["CompiledPair", "NotSupported", "TrainingGraph", "compile_pair", "regions", "under_fake_mode",
+__all__ = ["CompiledPair", "NotSupported", "TrainingGraph", "is_symbolic", "compile_pair", "regions", "under_fake_mode",
            "without_inductor_attention_fusion"]

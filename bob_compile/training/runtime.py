@@ -84,20 +84,20 @@ class TrainingGraph:
     must reach Dynamo now)."""
 
     def __init__(self, pair, graph_module, compiler, config_patches, name, on_compile=None,
-                 on_eager=None, kernel_choices=None, on_fakes=None):
+                 on_eager=None, kernel_choices=None, on_fakes=None, recompute_residuals=False):
         self.pair, self.graph_module = pair, graph_module
         self.compiler, self.config_patches, self.name = compiler, config_patches, name
         self.on_fakes = on_fakes     # the graph as traced: what a call on fake tensors runs
         # a create_graph backward frees the residuals even where the cotangents require
         # grad (a region of a cut graph: backend.RECOMPUTE_REGION_RESIDUALS)
-        self.recompute_residuals = False
+        self.recompute_residuals = recompute_residuals
         self.on_compile = on_compile or (lambda what, pair: None)
         self.on_eager = on_eager or (lambda what, reason: None)
         self.kernel_choices = kernel_choices   # the compile's options, or None (kernels/settings.py)
         self._vjps = {}              # wanted primal indices -> GraphVjp
         self._vjp_pairs = {}         # (wanted, requires-grad mask, signature) -> pair or None
         self.num_primals = len(pair.primal_nodes())
-        self.dynamic = any(_is_symbolic(p.meta.get("val")) for p in pair.primal_nodes())
+        self.dynamic = any(is_symbolic(p.meta.get("val")) for p in pair.primal_nodes())
         if self.dynamic:
             examples = self._symbolic_examples()
             wanted = tuple(i for i, x in enumerate(examples[:self.num_primals]) if _requires_grad(x))
@@ -216,7 +216,7 @@ def _requires_grad(x):
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 
-def _is_symbolic(value):
+def is_symbolic(value):
     return isinstance(value, (torch.SymInt, torch.SymFloat)) or (
         isinstance(value, torch.Tensor) and value._has_symbolic_sizes_strides)
 

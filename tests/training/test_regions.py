@@ -56,6 +56,15 @@ def report_of_last():
     return report
 
 
+def compiled_hvp_is_exact(model, batch, **options):
+    """Assert the compiled model's HVP equals eager math's in float64; its graph's report."""
+    with math_sdpa():
+        expected = hessian_vector_product(exact_twin(model), batch)
+    actual = hessian_vector_product(compiled(model, **options), batch)
+    assert max_error(actual, expected) <= TOLERANCE
+    return report_of_last()
+
+
 # ------------------------------------------------------------------- cut and shared, exact
 @pytest.mark.parametrize("scenario", [first_order, hessian_vector_product, maml],
                          ids=lambda f: f.__name__)
@@ -80,11 +89,7 @@ def test_whole_graph_option_gives_the_same_result():
     torch.manual_seed(0)
     model = NextToken(n_layer=2).double()
     batch, _ = token_batch(1)
-    with math_sdpa():
-        expected = hessian_vector_product(exact_twin(model), batch)
-    actual = hessian_vector_product(compiled(model, regions="graph"), batch)
-    assert max_error(actual, expected) <= TOLERANCE
-    report = report_of_last()
+    report = compiled_hvp_is_exact(model, batch, regions="graph")
     assert report.regions is None
     assert not any(line.startswith("region") for line in report.compiled)
 
@@ -117,11 +122,7 @@ def test_a_region_the_compiler_refuses_runs_eagerly_alone(monkeypatch):
     torch.manual_seed(0)
     model = NextToken(n_layer=2).double()
     batch, _ = token_batch(2)
-    with math_sdpa():
-        expected = hessian_vector_product(exact_twin(model), batch)
-    actual = hessian_vector_product(compiled(model), batch)
-    assert max_error(actual, expected) <= TOLERANCE
-    report = report_of_last()
+    report = compiled_hvp_is_exact(model, batch)
     assert report.route == "training"
     assert "region 3, every order: runs eagerly (it mutates inputs (simulated))" in report.compiled
     assert any(line.startswith("region 1 (model.h.0) and 1 alike, the VJP as a differentiable")
@@ -169,11 +170,7 @@ def test_graphs_that_must_not_be_cut_compile_whole(blocks, why):
     torch.manual_seed(0)
     model = Stack(blocks()).double()
     x, = float_batch(3)
-    with math_sdpa():
-        expected = hessian_vector_product(exact_twin(model), x)
-    actual = hessian_vector_product(compiled(model), x)
-    assert max_error(actual, expected) <= TOLERANCE
-    report = report_of_last()
+    report = compiled_hvp_is_exact(model, x)
     assert report.regions == why
     assert not any(line.startswith("region") for line in report.compiled)
 
@@ -183,10 +180,7 @@ def test_an_in_place_write_inside_one_block_is_cut():
     torch.manual_seed(0)
     model = Stack([AddsIntoItsOwn() for _ in range(3)]).double()
     x, = float_batch(4)
-    with math_sdpa():
-        expected = hessian_vector_product(exact_twin(model), x)
-    assert max_error(hessian_vector_product(compiled(model), x), expected) <= TOLERANCE
-    assert report_of_last().regions.startswith("3 regions cut")
+    assert compiled_hvp_is_exact(model, x).regions.startswith("3 regions cut")
 
 
 def test_symbolic_shapes_compile_whole():
@@ -287,11 +281,9 @@ def test_no_cut_inside_a_context_the_graph_enters():
     torch.manual_seed(0)
     model = AutocastAroundTheLastBlocks().double()
     x, = float_batch(7)
-    with math_sdpa():
-        expected = hessian_vector_product(exact_twin(model), x)
-    assert max_error(hessian_vector_product(compiled(model), x), expected) <= TOLERANCE
-    assert report_of_last().regions == ("whole graph: a block begins or ends inside an autocast "
-                                        "or grad-mode context the graph enters itself")
+    assert compiled_hvp_is_exact(model, x).regions == (
+        "whole graph: a block begins or ends inside an autocast or grad-mode context the "
+        "graph enters itself")
 
 
 # ------------------------------------------------------------------- Hugging Face models
