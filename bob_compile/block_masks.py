@@ -28,6 +28,8 @@ import weakref
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .kernels import block_sparse_masks
+from .kernels.block_sparse_masks import EMPTY, FULL, BlockSparseMask
 from .kernels.interval_masks import KeyIntervals, summary_of_intervals
 
 log = logging.getLogger("bob_compile.flex")
@@ -179,15 +181,16 @@ def _partial_tiles(mask_mod, partial, q_block, kv_block, L, S):
 
 
 # ------------------------------------------------------------------ as key intervals
-def key_intervals(blocks, L, S, device, batch, heads, dense_otherwise=False):
+def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False):
     """The key-interval summary (int32, (B or 1, H or 1, 1, 3 + 2L + 2S): kernels/
     interval_masks.py) of the mask `blocks` applies to a (batch, heads, L, S) call (the
     pairs of visible_pairs), or, where a query row sees more than one interval of keys or a
-    key is seen by more than one interval of queries, None (dense_otherwise: the bool mask
-    visible_pairs gives, written from the tiles already evaluated, which are kept until the
-    verdict for that). The mask_mod is evaluated on the listed partial blocks only, a chunk
-    at a time; nothing L x S is made for intervals. Two host synchronizations (listing the
-    blocks, the verdict): only where may_synchronize."""
+    key is seen by more than one interval of queries, None (tiles_otherwise: the mask tile
+    by tile, a kernels/block_sparse_masks.BlockSparseMask, from the tiles already
+    evaluated, which are kept until the verdict for that). The mask_mod is evaluated on the
+    listed partial blocks only, a chunk at a time; nothing L x S is made. Host
+    synchronizations (listing the blocks, the verdict, the distinct tiles): only where
+    may_synchronize."""
     mask_mod, partial, full, sizes, q_block, kv_block = _layout(blocks, L, S, device, batch,
                                                                 heads)
     partial = partial.expand(*sizes, -1, -1)
@@ -202,32 +205,48 @@ def key_intervals(blocks, L, S, device, batch, heads, dense_otherwise=False):
     evaluated = []
     for b, h, row_block, key_block, row_index, key_index, seen in _partial_tiles(
             mask_mod, partial, q_block, kv_block, L, S):
-        if dense_otherwise:
-            evaluated.append((b, h, row_block, key_block, seen))
         # the padding past L or S repeats the last row or key: hidden here, not counted
         seen = seen & _inside(row_index, q_block)[:, :, None] & \
             _inside(key_index, kv_block)[:, None, :]
+        if tiles_otherwise:
+            evaluated.append((b, h, row_block, key_block, seen))
         pair = (b * heads_listed + h)[:, None]
         _add_tile(rows, seen, pair * L + row_index, key_index, S)
         _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index, L)
     if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
-        _say_materialized(blocks.mask_mod)
-        return _written(evaluated, full, sizes, (q_blocks, kv_blocks), q_block, kv_block, L,
-                        S, device) if dense_otherwise else None
+        _say_tiles(blocks.mask_mod)
+        if not tiles_otherwise:
+            return None
+        return _tile_by_tile(evaluated, full, sizes, (q_blocks, kv_blocks), (q_block, kv_block),
+                             rows, keys, L, S, device)
     return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
+
+
+def _tile_by_tile(evaluated, full, sizes, block_counts, block_size, rows, keys, L, S, device):
+    """The BlockSparseMask of the full blocks and the evaluated partial ones (b, h, query
+    block, key block, seen), with the rows' and keys' (first, end, count) stats."""
+    entries = torch.full((*sizes, *block_counts), EMPTY, dtype=torch.int64, device=device)
+    if full is not None:
+        entries.masked_fill_(full.expand_as(entries), FULL)
+    tiles = torch.zeros(0, *block_size, dtype=torch.bool, device=device)
+    if evaluated:
+        b, h, row_block, key_block, tiles = (torch.cat(parts) for parts in zip(*evaluated))
+        entries[b, h, row_block, key_block] = torch.arange(len(b), device=device)
+    return block_sparse_masks.build(entries, tiles, *(
+        tuple(t.view(*sizes, -1) for t in stats) for stats in (rows, keys)), L, S, block_size)
 
 
 _said = set()
 
 
-def _say_materialized(mask_mod):
-    """Log, once per mask_mod, that its BlockMask is materialized (O(L S) memory)."""
+def _say_tiles(mask_mod):
+    """Log, once per mask_mod, that its BlockMask is read tile by tile."""
     name = getattr(mask_mod, "__qualname__", None) or type(mask_mod).__name__
     if name not in _said:
         _said.add(name)
         log.info("bob_compile: the BlockMask of mask_mod %s is not one interval of keys per "
-                 "query (and of queries per key); it is materialized per call, O(L*S) "
-                 "memory", name)
+                 "query (and of queries per key); the kernels read it tile by tile (its "
+                 "distinct partial tiles stored once, no L*S tensor)", name)
 
 
 def _inside(index, block):
@@ -430,24 +449,32 @@ def pack(blocks, key):
 
 def resolve(packed, batch, heads, L, S):
     """The mask a packed BlockMask applies to a (batch, heads, L, S) call, as the ops take
-    it: KeyIntervals where its rows and keys are intervals, else a bool (batch, heads, L, S)
-    view. Reads the header and lists the partial blocks on the host."""
+    it: KeyIntervals where its rows and keys are intervals, else a BlockSparseMask (tile by
+    tile). Reads the header and lists the partial blocks on the host. A tile-by-tile mask's
+    own data (what bob_compile.flex_attention passes eagerly) is taken as it is."""
     if packed.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "bob_compile: a packed BlockMask cannot be resolved while a CUDA graph is "
             "captured (it lists the mask's blocks on the host); flashbob materializes "
             "BlockMasks in graphs compiled with CUDA graphs: compile this model with "
             "flashbob's own mode (e.g. mode='reduce-overhead') rather than capturing it")
+    built = block_sparse_masks.built(packed)
+    if built is not None:
+        return _checked_lengths(built.for_call(batch, heads), L, S)
     identity = (id(packed), packed._version, packed.data_ptr(), batch, heads, L, S)
     kept = _by_packed.get(identity)
     if kept is not None and kept[0]() is packed:        # a later op of the same call
         return kept[1]
     cached = packed.numel() <= _CONTENT_KEYED_BYTES
     data = (packed if cached else packed[:_HEADER_BYTES]).cpu()
-    words = data[:_HEADER_BYTES].view(torch.int64).tolist()
-    if words[0] != _MAGIC:
+    words = data[:min(data.numel(), _HEADER_BYTES) // 8 * 8].view(torch.int64).tolist()
+    if words and words[0] == block_sparse_masks.MAGIC:
+        return _checked_lengths(BlockSparseMask(packed, words[1:block_sparse_masks.HEADER_WORDS],
+                                                batch, heads), L, S)
+    if not words or words[0] != _MAGIC:
         raise RuntimeError("bob_compile attention ops: a uint8 mask is a BlockMask packed by "
-                           "bob_compile.block_masks.pack; this one is not")
+                           "bob_compile.block_masks.pack or a tile-by-tile mask "
+                           "(kernels/block_sparse_masks.py); this one is neither")
     key, mask_L, mask_S, q_block, kv_block, reads_batch, reads_head, has_full, n = words[1:10]
     mask_mod = _mask_mods.get(key)
     if mask_mod is None:
@@ -468,23 +495,29 @@ def resolve(packed, batch, heads, L, S):
     blocks = Blocks((L, S), (q_block, kv_block), *lists, mask_mod,
                     tuple(parts[4 if has_full else 2:]), (bool(reads_batch), bool(reads_head)))
     # each op of a step resolves the same packed mask, and each step packs it anew: its
-    # intervals are kept by content (the bytes read above: block lists, captured tensors,
-    # the mask_mod's key)
+    # form is kept by content (the bytes read above: block lists, captured tensors, the
+    # mask_mod's key)
     content = (hashlib.blake2b(data.numpy().tobytes(), digest_size=16).digest(), batch, heads,
                L, S, str(packed.device)) if cached else None
     form = _by_content.get(content) if cached else None
     if form is None:
-        form = key_intervals(blocks, L, S, packed.device, batch, heads, dense_otherwise=True)
-        if form.dtype == torch.int32 and cached:
+        form = key_intervals(blocks, L, S, packed.device, batch, heads, tiles_otherwise=True)
+        if cached and _small(form):
             _keep(_by_content, content, form)
-    if form.dtype == torch.bool:
-        mask = form.expand(batch, heads, L, S)
+    if isinstance(form, BlockSparseMask):
+        mask = form.for_call(batch, heads)
     else:
         mask = KeyIntervals.of(form, batch, heads, L, S)
-    # for the later ops of this call (a boolean mask as long as the packed tensor lives,
-    # as a materialized mask would be saved between them)
+    # for the later ops of this call
     _by_packed[identity] = (weakref.ref(packed), mask)
     weakref.finalize(packed, _by_packed.pop, identity, None)
+    return mask
+
+
+def _checked_lengths(mask, L, S):
+    if (mask.L, mask.S) != (L, S):
+        raise RuntimeError(f"bob_compile: a tile-by-tile mask of {(mask.L, mask.S)} (query, "
+                           f"key) lengths reached a call of {(L, S)}")
     return mask
 
 
@@ -494,8 +527,8 @@ def resolve(packed, batch, heads, L, S):
 # its bytes (resolve: read once per packed tensor, whose mask the later ops of its call
 # find by the tensor's identity while it lives); an eager call's by the identity and
 # version of every tensor its pairs depend on (reused_key_intervals).
-_CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buffer) not kept
-_KEPT = 8
+_CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buffer) not kept,
+_KEPT = 8                            # nor larger tile-by-tile forms
 _by_content = collections.OrderedDict()
 _by_packed = collections.OrderedDict()
 _by_identity = collections.OrderedDict()
@@ -512,17 +545,22 @@ def _keep(kept, key, value):
             kept.popitem(last=False)
 
 
+def _small(form):
+    """Whether a mask's form is small enough to keep across calls (key intervals always)."""
+    return not isinstance(form, BlockSparseMask) or form.nbytes() <= _CONTENT_KEYED_BYTES
+
+
 def reused_key_intervals(blocks, L, S, device, batch, heads):
-    """key_intervals(..., dense_otherwise=True): the int32 summary, kept for the next call
-    with the same BlockMask, mask_mod and tensors, none of them modified since (their
-    versions), or the bool mask (not kept). Kept only for a mask_mod that is
+    """key_intervals(..., tiles_otherwise=True): the int32 summary or the BlockSparseMask,
+    kept for the next call with the same BlockMask, mask_mod and tensors, none of them
+    modified since (their versions), where small (_small). Kept only for a mask_mod that is
     a plain function whose closure and the globals it names hold nothing else that could
     change what it computes (tensors, numbers, strings, modules and PyTorch's or Python's
     own functions), or a graph of Dynamo's, which reads only its arguments; anything else
     is evaluated every call."""
     sources = _sources(blocks)
     if sources is None:
-        return key_intervals(blocks, L, S, device, batch, heads, dense_otherwise=True)
+        return key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True)
     values = tuple(b if isinstance(b, (int, float, bool)) else int(b)
                    for b in blocks.mask_mod_buffers if not isinstance(b, torch.Tensor))
     key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in sources), values, L, S,
@@ -534,8 +572,8 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
             if key in _by_identity:
                 _by_identity.move_to_end(key)
         return kept[2]
-    form = key_intervals(blocks, L, S, device, batch, heads, dense_otherwise=True)
-    if form.dtype == torch.int32:
+    form = key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True)
+    if _small(form):
         _keep(_by_identity, key, (weakref.ref(blocks.mask_mod),
                                   [weakref.ref(t) for t in sources], form))
     return form

@@ -39,6 +39,7 @@ import torch
 from .attention import attention, attention_with_op_mask
 from .block_masks import (Blocks, may_synchronize, over_indices, pack, reused_key_intervals,
                           trace_mod, visible_pairs)
+from .kernels.block_sparse_masks import BlockSparseMask
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
 _MULTIPLY, _DIVIDE = torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor
@@ -209,12 +210,13 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
 
 def _mask_for_the_op(blocks, L, S, query, mask_mod_key):
     """The BlockMask's mask for the op, without anything L x S where that can be had:
-    eagerly its key intervals (int32) where its rows and keys are intervals, else the bool
-    mask; in a traced call whose mask_mod is registered (mask_mod_key), the BlockMask packed
+    eagerly its key intervals (int32) where its rows and keys are intervals, else its
+    tile-by-tile form (uint8: kernels/block_sparse_masks.py); in a traced call whose mask_mod is registered (mask_mod_key), the BlockMask packed
     (uint8), which the ops resolve when they run. None otherwise (the caller materializes
     the mask)."""
     if may_synchronize(blocks.kv_num_blocks):
-        return reused_key_intervals(blocks, L, S, query.device, *query.shape[:2])
+        form = reused_key_intervals(blocks, L, S, query.device, *query.shape[:2])
+        return form.data if isinstance(form, BlockSparseMask) else form
     if mask_mod_key is not None and not (query.is_cuda and
                                          torch.cuda.is_current_stream_capturing()):
         return pack(blocks, mask_mod_key)

@@ -77,7 +77,7 @@ def flat_mask(mask: Optional[Tensor], q: Tensor, k: Tensor):
     two forms bob_compile.flex_attention passes (never the public API): an int32 mask is a
     mask's key intervals (kernels/interval_masks.py: (B or 1, Hq or 1, 1, 3 + 2L + 2S)),
     taken as KeyIntervals; a uint8 one a packed BlockMask, resolved here
-    (bob_compile/block_masks.py)."""
+    (bob_compile/block_masks.py), or a mask tile by tile (kernels/block_sparse_masks.py)."""
     if mask is None:
         return None
     if mask.dtype == torch.int32 or mask.dtype == torch.uint8:
@@ -97,7 +97,8 @@ def _flat_compact_mask(mask, q, k):
     if mask.dtype == torch.uint8:
         if mask.dim() != 1:
             raise RuntimeError("bob_compile attention ops: a uint8 mask is a packed BlockMask "
-                               "(bob_compile/block_masks.py), one-dimensional")
+                               "(bob_compile/block_masks.py) or a tile-by-tile mask "
+                               "(kernels/block_sparse_masks.py), one-dimensional")
         return block_masks.resolve(mask, batch, heads, L, S)
     if mask.dim() == 4 and q.dim() != 4:        # a (B, Hq, 1, X) summary over more dims
         mask = mask.expand(*q.shape[:-2], 1, mask.shape[-1]).reshape(

@@ -7,6 +7,7 @@ scale where causal belongs (or the reverse) is an error at once, not a wrong ker
 """
 import torch
 
+from .block_sparse_masks import BlockSparseMask
 from .interval_masks import KeyIntervals
 
 # A floating mask value at or below this hides its key, as -inf does. Masks filled with a
@@ -25,8 +26,9 @@ class AttentionParams:
     mask: None, or a tensor of shape (B, Hq, L, S) (broadcast dims may have stride 0) that
     no derivative flows into: bool (True: the key is visible, SDPA's convention) or
     floating (added to the scaled scores; -inf, or any value <= HIDDEN_AT_OR_BELOW, hides
-    a key); or a boolean mask given by its key intervals (interval_masks.KeyIntervals,
-    never L x S). It applies on top of causal;
+    a key); or a boolean mask given by its key intervals (interval_masks.KeyIntervals)
+    or tile by tile (block_sparse_masks.BlockSparseMask), never L x S. It applies on top of
+    causal;
     keep_mask_summary: whether the Triton kernels may keep this call's summary of its mask
     for the backwards of the same call (triton_masks.py, "One summary per forward"): only
     plain eager calls, where no compiled graph or CUDA graph owns the memory;
@@ -46,10 +48,11 @@ class AttentionParams:
             raise TypeError(f"AttentionParams: causal must be a bool, got {causal!r}")
         if scale is True or scale is False:
             raise TypeError(f"AttentionParams: scale must be a number, got {scale!r}")
-        if mask is not None and not (isinstance(mask, (torch.Tensor, KeyIntervals))
+        if mask is not None and not (isinstance(mask, (torch.Tensor, KeyIntervals,
+                                                       BlockSparseMask))
                                      and mask.dim() == 4):
-            raise TypeError(f"AttentionParams: mask must be None, a 4-D tensor or "
-                            f"KeyIntervals, got "
+            raise TypeError(f"AttentionParams: mask must be None, a 4-D tensor, "
+                            f"KeyIntervals or BlockSparseMask, got "
                             f"{type(mask).__name__}{tuple(getattr(mask, 'shape', ()))}")
         self.scale, self.causal, self.mask = scale, causal, mask
         self.keep_mask_summary = keep_mask_summary

@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import dropout
+from .block_sparse_masks import BlockSparseMask
 from .interval_masks import KeyIntervals
 from .params import HIDDEN_AT_OR_BELOW, sum_to_mask
 
@@ -94,7 +95,7 @@ def masked(s, params):
 
 def apply_mask(s, mask):
     """s with a mask tensor (broadcastable to it) applied, as AttentionParams defines it."""
-    if isinstance(mask, KeyIntervals):
+    if isinstance(mask, (KeyIntervals, BlockSparseMask)):
         mask = mask.dense()
     if mask.dtype == torch.bool:
         return s.masked_fill(~mask, float("-inf"))

@@ -332,8 +332,8 @@ def apply_mask_tile(s2, mask_base, offs_m, offs_n, sml, sms, L, S, firsts, ends,
     (times log2 e), and one at or below -1e4 (HIDDEN_AT_OR_BELOW) hides the pair. Where the
     (batch, head)'s mask is intervals, from indices (SOURCE MASK_FROM_INDICES): each row's
     keys [firsts, ends) (key_intervals_of_rows), or TRANSPOSED each key's queries
-    (query_intervals_of_keys); else from a tile of the mask (MASK_READ), pairs outside
-    [0, L) x [0, S) reading as hidden."""
+    (query_intervals_of_keys); else from a tile of the mask (MASK_READ; a BlockSparseMask,
+    MASK_KIND 3, from its tables), pairs outside [0, L) x [0, S) reading as hidden."""
     if SOURCE == MASK_FROM_INDICES:
         if TRANSPOSED:
             other = offs_m[None, :]
@@ -361,4 +361,34 @@ def _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND: tl.cons
     if MASK_KIND == 2:
         bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
         s2 = tl.where(bias <= -1e4, float("-inf"), s2 + bias * 1.4426950408889634)
+    if MASK_KIND == 3:
+        s2 = _read_block_sparse(s2, mask_base, offs_m, offs_n, L, S, TRANSPOSED)
     return s2
+
+
+@triton.jit
+def _read_block_sparse(s2, table, offs_m, offs_n, L, S, TRANSPOSED: tl.constexpr):
+    """s2 with a BlockSparseMask applied (block_sparse_masks.py): `table` is this (batch,
+    head)'s table (a uint8 pointer): block_q, block_k, key_blocks and the byte offset to
+    the tiles, then per (query block, key block) -1 (empty), -2 (full) or its tile's index.
+    Each pair reads its block's entry (one per block in cache) and, in a partial block, its
+    byte of the tile."""
+    words = table.to(tl.pointer_type(tl.int32))
+    block_q = tl.load(words)
+    block_k = tl.load(words + 1)
+    key_blocks = tl.load(words + 2)
+    to_tiles = tl.load(words + 3)
+    if TRANSPOSED:
+        rows = offs_m[None, :]
+        keys = offs_n[:, None]
+    else:
+        rows = offs_m[:, None]
+        keys = offs_n[None, :]
+    inside = (rows < L) & (keys < S)
+    row_block = rows // block_q
+    key_block = keys // block_k
+    entry = tl.load(words + 4 + row_block * key_blocks + key_block, mask=inside, other=-1)
+    in_tile = (rows - row_block * block_q) * block_k + (keys - key_block * block_k)
+    tile = table + to_tiles + entry.to(tl.int64) * (block_q * block_k) + in_tile
+    pair = tl.load(tile, mask=inside & (entry >= 0), other=0)
+    return tl.where((entry == -2) | (pair != 0), s2, float("-inf"))

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .block_sparse_masks import BlockSparseMask
 from .interval_masks import (FROM_INDICES, KEY_INTERVALS, KEYS_IN_RANGE, KEYS_IN_RANGE_CAUSAL,
                              READ_THE_MASK, READ_THE_MASK_CAUSAL, KeyIntervals)
 from .params import HIDDEN_AT_OR_BELOW
@@ -49,7 +50,8 @@ from .tuning import BUILD_ERRORS, error_summary, interpreting
 
 log = logging.getLogger("bob_compile.kernels")
 
-NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2      # the kernels' MASK_KIND
+# the kernels' MASK_KIND: a bool or an additive mask tensor, or a BlockSparseMask's tables
+NO_MASK, BOOL_MASK, ADDITIVE_MASK, BLOCK_SPARSE_MASK = 0, 1, 2, 3
 
 
 def mask_kind_and_tensor(params, fallback, reuse=False):
@@ -62,6 +64,8 @@ def mask_kind_and_tensor(params, fallback, reuse=False):
         return NO_MASK, fallback, fallback
     if isinstance(mask, KeyIntervals):        # its summary is all there is (never read)
         return BOOL_MASK, mask.summary, mask.summary
+    if isinstance(mask, BlockSparseMask):     # its summary made with it
+        return BLOCK_SPARSE_MASK, mask.kernel_mask(), mask.kernel_summary()
     kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
     if params.mask_summary is not None:
         return kind, mask, params.mask_summary

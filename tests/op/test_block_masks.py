@@ -10,7 +10,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import bob_compile
 from bob_compile import autograd, block_masks
+from bob_compile.kernels import block_sparse_masks
 from bob_compile.kernels import blockwise
+from bob_compile.kernels.block_sparse_masks import BlockSparseMask
 from bob_compile.kernels.interval_masks import KeyIntervals
 from bob_compile.kernels.triton_masks import KEY_INTERVALS, summarize_with_torch
 
@@ -99,13 +101,13 @@ def test_key_intervals_are_the_visible_pairs(name, block):
 
 @pytest.mark.parametrize("mask_mod", [dilated, two_windows])
 def test_masks_that_are_not_intervals_have_none(mask_mod, caplog, monkeypatch):
-    """None, and the log says once that such a BlockMask is materialized."""
+    """None, and the log says once that such a BlockMask is read tile by tile."""
     monkeypatch.setattr(block_masks, "_said", set())
     blocks = blocks_of(mask_mod, None, None, 40, 40)
     with caplog.at_level("INFO", logger="bob_compile.flex"):
         assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
         assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
-    said = [r for r in caplog.records if "is materialized per call" in r.getMessage()]
+    said = [r for r in caplog.records if "read it tile by tile" in r.getMessage()]
     assert len(said) == 1 and mask_mod.__name__ in said[0].getMessage()
 
 
@@ -179,7 +181,7 @@ def test_a_packed_block_mask_resolves_to_its_pairs(mask_mod, ids):
     resolved = block_masks.resolve(packed, B, H, L, L)
     want = dense(bound, B, H, L, L)
     if mask_mod is dilated:
-        assert torch.equal(resolved, want)
+        assert isinstance(resolved, BlockSparseMask) and torch.equal(resolved.dense(), want)
     else:
         assert isinstance(resolved, KeyIntervals) and torch.equal(resolved.dense(), want)
     # traced as a compiled graph traces it: no host read, nothing L x S in the graph
@@ -277,6 +279,86 @@ def test_flex_attention_passes_key_intervals_and_vmaps():
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(batched[1], bob_compile.attention(
         2 * q, k, v, attn_mask=dense(mask_mod, B, H, L, L)), rtol=1e-12, atol=1e-12)
+
+
+def sink_and_window_per_head(b, h, q_idx, kv_idx):
+    """An attention sink of 4 keys beside a causal window wider for later heads: two
+    intervals per row (StreamingLLM)."""
+    return (kv_idx < 4) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 6 + 5 * h))
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_the_op_takes_a_mask_tile_by_tile_at_every_order(kv_heads):
+    """A BlockMask whose rows see two intervals reaches the op tile by tile (no L x S mask
+    made): every order equals the op's with the same boolean mask, GQA too; vmap gives
+    each sample's own result."""
+    B, H, L, S = 2, 3, 45, 53
+    block_mask = create_block_mask(sink_and_window_per_head, None, H, L, S, device="cpu",
+                                   BLOCK_SIZE=BLOCK)
+    visible = dense(sink_and_window_per_head, B, H, L, S)
+    q, k, v = inputs(B, H, L, S, kv_heads=kv_heads, seed=5)
+    gqa = kv_heads is not None
+    materialized = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bob_compile.flex, "visible_pairs",
+                      lambda *args: materialized.append(args))
+        with blockwise.tiles(16, 8):
+            ours = every_order(lambda q, k, v: bob_compile.flex_attention(
+                q, k, v, block_mask=block_mask, enable_gqa=gqa), q, k, v)
+            batched = vmap(lambda q: bob_compile.flex_attention(
+                q, k, v, block_mask=block_mask, enable_gqa=gqa))(torch.stack([q, 2 * q]))
+    assert not materialized
+    bool_mask = every_order(lambda q, k, v: bob_compile.attention(
+        q, k, v, attn_mask=visible, enable_gqa=gqa), q, k, v)
+    for a, e in zip(ours, bool_mask):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(batched[1], bob_compile.attention(
+        2 * q, k, v, attn_mask=visible, enable_gqa=gqa), rtol=1e-12, atol=1e-12)
+
+
+def test_identical_tiles_are_stored_once():
+    """A dilated causal mask's partial tiles are two patterns (the diagonal's and the
+    rest): two tiles stored at any length, the tables O(L S / block^2); empty and full
+    evaluated tiles are not stored at all."""
+    L = 256
+    blocks = blocks_of(dilated, None, None, L, L)
+    tiles = block_masks.key_intervals(blocks, L, L, "cpu", 1, 1, tiles_otherwise=True)
+    assert isinstance(tiles, BlockSparseMask) and tiles.tiles.shape[0] == 2
+    assert torch.equal(tiles.dense(), dense(dilated, 1, 1, L, L))
+    assert tiles.nbytes() < L * L // 8
+
+    def listed_partial_but_all_or_nothing(b, h, q_idx, kv_idx):
+        # every tile of 16 x 16 is all or nothing, but listed as partial (from_kv_blocks)
+        return (q_idx // BLOCK + kv_idx // BLOCK) % 2 == 0
+    block_mask = create_block_mask(listed_partial_but_all_or_nothing, None, None, 64, 64,
+                                   device="cpu", BLOCK_SIZE=BLOCK)
+    everything_partial = BlockMask.from_kv_blocks(
+        torch.full((1, 1, 4), 4, dtype=torch.int32),
+        torch.arange(4, dtype=torch.int32).expand(1, 1, 4, 4).contiguous(),
+        BLOCK_SIZE=BLOCK, mask_mod=listed_partial_but_all_or_nothing)
+    for mask in (block_mask, everything_partial):
+        tiles = block_masks.key_intervals(block_masks.Blocks.of(mask), 64, 64, "cpu", 1, 1,
+                                          tiles_otherwise=True)
+        assert tiles.tiles.shape[0] == 0
+        assert torch.equal(tiles.dense(), dense(listed_partial_but_all_or_nothing, 1, 1, 64,
+                                                64))
+
+
+def test_a_tile_by_tile_mask_reads_back_from_its_data():
+    """The data alone (a copy: not found by identity) gives the same mask, through the ops'
+    resolve too; a call of other lengths or sizes is refused."""
+    blocks = blocks_of(sink_and_window_per_head, None, 3, 40, 50)
+    tiles = block_masks.key_intervals(blocks, 40, 50, "cpu", 2, 3, tiles_otherwise=True)
+    copy = tiles.data.clone()
+    assert block_sparse_masks.built(copy) is None
+    for again in (BlockSparseMask(copy, batch=2, heads=3),
+                  block_masks.resolve(copy, 2, 3, 40, 50)):
+        assert torch.equal(again.dense(), dense(sink_and_window_per_head, 2, 3, 40, 50))
+        assert torch.equal(again.kernel_summary(), tiles.for_call(2, 3).kernel_summary())
+    with pytest.raises(RuntimeError, match=r"tile-by-tile mask of \(40, 50\)"):
+        block_masks.resolve(tiles.data, 2, 3, 40, 51)
+    with pytest.raises(RuntimeError, match=r"reached a call of \(2, 4\)"):
+        block_masks.resolve(tiles.data, 2, 4, 40, 50)
 
 
 def test_the_public_call_refuses_the_internal_forms():
@@ -385,10 +467,10 @@ def test_a_packed_mask_is_evaluated_once_per_content(monkeypatch):
     assert len(calls) == 2 and torch.equal(c.dense(), dense(other_bound, B, H, L, L))
 
 
-def test_a_packed_boolean_mask_lives_as_long_as_its_packed_tensor(monkeypatch):
-    """A mask that is not intervals resolves to booleans once per packed tensor (the later
-    ops of its call reuse them; its partial blocks evaluated once, for the verdict and the
-    booleans both), and is let go with the packed tensor."""
+def test_a_packed_tile_by_tile_mask_lives_as_long_as_its_packed_tensor(monkeypatch):
+    """A mask that is not intervals resolves tile by tile once per packed tensor (the later
+    ops of its call reuse it; its partial blocks evaluated once, for the verdict and the
+    tiles both), and is let go with the packed tensor."""
     evaluated = counting_evaluations(monkeypatch)
     module = graph_of(dilated)
     key = block_masks.register_mask_mod(module)
@@ -397,7 +479,7 @@ def test_a_packed_boolean_mask_lives_as_long_as_its_packed_tensor(monkeypatch):
     packed = block_masks.pack(blocks, key)
     first = block_masks.resolve(packed, 1, 2, 40, 40)
     assert block_masks.resolve(packed, 1, 2, 40, 40) is first and len(evaluated) == 1
-    assert torch.equal(first, dense(dilated, 1, 2, 40, 40))
+    assert torch.equal(first.dense(), dense(dilated, 1, 2, 40, 40))
     kept = len(block_masks._by_packed)
     del packed
     assert len(block_masks._by_packed) == kept - 1

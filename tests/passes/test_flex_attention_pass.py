@@ -281,9 +281,10 @@ def test_a_compiled_block_mask_reaches_the_ops_packed(monkeypatch, name):
         assert "materialized" in site.mask and not resolved
 
 
-def test_a_block_mask_of_more_than_intervals_resolves_to_booleans(monkeypatch):
+def test_a_block_mask_of_more_than_intervals_resolves_tile_by_tile(monkeypatch):
     """A dilated causal mask (every other key) is no interval per row: the ops resolve the
-    packed BlockMask to the boolean mask, exact at every order."""
+    packed BlockMask tile by tile (nothing L x S), exact at every order."""
+    from bob_compile.kernels.block_sparse_masks import BlockSparseMask
     from torch.nn.attention.flex_attention import create_block_mask
     resolved = _resolved(monkeypatch)
     L = 41
@@ -294,8 +295,7 @@ def test_a_block_mask_of_more_than_intervals_resolves_to_booleans(monkeypatch):
     rows, keys = torch.arange(L)[:, None], torch.arange(L)[None, :]
     visible = (rows >= keys) & ((rows - keys) % 2 == 0)
     assert_compiled_hvp_equals_math(block_mask, visible, (1, 2, L, E), seed=3)
-    assert resolved and all(isinstance(m, torch.Tensor) and m.dtype == torch.bool
-                            for m in resolved)
+    assert resolved and all(isinstance(m, BlockSparseMask) for m in resolved)
 
 
 def test_graphs_under_cuda_graphs_materialize_their_block_masks():

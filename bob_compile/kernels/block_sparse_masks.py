@@ -1,0 +1,210 @@
+"""Masks given tile by tile, never as an L x S tensor.
+
+A boolean mask that is not one interval of keys per query (interval_masks.py), such as a
+dilated or strided pattern, several windows per row or a random block-sparse layout, is
+carried as a FlexAttention BlockMask describes it: which (query block, key block) tiles are
+empty, which are full, and the pairs of the partial ones. Memory O(L S / (block_q block_k))
+for the tables plus block_q x block_k bytes per *distinct* partial tile (a dilated mask's
+partial tiles are all alike: stored once).
+
+One uint8 tensor holds it all, so that it passes through the ops as their mask argument
+(ops.flat_mask knows it by its first word) and is saved for the backwards like any mask:
+
+    header   HEADER_WORDS int64: MAGIC, Bm, Hm, L, S, block_q, block_k, q_blocks,
+             key_blocks, then the byte offsets of the summary, the tables and the tiles,
+             the bytes of one table, the number of tiles
+    summary  int32 (Bm, Hm, 1, 3 + 2L + 2S): triton_masks.py's summary of the mask (its
+             structure READ_THE_MASK or READ_THE_MASK_CAUSAL: the kernels loop over the key
+             blocks each row block sees, and skip those above the diagonal where none is seen)
+    tables   one per (batch entry, head), Bm x Hm of them, int32: block_q, block_k,
+             key_blocks, the byte offset from this table to the tiles, then the
+             (q_blocks, key_blocks) entries: EMPTY, FULL, or the index of the tile
+    tiles    (number of tiles, block_q, block_k) bool, rows past L and keys past S False
+
+Each part starts 8-byte aligned. The Triton kernels read a (batch, head)'s table through
+their mask pointer (MASK_KIND BLOCK_SPARSE_MASK: tiles._read_block_sparse); the PyTorch
+paths (blockwise, reference) index [:, :, rows, cols] tiles of it as of a mask tensor.
+"""
+import math
+import weakref
+
+import torch
+
+from .interval_masks import READ_THE_MASK, READ_THE_MASK_CAUSAL, summary_length
+
+EMPTY, FULL = -1, -2                 # a table entry that is not a tile's index
+MAGIC = 0x656C69745F626F62          # "bob_tile", little-endian
+HEADER_WORDS = 14
+_TABLE_HEAD = 4                      # int32 words of a table before its entries
+
+
+def _aligned(nbytes):
+    return -(-nbytes // 8) * 8
+
+
+class BlockSparseMask:
+    """A boolean (B, Hq, L, S) mask held tile by tile (module docstring): what
+    AttentionParams.mask is for such a mask. `data` is the one uint8 tensor; `sizes` the
+    header's words after the magic (read from `data` where not given)."""
+    dtype = torch.bool
+    requires_grad = False
+
+    def __init__(self, data, sizes=None, batch=None, heads=None):
+        if sizes is None:
+            sizes = data[:8 * HEADER_WORDS].cpu().view(torch.int64).tolist()
+            if sizes[0] != MAGIC:
+                raise RuntimeError("bob_compile attention ops: a uint8 mask is a BlockMask "
+                                   "packed by bob_compile.block_masks.pack or a tile-by-tile "
+                                   "mask (kernels/block_sparse_masks.py); this one is neither")
+            sizes = sizes[1:]
+        self.data, self.sizes = data, tuple(sizes)
+        (Bm, Hm, L, S, block_q, block_k, q_blocks, key_blocks, summary_at, tables_at, tiles_at,
+         table_bytes, tiles) = self.sizes
+        self.L, self.S, self.block_size = L, S, (block_q, block_k)
+        batch, heads = batch or Bm, heads or Hm
+        if Bm not in (1, batch) or Hm not in (1, heads):
+            raise RuntimeError(f"bob_compile attention ops: a tile-by-tile mask of "
+                               f"{(Bm, Hm)} batch entries and heads reached a call of "
+                               f"{(batch, heads)}")
+        self.shape = torch.Size((batch, heads, L, S))
+        self.device = data.device
+        width = summary_length(L, S)
+        self.summary = data[summary_at:summary_at + 4 * Bm * Hm * width].view(
+            torch.int32).view(Bm, Hm, 1, width)
+        tables = data[tables_at:tables_at + Bm * Hm * table_bytes].view(torch.int32).view(
+            Bm, Hm, table_bytes // 4)
+        self.entries = tables[..., _TABLE_HEAD:_TABLE_HEAD + q_blocks * key_blocks].view(
+            Bm, Hm, q_blocks, key_blocks)
+        self.tiles = data[tiles_at:tiles_at + tiles * block_q * block_k].view(torch.bool).view(
+            tiles, block_q, block_k)
+        self._tables_at, self._table_bytes = tables_at, table_bytes
+
+    def for_call(self, batch, heads):
+        """This mask for a call of `batch` entries and `heads` query heads (checked)."""
+        if self.shape[:2] == (batch, heads):
+            return self
+        return BlockSparseMask(self.data, self.sizes, batch, heads)
+
+    # ---------------------------------------------------------------- what the kernels take
+    def kernel_mask(self):
+        """(B, Hq, 1, 1) uint8 view whose element (b, h) is that (batch, head)'s table: the
+        kernels' MASK (their b and h strides step from table to table, 0 on broadcast dims)."""
+        Bm, Hm = self.summary.shape[:2]
+        table = self._table_bytes
+        return self.data[self._tables_at:].as_strided(
+            (*self.shape[:2], 1, 1), (Hm * table if Bm > 1 else 0, table if Hm > 1 else 0,
+                                      1, 1))
+
+    def kernel_summary(self):
+        return self.summary.expand(*self.shape[:2], 1, -1)
+
+    # ---------------------------------------------------------------- as a mask tensor
+    def dim(self):
+        return 4
+
+    def __getitem__(self, index):
+        if not (isinstance(index, tuple) and len(index) == 4 and
+                all(isinstance(i, slice) for i in index) and index[0] == slice(None) and
+                index[1] == slice(None) and index[2].step is None and index[3].step is None):
+            raise IndexError("BlockSparseMask: index with [:, :, rows, cols] (slices)")
+        rows = torch.arange(*index[2].indices(self.L), device=self.device)
+        cols = torch.arange(*index[3].indices(self.S), device=self.device)
+        block_q, block_k = self.block_size
+        entry = self.entries[..., (rows // block_q)[:, None], (cols // block_k)[None, :]]
+        if self.tiles.shape[0]:
+            in_tile = self.tiles[entry.clamp_min(0).long(), (rows % block_q)[:, None],
+                                 (cols % block_k)[None, :]]
+            visible = (entry == FULL) | ((entry >= 0) & in_tile)
+        else:
+            visible = entry == FULL
+        return visible.expand(*self.shape[:2], -1, -1)
+
+    def dense(self):
+        return self[:, :, :, :]
+
+    def nbytes(self):
+        return self.data.numel()
+
+    def __repr__(self):
+        return (f"BlockSparseMask{tuple(self.shape)}, blocks {self.block_size}, "
+                f"{self.tiles.shape[0]} distinct partial tiles")
+
+
+def built(data):
+    """The BlockSparseMask whose data is this very tensor, built in this process and alive;
+    else None (its header then tells: BlockSparseMask(data))."""
+    kept = _built.get(id(data))
+    return BlockSparseMask(data, kept[1]) if kept is not None and kept[0]() is data else None
+
+
+_built = {}       # id(data) -> (weakref to data, its header's sizes): no header read
+
+
+def build(entries, tiles, row_stats, key_stats, L, S, block_size):
+    """The BlockSparseMask of tile `entries` ((Bm, Hm, q_blocks, key_blocks) int: EMPTY,
+    FULL, or an index into `tiles`, (n, block_q, block_k) bool) whose rows' keys and keys'
+    queries span `row_stats` and `key_stats` ((first, end, count), each (Bm, Hm, L) and
+    (Bm, Hm, S) int: (S, 0, 0) and (L, 0, 0) where none). Identical tiles are stored once,
+    and a partial tile that turns out empty or full becomes EMPTY or FULL."""
+    device = entries.device
+    block_q, block_k = block_size
+    entries, tiles = _distinct_tiles(entries.to(torch.int64), tiles)
+    summary = _summary(row_stats, key_stats, L, S)
+    Bm, Hm, q_blocks, key_blocks = entries.shape
+    width = summary_length(L, S)
+    table_bytes = _aligned(4 * (_TABLE_HEAD + q_blocks * key_blocks))
+    summary_at = 8 * HEADER_WORDS
+    tables_at = summary_at + _aligned(4 * Bm * Hm * width)
+    tiles_at = tables_at + Bm * Hm * table_bytes
+    total = tiles_at + tiles.numel()
+    sizes = (Bm, Hm, L, S, block_q, block_k, q_blocks, key_blocks, summary_at, tables_at,
+             tiles_at, table_bytes, tiles.shape[0])
+    data = torch.zeros(total, dtype=torch.uint8, device=device)
+    data[:summary_at].view(torch.int64).copy_(torch.tensor((MAGIC, *sizes)))
+    data[summary_at:summary_at + 4 * summary.numel()].view(torch.int32).copy_(
+        summary.reshape(-1))
+    tables = data[tables_at:tiles_at].view(torch.int32).view(Bm, Hm, table_bytes // 4)
+    # each table's offset to the tiles, from where that table starts
+    to_tiles = tiles_at - tables_at - table_bytes * torch.arange(Bm * Hm, device=device)
+    head = torch.stack((torch.full_like(to_tiles, block_q), torch.full_like(to_tiles, block_k),
+                        torch.full_like(to_tiles, key_blocks), to_tiles), -1)
+    tables[..., :_TABLE_HEAD].copy_(head.view(Bm, Hm, _TABLE_HEAD))
+    tables[..., _TABLE_HEAD:_TABLE_HEAD + q_blocks * key_blocks].copy_(entries.flatten(2))
+    data[tiles_at:].view(torch.bool).copy_(tiles.reshape(-1))
+    _built[id(data)] = (weakref.ref(data), sizes)
+    weakref.finalize(data, _built.pop, id(data), None)
+    return BlockSparseMask(data, sizes)
+
+
+def _distinct_tiles(entries, tiles):
+    """(entries, tiles) with each distinct tile stored once, a tile without a visible pair
+    EMPTY and one with every pair visible FULL (a last block's tile, False past L or S,
+    stays a tile)."""
+    if tiles.shape[0] == 0:
+        return entries, tiles
+    distinct, inverse = torch.unique(tiles.reshape(tiles.shape[0], -1), dim=0,
+                                     return_inverse=True)
+    count = distinct.sum(-1)
+    kept = (count > 0) & (count < distinct.shape[-1])
+    status = torch.where(kept, torch.cumsum(kept, 0) - 1,
+                         torch.where(count > 0, FULL, EMPTY))
+    entries = torch.where(entries >= 0, status[inverse][entries.clamp_min(0)], entries)
+    return entries, distinct[kept].view(-1, *tiles.shape[1:])
+
+
+def _summary(row_stats, key_stats, L, S):
+    """triton_masks.py's summary of a mask that is not intervals: first, end (the keys any
+    query sees), READ_THE_MASK_CAUSAL where no row sees a key above the diagonal (else
+    READ_THE_MASK), then the rows' and the keys' (first, end)."""
+    row_first, row_end, row_count = row_stats
+    key_first, key_end, _ = key_stats
+    first = row_first.amin(-1, keepdim=True) if L else row_first.new_zeros(
+        *row_first.shape[:-1], 1)
+    end = row_end.amax(-1, keepdim=True) if L else first
+    first = torch.minimum(first, end)
+    rows = torch.arange(1, L + 1, device=row_end.device)
+    below_only = ((row_count == 0) | (row_end <= rows)).all(-1, keepdim=True)
+    structure = torch.where(below_only, READ_THE_MASK_CAUSAL, READ_THE_MASK)
+    ranges = torch.cat((torch.stack((row_first, row_end), -1).flatten(-2),
+                        torch.stack((key_first, key_end), -1).flatten(-2)), -1)
+    return torch.cat((first, end, structure, ranges), -1).to(torch.int32).unsqueeze(-2)
