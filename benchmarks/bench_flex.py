@@ -13,9 +13,13 @@ q, k, v, dO):
 - `sliding window (bool mask)`: the same mask passed to bob_compile.attention directly (the
   step without the BlockMask's materialization);
 - `documents (flex)`, `documents (bool mask)`: packed documents of random lengths in
-  [--min-doc, --max-doc], causal inside each.
+  [--min-doc, --max-doc], causal inside each;
+- `sink + window`, `dilated window`: masks whose rows see more than one interval (4
+  attention-sink keys beside the causal window; every other key of a causal window of
+  2 --window), which reach the kernels tile by tile (kernels/block_sparse_masks.py).
 Per row: the CUDA-event median, the visible pairs, the time per visible pair relative to
-the causal op's (the issue's target: <= 1.15), and the peak memory beyond the inputs.
+the causal op's (the issue's target: <= 1.15), the peak memory beyond the inputs, and for
+the flex rows the time to make the mask's form from the BlockMask and the form's size.
 
     python benchmarks/bench_flex.py --out results/ [--n 16384] [--window 1024]
 """
@@ -68,11 +72,18 @@ def main():
 
     def documents(b, h, q_idx, kv_idx):
         return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def sink_and_window(b, h, q_idx, kv_idx):
+        return (kv_idx < 4) | sliding_window(b, h, q_idx, kv_idx)
+
+    def dilated_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 2 * window) & ((q_idx - kv_idx) % 2 == 0)
+    mask_mods = {"sliding window": sliding_window, "documents": documents,
+                 "sink + window": sink_and_window, "dilated window": dilated_window}
     rows_, keys = torch.arange(N, device=dev)[:, None], torch.arange(N, device=dev)[None, :]
-    dense = {"sliding window": (keys <= rows_) & (rows_ - keys < window),
-             "documents": (ids[:, None] == ids[None, :]) & (keys <= rows_)}
-    flex_block_masks = {"sliding window": create_block_mask(sliding_window, None, None, N, N, device=dev),
-                   "documents": create_block_mask(documents, None, None, N, N, device=dev)}
+    dense = {name: mask_mod(None, None, rows_, keys) for name, mask_mod in mask_mods.items()}
+    flex_block_masks = {name: create_block_mask(mask_mod, None, None, N, N, device=dev)
+                        for name, mask_mod in mask_mods.items()}
     torch.manual_seed(0)
     q, k, v, do, *cot = (torch.randn(1, H, N, d, device=dev, dtype=torch.bfloat16)
                          for _ in range(7))
@@ -89,14 +100,19 @@ def main():
     causal_pairs = H * N * (N + 1) // 2
     results = [measure("causal op", lambda q, k, v: bob_compile.attention(q, k, v, is_causal=True),
                        causal_pairs)]
-    for name in ("sliding window", "documents"):
+    for name in mask_mods:
         pairs = H * int(dense[name].sum())
         mask, block_mask = dense[name], flex_block_masks[name]
         results.append(measure(f"{name} (flex)", lambda q, k, v: bob_compile.flex_attention(
             q, k, v, block_mask=block_mask), pairs))
         blocks = block_masks.Blocks.of(block_mask)
-        results[-1]["mask_ms"] = median_ms(
-            lambda: block_masks.key_intervals(blocks, N, N, dev, 1, H), args.reps)
+        results[-1]["mask_ms"] = median_ms(lambda: block_masks.key_intervals(
+            blocks, N, N, dev, 1, H, tiles_otherwise=True), args.reps)
+        form = block_masks.key_intervals(blocks, N, N, dev, 1, H, tiles_otherwise=True)
+        results[-1]["mask_form"] = "key intervals" if isinstance(form, torch.Tensor) else \
+            f"tile by tile, {form.tiles.shape[0]} tiles"
+        results[-1]["mask_mib"] = (form.numel() * form.element_size() if isinstance(
+            form, torch.Tensor) else form.nbytes()) / 2 ** 20
         compiled = torch.compile(lambda q, k, v, block_mask: torch_flex_attention(
             q, k, v, block_mask=block_mask), backend="flashbob")
         results.append(measure(f"{name} (flex, compiled)",
@@ -106,12 +122,13 @@ def main():
     per_pair = results[0]["ms"] / causal_pairs
     print(f"\nN={N} H={H} d={d} bf16, second-order step; window {window}, "
           f"{len(lengths)} documents")
-    print(f"{'row':28s} {'ms':>8s} {'visible pairs':>14s} {'per pair vs causal':>19s} "
-          f"{'extra MiB':>10s} {'mask, ms':>9s}")
+    print(f"{'row':32s} {'ms':>8s} {'visible pairs':>14s} {'per pair vs causal':>19s} "
+          f"{'extra MiB':>10s} {'mask, ms':>9s} {'mask MiB':>9s}  form")
     for r in results:
         r["per_pair_vs_causal"] = r["ms"] / r["visible_pairs"] / per_pair
-        materialize = f"{r['mask_ms']:9.2f}" if "mask_ms" in r else ""
-        print(f"{r['row']:28s} {r['ms']:8.2f} {r['visible_pairs']:14.3g} "
+        materialize = f"{r['mask_ms']:9.2f} {r['mask_mib']:9.2f}  {r['mask_form']}" \
+            if "mask_ms" in r else ""
+        print(f"{r['row']:32s} {r['ms']:8.2f} {r['visible_pairs']:14.3g} "
               f"{r['per_pair_vs_causal']:19.2f} {r['extra_mib']:10.0f} {materialize}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_flex_{N}.json")

@@ -27,6 +27,10 @@ def prefix_lm(b, h, q_idx, kv_idx):               # T5-style prefix LM: a 6-toke
     return (kv_idx < 6) | (q_idx >= kv_idx)
 
 
+def sink_and_window(b, h, q_idx, kv_idx):        # StreamingLLM: 4 sink keys + a window
+    return (kv_idx < 4) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 9))   # (2 intervals a row)
+
+
 DOCUMENT_IDS = torch.tensor([0] * 7 + [1] * 13 + [2] * 3 + [3] * 14)   # packed, 37 tokens
 
 
@@ -123,6 +127,7 @@ CASES = {   # name: (length, mask_mod, score_mod, kv heads, learned bias)
     "causal": (29, causal, None, H, False),
     "sliding window + ALiBi": (45, sliding_window, alibi, H, False),
     "documents": (37, documents, None, H, False),
+    "attention sink + sliding window": (45, sink_and_window, None, H, False),
     "prefix-LM + relative buffer": (33, prefix_lm, relative_buffer, H, False),
     "causal + learned bias": (23, causal, None, H, True),
     "ALiBi alone, GQA": (19, None, alibi, 1, False),
@@ -145,3 +150,28 @@ def make(name, device="cpu", dtype=torch.float64, head_dim=E):
     batches = [torch.randn(B, length, head_dim * H, dtype=dtype, device=device, generator=g)
                for _ in range(2)]
     return model, batches
+
+
+def tile_by_tile_masks(B, Hq, L, S, block, device="cpu"):
+    """Masks whose rows see more than one interval, per query head: dilated causal (every
+    other key), an attention sink of 5 keys beside a causal window of 9, and a random
+    layout of empty, full and random partial blocks; as FlexAttention BlockMasks of
+    `block`-sized blocks resolved tile by tile (BlockSparseMask: what the ops get for
+    them), and as booleans."""
+    from bob_compile import block_masks
+    g = torch.Generator().manual_seed(L * S + block)
+    rows, keys = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    layout = torch.randint(0, 3, (-(-L // block), -(-S // block)), generator=g)
+    layout = layout.repeat_interleave(block, 0)[:L].repeat_interleave(block, 1)[:, :S]
+    random = torch.where(layout == 2, torch.rand(L, S, generator=g) < 0.4, layout == 1)
+    patterns = torch.stack(((keys <= rows) & ((rows - keys) % 2 == 0),
+                            (keys < 5) | ((keys <= rows) & (rows - keys < 9)), random))
+    patterns = patterns[torch.arange(Hq) % 3].to(device)
+
+    def per_head(b, h, q_idx, kv_idx):
+        return patterns[h, q_idx, kv_idx]
+    block_mask = create_block_mask(per_head, None, Hq, L, S, device=device,
+                                   BLOCK_SIZE=block)
+    tiles = block_masks.key_intervals(block_masks.Blocks.of(block_mask), L, S, device, B, Hq,
+                                      tiles_otherwise=True)
+    return tiles.for_call(B, Hq), patterns.expand(B, Hq, L, S)

@@ -25,7 +25,6 @@ Each part starts 8-byte aligned. The Triton kernels read a (batch, head)'s table
 their mask pointer (MASK_KIND BLOCK_SPARSE_MASK: tiles._read_block_sparse); the PyTorch
 paths (blockwise, reference) index [:, :, rows, cols] tiles of it as of a mask tensor.
 """
-import math
 import weakref
 
 import torch

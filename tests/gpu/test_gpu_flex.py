@@ -42,7 +42,8 @@ def relative_error(actual, expected):
 
 
 @pytest.mark.parametrize("name", ["sliding window + ALiBi", "causal + learned bias",
-                                  "ALiBi alone, GQA", "soft-capping 30 + sliding window"])
+                                  "ALiBi alone, GQA", "soft-capping 30 + sliding window",
+                                  "attention sink + sliding window"])
 @pytest.mark.parametrize("scenario", [hvp, maml_step], ids=lambda f: f.__name__)
 def test_flex_attention_every_order_on_cuda(name, scenario):
     model, batches = make(name, device="cuda", dtype=torch.float32, head_dim=16)

@@ -147,6 +147,21 @@ def test_masks_against_float64(monkeypatch, schedule, kind, dtype, B, Hq, Hkv, L
 
 
 @pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+@pytest.mark.parametrize("block,causal", [(128, False), (64, True)])
+def test_tile_by_tile_masks_against_float64(monkeypatch, schedule, block, causal):
+    """BlockMasks that are not intervals (dilated, sink + window, random block-sparse per
+    head) given tile by tile (BlockSparseMask): every kernel against float64, odd lengths,
+    GQA, blocks larger and smaller than the kernels' tiles."""
+    from flex_models import tile_by_tile_masks
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, L, S = 2, 6, 1000, 1100
+    tiles, _ = tile_by_tile_masks(B, Hq, L, S, block, device="cuda")
+    check_every_output(torch.bfloat16, B, Hq, 3, L, S, 64, 64, causal, tiles)
+
+
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
 def test_hf_causal_folded_masks_against_float64(monkeypatch, schedule):
     """Hugging Face's 4-D mask (key padding and the causal mask in one tensor, is_causal
     False), which the kernels apply from indices (triton_masks.mask_summary); left padding

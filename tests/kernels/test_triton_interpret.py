@@ -509,31 +509,6 @@ def test_key_intervals_alone_run_every_kernel():
                    reference_mask=visible)
 
 
-def block_sparse_masks(B, Hq, L, S, block):
-    """Masks whose rows see more than one interval, per query head: dilated causal (every
-    other key), an attention sink of 5 keys beside a causal window of 9, and a random
-    layout of empty, full and random partial blocks; as FlexAttention BlockMasks of
-    `block`-sized blocks resolved tile by tile (BlockSparseMask: what the ops get for
-    them), and as booleans."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    from bob_compile import block_masks
-    g = torch.Generator().manual_seed(L * S + block)
-    rows, keys = torch.arange(L)[:, None], torch.arange(S)[None, :]
-    layout = torch.randint(0, 3, (-(-L // block), -(-S // block)), generator=g)
-    layout = layout.repeat_interleave(block, 0)[:L].repeat_interleave(block, 1)[:, :S]
-    random = torch.where(layout == 2, torch.rand(L, S, generator=g) < 0.4, layout == 1)
-    patterns = torch.stack(((keys <= rows) & ((rows - keys) % 2 == 0),
-                            (keys < 5) | ((keys <= rows) & (rows - keys < 9)), random))
-    patterns = patterns[torch.arange(Hq) % 3]
-
-    def per_head(b, h, q_idx, kv_idx):
-        return patterns[h, q_idx, kv_idx]
-    block_mask = create_block_mask(per_head, None, Hq, L, S, device="cpu", BLOCK_SIZE=block)
-    tiles = block_masks.key_intervals(block_masks.Blocks.of(block_mask), L, S, "cpu", B, Hq,
-                                      tiles_otherwise=True)
-    return tiles.for_call(B, Hq), patterns.expand(B, Hq, L, S)
-
-
 @in_interpreter
 @pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
 @pytest.mark.parametrize("causal", [False, True])
@@ -543,11 +518,12 @@ def test_block_sparse_masks_every_output(monkeypatch, schedule, causal, block):
     stored tile) runs every kernel as the same boolean mask does: blocks the kernels' tiles
     do not align with, L != S and odd, a GQA group's heads with different patterns."""
     from bob_compile.kernels.block_sparse_masks import BlockSparseMask
+    from flex_models import tile_by_tile_masks
     monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
     monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
     settings.reload()
     B, Hq, L, S = 2, 3, 77, 90
-    tiles, visible = block_sparse_masks(B, Hq, L, S, block)
+    tiles, visible = tile_by_tile_masks(B, Hq, L, S, block)
     assert isinstance(tiles, BlockSparseMask) and torch.equal(tiles.dense(), visible)
     q, k, v = make_inputs(B, Hq, 1, L, S, 16, 16, torch.float32)
     run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32, mask=tiles,
