@@ -173,7 +173,7 @@ def _partial_tiles(mask_mod, partial, q_block, kv_block, L, S):
     for in_dims in ((None, None, None, 0), (None, None, 0, None), (0, 0, 0, 0)):
         evaluate = torch.vmap(evaluate, in_dims=in_dims)   # keys, rows, then blocks
     per_chunk = max(1, _EVALUATIONS_PER_CHUNK // (q_block * kv_block))
-    for chunk in listed.split(per_chunk):
+    for chunk in listed.split(per_chunk) if len(listed) else ():     # none: no empty chunk
         b, h, row_block, key_block = chunk.unbind(1)
         rows = (row_block[:, None] * q_block + in_rows).clamp_max(L - 1)
         keys = (key_block[:, None] * kv_block + in_keys).clamp_max(S - 1)

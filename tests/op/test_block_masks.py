@@ -14,7 +14,8 @@ from bob_compile.kernels import block_sparse_masks
 from bob_compile.kernels import blockwise
 from bob_compile.kernels.block_sparse_masks import BlockSparseMask
 from bob_compile.kernels.interval_masks import KeyIntervals
-from bob_compile.kernels.triton_masks import KEY_INTERVALS, summarize_with_torch
+from bob_compile.kernels.triton_masks import (KEY_INTERVALS, READ_THE_MASK, READ_THE_MASK_CAUSAL,
+                                              summarize_with_torch)
 
 BLOCK = 16
 
@@ -151,6 +152,37 @@ def test_windows_and_documents_of_any_size(L, S, width, block, seed):
     assert summary is not None
     assert torch.equal(KeyIntervals.of(summary, 1, 1, L, S).dense(),
                        dense(documents_in_a_window, 1, 1, L, S))
+
+
+@settings(max_examples=20, deadline=None)
+@given(L=st.integers(1, 70), S=st.integers(1, 70), block=st.sampled_from([8, 16, 32]),
+       heads=st.integers(1, 3), density=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 16))
+def test_any_mask_tile_by_tile(L, S, block, heads, density, seed):
+    """Random pairs (each head its own) of any lengths and block size: the tiles give the
+    BlockMask's pairs, and the kernels' summary of them as the boolean mask's, whether or
+    not they are intervals."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = torch.rand(heads, L, S, generator=g) < density
+
+    def random_pairs(b, h, q_idx, kv_idx):
+        return pairs[h, q_idx, kv_idx]
+    blocks = blocks_of(random_pairs, None, heads, L, S, block)
+    form = block_masks.key_intervals(blocks, L, S, "cpu", 2, heads, tiles_otherwise=True)
+    want = dense(random_pairs, 2, heads, L, S)
+    if isinstance(form, BlockSparseMask):
+        tiles = form.for_call(2, heads)
+        assert torch.equal(tiles.dense(), want)
+        summary, expected = tiles.kernel_summary(), summarize_with_torch(want)
+        assert torch.equal(summary[..., :2], expected[..., :2])
+        assert torch.equal(summary[..., 3:], expected[..., 3:])
+        # read (a mask of more than intervals; every head, as the verdict is one), causal
+        # where no pair is above the diagonal
+        above = ~torch.ones(L, S, dtype=torch.bool).tril()
+        causal = ~(want & above).flatten(2).any(-1, keepdim=True)
+        assert torch.equal(summary[..., 2], torch.where(causal, READ_THE_MASK_CAUSAL,
+                                                        READ_THE_MASK))
+    else:
+        assert torch.equal(KeyIntervals.of(form, 2, heads, L, S).dense(), want)
 
 
 # ---------------------------------------------------------------------------- packed
