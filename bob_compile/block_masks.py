@@ -181,14 +181,17 @@ def _partial_tiles(mask_mod, partial, q_block, kv_block, L, S):
 
 
 # ------------------------------------------------------------------ as key intervals
-def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False):
+def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False,
+                  relative_bias=None):
     """The key-interval summary (int32, (B or 1, H or 1, 1, 3 + 2L + 2S): kernels/
     interval_masks.py) of the mask `blocks` applies to a (batch, heads, L, S) call (the
     pairs of visible_pairs), or, where a query row sees more than one interval of keys or a
     key is seen by more than one interval of queries, None (tiles_otherwise: the mask tile
     by tile, a kernels/block_sparse_masks.BlockSparseMask, from the tiles already
-    evaluated, which are kept until the verdict for that). The mask_mod is evaluated on the
-    listed partial blocks only, a chunk at a time; nothing L x S is made. Host
+    evaluated, which are kept until the verdict for that). With a `relative_bias` ((B or 1,
+    H or 1, L + S - 1): block_sparse_masks.py) the mask is tiles whatever the verdict, the
+    bias with it. The mask_mod is evaluated on the listed partial blocks only, a chunk at a
+    time; nothing L x S is made. Host
     synchronizations (listing the blocks, the verdict, the distinct tiles): only where
     may_synchronize."""
     mask_mod, partial, full, sizes, q_block, kv_block = _layout(blocks, L, S, device, batch,
@@ -208,11 +211,14 @@ def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False):
         # the padding past L or S repeats the last row or key: hidden here, not counted
         seen = seen & _inside(row_index, q_block)[:, :, None] & \
             _inside(key_index, kv_block)[:, None, :]
-        if tiles_otherwise:
+        if tiles_otherwise or relative_bias is not None:
             evaluated.append((b, h, row_block, key_block, seen))
         pair = (b * heads_listed + h)[:, None]
         _add_tile(rows, seen, pair * L + row_index, key_index, S)
         _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index, L)
+    if relative_bias is not None:
+        return _tile_by_tile(evaluated, full, sizes, (q_blocks, kv_blocks), (q_block, kv_block),
+                             rows, keys, L, S, device, relative_bias)
     if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
         _say_tiles(blocks.mask_mod)
         if not tiles_otherwise:
@@ -222,7 +228,8 @@ def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False):
     return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
 
 
-def _tile_by_tile(evaluated, full, sizes, block_counts, block_size, rows, keys, L, S, device):
+def _tile_by_tile(evaluated, full, sizes, block_counts, block_size, rows, keys, L, S, device,
+                  relative_bias=None):
     """The BlockSparseMask of the full blocks and the evaluated partial ones (b, h, query
     block, key block, seen), with the rows' and keys' (first, end, count) stats."""
     entries = torch.full((*sizes, *block_counts), EMPTY, dtype=torch.int64, device=device)
@@ -233,7 +240,28 @@ def _tile_by_tile(evaluated, full, sizes, block_counts, block_size, rows, keys, 
         b, h, row_block, key_block, tiles = (torch.cat(parts) for parts in zip(*evaluated))
         entries[b, h, row_block, key_block] = torch.arange(len(b), device=device)
     return block_sparse_masks.build(entries, tiles, *(
-        tuple(t.view(*sizes, -1) for t in stats) for stats in (rows, keys)), L, S, block_size)
+        tuple(t.view(*sizes, -1) for t in stats) for stats in (rows, keys)), L, S, block_size,
+        relative_bias)
+
+
+# the blocks of a call without a BlockMask that has a relative bias: every pair visible
+_EVERY_PAIR_BLOCK = 128
+
+
+def every_pair(b, h, q_idx, kv_idx):
+    return q_idx >= 0
+
+
+def every_pair_blocks(L, S, device):
+    """Blocks listing every (query block, key block) full, with a mask_mod registered under
+    EVERY_PAIR_KEY: the mask of a call that has none, for its relative bias. Traceable."""
+    q_blocks, kv_blocks = -(-L // _EVERY_PAIR_BLOCK), -(-S // _EVERY_PAIR_BLOCK)
+    none = torch.zeros(1, 1, q_blocks, dtype=torch.int32, device=device)
+    every = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(
+        1, 1, q_blocks, kv_blocks)
+    return Blocks((L, S), (_EVERY_PAIR_BLOCK, _EVERY_PAIR_BLOCK), none,
+                  torch.zeros(1, 1, q_blocks, 1, dtype=torch.int32, device=device),
+                  none + kv_blocks, every, _every_pair_module, (), (False, False))
 
 
 _said = set()
@@ -388,17 +416,17 @@ def _over_index_vectors(function, indices, score=None):
 # (their mask argument takes one tensor), which they resolve when they run (`resolve`):
 #
 #   header (int64 words): _MAGIC, the mask_mod's key, L, S, query block, key block, reads
-#       batch, reads head, whether full blocks are listed, the number of parts, then per
-#       part its dtype's code, its number of dims and _MAX_DIMS sizes (1 beyond), and the
-#       byte offset of its data
+#       batch, reads head, whether full blocks are listed, whether a relative bias comes
+#       last, the number of parts, then per part its dtype's code, its number of dims and
+#       _MAX_DIMS sizes (1 beyond), and the byte offset of its data
 #   the parts, each 8-byte aligned: kv_num_blocks, kv_indices, (full_kv_num_blocks,
-#       full_kv_indices,) then the mask_mod's captured tensors
+#       full_kv_indices,) the mask_mod's captured tensors, (the relative bias)
 #
 # The mask_mod itself is named by its key in this process's registry: the SHA-256 of its
 # graph's code, so that a graph compiled in another process (inductor's cache) names the
 # same function, which the pass registers again before the graph runs.
 _MAGIC = 0x626F625F626C6B73          # "bob_blks"
-_FIXED_WORDS, _MAX_DIMS, _MAX_PARTS = 10, 6, 16
+_FIXED_WORDS, _MAX_DIMS, _MAX_PARTS = 11, 6, 16
 _PART_WORDS = 2 + _MAX_DIMS + 1
 _HEADER_BYTES = 8 * (_FIXED_WORDS + _PART_WORDS * _MAX_PARTS)
 _DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -418,21 +446,29 @@ def register_mask_mod(mask_mod):
     return key
 
 
-def pack(blocks, key):
-    """`blocks` (a Blocks whose mask_mod is registered under `key`) as one uint8 tensor,
-    traceable (no host synchronization); None where it cannot be packed: sizes that are not
-    plain ints, a captured value that is not a tensor, too many parts."""
+_every_pair_module = torch.fx.symbolic_trace(every_pair)
+EVERY_PAIR_KEY = register_mask_mod(_every_pair_module)
+
+
+def pack(blocks, key, relative_bias=None):
+    """`blocks` (a Blocks whose mask_mod is registered under `key`), and a relative bias
+    ((B or 1, H or 1, L + S - 1): kernels/block_sparse_masks.py) or none, as one uint8
+    tensor, traceable (no host synchronization); None where it cannot be packed: sizes that
+    are not plain ints, a captured value that is not a tensor, too many parts."""
     lists = [blocks.kv_num_blocks, blocks.kv_indices]
     has_full = blocks.full_kv_num_blocks is not None
     if has_full:
         lists += [blocks.full_kv_num_blocks, blocks.full_kv_indices]
     parts = lists + list(blocks.mask_mod_buffers)
+    if relative_bias is not None:
+        parts.append(relative_bias)
     sizes = (*blocks.seq_lengths, *blocks.block_size)
     if len(parts) > _MAX_PARTS or not all(type(n) is int for n in sizes) or not all(
             isinstance(t, torch.Tensor) and t.dtype in _DTYPES and t.dim() <= _MAX_DIMS
             and all(type(n) is int for n in t.shape) for t in parts):
         return None
-    words = [_MAGIC, key, *sizes, *map(int, blocks.mask_mod_reads), int(has_full), len(parts)]
+    words = [_MAGIC, key, *sizes, *map(int, blocks.mask_mod_reads), int(has_full),
+             int(relative_bias is not None), len(parts)]
     data, offset = [], _HEADER_BYTES
     device = blocks.kv_num_blocks.device
     for t in parts:
@@ -475,7 +511,8 @@ def resolve(packed, batch, heads, L, S):
         raise RuntimeError("bob_compile attention ops: a uint8 mask is a BlockMask packed by "
                            "bob_compile.block_masks.pack or a tile-by-tile mask "
                            "(kernels/block_sparse_masks.py); this one is neither")
-    key, mask_L, mask_S, q_block, kv_block, reads_batch, reads_head, has_full, n = words[1:10]
+    key, mask_L, mask_S, q_block, kv_block, reads_batch, reads_head, has_full, has_bias, n = \
+        words[1:_FIXED_WORDS]
     mask_mod = _mask_mods.get(key)
     if mask_mod is None:
         raise RuntimeError(f"bob_compile: the mask_mod of a packed BlockMask (key {key:#x}) "
@@ -492,6 +529,7 @@ def resolve(packed, batch, heads, L, S):
         nbytes = math.prod(shape) * dtype.itemsize
         parts.append(packed[offset:offset + nbytes].view(dtype).view(shape))
     lists = parts[:4] if has_full else parts[:2] + [None, None]
+    relative_bias = parts.pop() if has_bias else None
     blocks = Blocks((L, S), (q_block, kv_block), *lists, mask_mod,
                     tuple(parts[4 if has_full else 2:]), (bool(reads_batch), bool(reads_head)))
     # each op of a step resolves the same packed mask, and each step packs it anew: its
@@ -501,7 +539,8 @@ def resolve(packed, batch, heads, L, S):
                L, S, str(packed.device)) if cached else None
     form = _by_content.get(content) if cached else None
     if form is None:
-        form = key_intervals(blocks, L, S, packed.device, batch, heads, tiles_otherwise=True)
+        form = key_intervals(blocks, L, S, packed.device, batch, heads, tiles_otherwise=True,
+                             relative_bias=relative_bias)
         if cached and _small(form):
             _keep(_by_content, content, form)
     if isinstance(form, BlockSparseMask):

@@ -18,9 +18,11 @@ call's visible pairs and additive scores as one attention mask of bob_compile.at
   (Gemma 2: a = 1 / c): the op's softcap c, its scale multiplied by a c, applied in the
   kernels, exact at every order.
 
-Both are materialized at the call's (B or 1, H or 1, L, S) shape: memory O(L S) per distinct
-batch and head of the BlockMask, and of the bias where it reads b or h (broadcast once
-otherwise), not the O(partial blocks) that reading the blocks in the kernels would cost.
+The BlockMask reaches the op as key intervals or tile by tile (block_masks.py), never
+L x S. A bias that reads the query and key indices only through q_idx - kv_idx (ALiBi,
+relative-position tables, T5's buckets) and requires no grad comes with the tiles as one row
+of L + S - 1 values per distinct batch entry and head (kernels/block_sparse_masks.py); any
+other bias is materialized at (B or 1, H or 1, L, S) with the BlockMask's mask folded in.
 Other score_mods (anything else nonlinear in the score), and return_lse=True, run as math
 with a warning: exact at every order, N x N in memory.
 
@@ -37,8 +39,9 @@ import warnings
 import torch
 
 from .attention import attention, attention_with_op_mask
-from .block_masks import (Blocks, may_synchronize, over_indices, pack, reused_key_intervals,
-                          trace_mod, visible_pairs)
+from .block_masks import (Blocks, every_pair_blocks, key_intervals,
+                          may_synchronize, over_indices, pack, reused_key_intervals, trace_mod,
+                          visible_pairs)
 from .kernels.block_sparse_masks import BlockSparseMask
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
@@ -92,6 +95,8 @@ class AdditiveScoreMod:
     reads_head: bool
     softcap: float = 0.0
     scale_factor: float = 1.0
+    # the bias reads q_idx and kv_idx only through their difference (or not at all)
+    relative: bool = False
 
 
 def score_mod_form(score_mod, dtype, buffers=()):
@@ -116,8 +121,21 @@ def score_mod_form(score_mod, dtype, buffers=()):
         for term, bias in orders:
             capped = _softcap_of(term, score)
             if (term is score or capped) and not _reads(bias, score):
-                return AdditiveScoreMod(False, bool(b.users), bool(h.users), *(capped or ()))
+                return AdditiveScoreMod(False, bool(b.users), bool(h.users),
+                                        *(capped or (0.0, 1.0)), _relative(graph))
     return "is not score (or c * tanh(a * score)) plus a term without the score"
+
+
+def _relative(graph):
+    """Whether a mod's graph reads q_idx and kv_idx only through one q_idx - kv_idx (or
+    kv_idx - q_idx), or neither of them."""
+    q_idx, kv_idx = graph.find_nodes(op="placeholder")[3:5]
+    users = set(q_idx.users) | set(kv_idx.users)
+    if not users:
+        return True
+    difference, = users if len(users) == 1 else (None,)
+    return difference is not None and difference.target is _SUBTRACT and \
+        not difference.kwargs and set(difference.args) == {q_idx, kv_idx}
 
 
 def _softcap_of(node, score):
@@ -169,6 +187,23 @@ def _reads(value, node):
     return False
 
 
+def relative_bias(score_mod, query, L, S, form, buffers=()):
+    """A relative score_mod's bias (form.relative) as (B or 1, H or 1, L + S - 1) in
+    query's dtype: the pair (q, k) at q - k + S - 1 (kernels/block_sparse_masks.py),
+    evaluated at one pair per difference."""
+    score = torch.zeros((), dtype=query.dtype, device=query.device)
+
+    def bias(b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, q_idx, kv_idx, *buffers)
+    difference = torch.arange(-(S - 1), L, device=query.device)
+    for in_dims in ((None, None, 0, 0), (None, 0, None, None), (0, None, None, None)):
+        bias = torch.vmap(bias, in_dims=in_dims)      # the pairs, then heads, then batch
+    batch = torch.arange(query.shape[0] if form.reads_batch else 1, device=query.device)
+    heads = torch.arange(query.shape[1] if form.reads_head else 1, device=query.device)
+    return bias(batch, heads, difference.clamp_min(0), (-difference).clamp_min(0)).to(
+        query.dtype)
+
+
 def additive_bias(score_mod, query, L, S, form=None, buffers=()):
     """score_mod's bias(b, h, q_idx, kv_idx) in query's dtype, at (B, H, L, S) with B or H 1
     where the bias does not read b or h. `form`: score_mod_form's, when known."""
@@ -195,6 +230,12 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
     softcap = 0.0
     if score_mod is not None and form.softcap:
         softcap, scale = form.softcap, scale * form.scale_factor
+    if biased and form.relative:
+        relative = relative_bias(score_mod, query, L, S, form, score_mod_buffers)
+        mask = None if relative.requires_grad else _relative_mask(
+            blocks, relative, L, S, query, mask_mod_key)
+        if mask is not None:
+            return attention_with_op_mask(query, key, value, mask, scale, enable_gqa, softcap)
     if blocks is not None and not biased:
         mask = _mask_for_the_op(blocks, L, S, query, mask_mod_key)
         if mask is not None and mask.dtype != torch.bool:
@@ -208,12 +249,29 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
                      softcap=softcap)
 
 
+def _relative_mask(blocks, relative, L, S, query, mask_mod_key):
+    """The op's mask for a call with a relative bias (a learned one aside: it needs the
+    materialized bias's cotangents): the BlockMask's (or every pair's) tiles with the bias,
+    eagerly the tiles' data, in a traced call the BlockMask packed with the bias (the pass
+    gives a call without a BlockMask EVERY_PAIR_KEY); None where neither can be had (the
+    caller materializes)."""
+    if blocks is None:
+        blocks = every_pair_blocks(L, S, query.device)
+    if may_synchronize(blocks.kv_num_blocks):
+        return key_intervals(blocks, L, S, query.device, *query.shape[:2],
+                             relative_bias=relative).data
+    if mask_mod_key is not None and not (query.is_cuda and
+                                         torch.cuda.is_current_stream_capturing()):
+        return pack(blocks, mask_mod_key, relative)
+    return None
+
+
 def _mask_for_the_op(blocks, L, S, query, mask_mod_key):
     """The BlockMask's mask for the op, without anything L x S where that can be had:
     eagerly its key intervals (int32) where its rows and keys are intervals, else its
-    tile-by-tile form (uint8: kernels/block_sparse_masks.py); in a traced call whose mask_mod is registered (mask_mod_key), the BlockMask packed
-    (uint8), which the ops resolve when they run. None otherwise (the caller materializes
-    the mask)."""
+    tile-by-tile form (uint8: kernels/block_sparse_masks.py); in a traced call whose
+    mask_mod is registered (mask_mod_key), the BlockMask packed (uint8), which the ops
+    resolve when they run. None otherwise (the caller materializes the mask)."""
     if may_synchronize(blocks.kv_num_blocks):
         form = reused_key_intervals(blocks, L, S, query.device, *query.shape[:2])
         return form.data if isinstance(form, BlockSparseMask) else form

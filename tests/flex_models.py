@@ -152,12 +152,13 @@ def make(name, device="cpu", dtype=torch.float64, head_dim=E):
     return model, batches
 
 
-def tile_by_tile_masks(B, Hq, L, S, block, device="cpu"):
+def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False):
     """Masks whose rows see more than one interval, per query head: dilated causal (every
     other key), an attention sink of 5 keys beside a causal window of 9, and a random
     layout of empty, full and random partial blocks; as FlexAttention BlockMasks of
     `block`-sized blocks resolved tile by tile (BlockSparseMask: what the ops get for
-    them), and as booleans."""
+    them), and as booleans; `relative`: with a relative bias per head (random, a few
+    values below -1e4 that hide their pairs), then the additive mask instead of booleans."""
     from bob_compile import block_masks
     g = torch.Generator().manual_seed(L * S + block)
     rows, keys = torch.arange(L)[:, None], torch.arange(S)[None, :]
@@ -172,6 +173,15 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu"):
         return patterns[h, q_idx, kv_idx]
     block_mask = create_block_mask(per_head, None, Hq, L, S, device=device,
                                    BLOCK_SIZE=block)
+    bias = None
+    if relative:
+        bias = torch.randn(1, Hq, L + S - 1, generator=g)
+        bias[..., ::17] = -2e4
+        bias = bias.to(device)
     tiles = block_masks.key_intervals(block_masks.Blocks.of(block_mask), L, S, device, B, Hq,
-                                      tiles_otherwise=True)
-    return tiles.for_call(B, Hq), patterns.expand(B, Hq, L, S)
+                                      tiles_otherwise=True, relative_bias=bias)
+    visible = patterns.expand(B, Hq, L, S)
+    if relative:
+        at = (torch.arange(L)[:, None] - torch.arange(S)[None, :] + S - 1).to(device)
+        visible = bias[..., at].masked_fill(~visible, float("-inf"))
+    return tiles.for_call(B, Hq), visible

@@ -1,25 +1,33 @@
-"""Masks given tile by tile, never as an L x S tensor.
+"""Masks given tile by tile, never as an L x S tensor, with a relative-position bias or none.
 
 A boolean mask that is not one interval of keys per query (interval_masks.py), such as a
 dilated or strided pattern, several windows per row or a random block-sparse layout, is
 carried as a FlexAttention BlockMask describes it: which (query block, key block) tiles are
 empty, which are full, and the pairs of the partial ones. Memory O(L S / (block_q block_k))
 for the tables plus block_q x block_k bytes per *distinct* partial tile (a dilated mask's
-partial tiles are all alike: stored once).
+partial tiles are all alike: stored once). A bias that depends on the query and the key
+only through q - k (ALiBi, relative-position tables, T5's buckets; flex.py finds such
+score_mods) comes with it as one row of L + S - 1 values per (batch entry, head), added to
+each visible score: then the mask is additive (its dtype float32), and a bias at or below
+-1e4 hides its pair, as an additive mask's value does (params.HIDDEN_AT_OR_BELOW).
 
 One uint8 tensor holds it all, so that it passes through the ops as their mask argument
 (ops.flat_mask knows it by its first word) and is saved for the backwards like any mask:
 
     header   HEADER_WORDS int64: MAGIC, Bm, Hm, L, S, block_q, block_k, q_blocks,
-             key_blocks, then the byte offsets of the summary, the tables and the tiles,
-             the bytes of one table, the number of tiles
+             key_blocks, then the byte offsets of the summary, the tables, the tiles and
+             the bias (0: none), the bytes of one table, the number of tiles, the bias's
+             bytes per value
     summary  int32 (Bm, Hm, 1, 3 + 2L + 2S): triton_masks.py's summary of the mask (its
              structure READ_THE_MASK or READ_THE_MASK_CAUSAL: the kernels loop over the key
              blocks each row block sees, and skip those above the diagonal where none is seen)
     tables   one per (batch entry, head), Bm x Hm of them, int32: block_q, block_k,
-             key_blocks, the byte offset from this table to the tiles, then the
-             (q_blocks, key_blocks) entries: EMPTY, FULL, or the index of the tile
+             key_blocks, the byte offsets from this table to the tiles and to its bias row
+             (0: none), then the (q_blocks, key_blocks) entries: EMPTY, FULL, or the index
+             of the tile
     tiles    (number of tiles, block_q, block_k) bool, rows past L and keys past S False
+    bias     (Bm, Hm, L + S - 1): the bias of a pair (q, k) at q - k + S - 1, float32
+             (float64 for float64 calls, which the Triton kernels never take)
 
 Each part starts 8-byte aligned. The Triton kernels read a (batch, head)'s table through
 their mask pointer (MASK_KIND BLOCK_SPARSE_MASK: tiles._read_block_sparse); the PyTorch
@@ -33,8 +41,8 @@ from .interval_masks import READ_THE_MASK, READ_THE_MASK_CAUSAL, summary_length
 
 EMPTY, FULL = -1, -2                 # a table entry that is not a tile's index
 MAGIC = 0x656C69745F626F62          # "bob_tile", little-endian
-HEADER_WORDS = 14
-_TABLE_HEAD = 4                      # int32 words of a table before its entries
+HEADER_WORDS = 16
+_TABLE_HEAD = 6                      # int32 words of a table before its entries
 
 
 def _aligned(nbytes):
@@ -42,10 +50,10 @@ def _aligned(nbytes):
 
 
 class BlockSparseMask:
-    """A boolean (B, Hq, L, S) mask held tile by tile (module docstring): what
-    AttentionParams.mask is for such a mask. `data` is the one uint8 tensor; `sizes` the
-    header's words after the magic (read from `data` where not given)."""
-    dtype = torch.bool
+    """A boolean (B, Hq, L, S) mask held tile by tile, or with a relative bias an additive
+    one (module docstring): what AttentionParams.mask is for such a mask. `data` is the one
+    uint8 tensor; `sizes` the header's words after the magic (read from `data` where not
+    given)."""
     requires_grad = False
 
     def __init__(self, data, sizes=None, batch=None, heads=None):
@@ -58,7 +66,7 @@ class BlockSparseMask:
             sizes = sizes[1:]
         self.data, self.sizes = data, tuple(sizes)
         (Bm, Hm, L, S, block_q, block_k, q_blocks, key_blocks, summary_at, tables_at, tiles_at,
-         table_bytes, tiles) = self.sizes
+         bias_at, table_bytes, tiles, bias_bytes) = self.sizes
         self.L, self.S, self.block_size = L, S, (block_q, block_k)
         batch, heads = batch or Bm, heads or Hm
         if Bm not in (1, batch) or Hm not in (1, heads):
@@ -76,6 +84,10 @@ class BlockSparseMask:
             Bm, Hm, q_blocks, key_blocks)
         self.tiles = data[tiles_at:tiles_at + tiles * block_q * block_k].view(torch.bool).view(
             tiles, block_q, block_k)
+        self.dtype = torch.bool if bias_at == 0 else torch.float32 if bias_bytes == 4 else \
+            torch.float64
+        self.relative_bias = data[bias_at:bias_at + bias_bytes * Bm * Hm * (L + S - 1)].view(
+            self.dtype).view(Bm, Hm, L + S - 1) if bias_at else None
         self._tables_at, self._table_bytes = tables_at, table_bytes
 
     def for_call(self, batch, heads):
@@ -116,6 +128,9 @@ class BlockSparseMask:
             visible = (entry == FULL) | ((entry >= 0) & in_tile)
         else:
             visible = entry == FULL
+        if self.relative_bias is not None:
+            bias = self.relative_bias[..., rows[:, None] - cols[None, :] + self.S - 1]
+            visible = torch.where(visible, bias, float("-inf"))
         return visible.expand(*self.shape[:2], -1, -1)
 
     def dense(self):
@@ -139,37 +154,52 @@ def built(data):
 _built = {}       # id(data) -> (weakref to data, its header's sizes): no header read
 
 
-def build(entries, tiles, row_stats, key_stats, L, S, block_size):
+def build(entries, tiles, row_stats, key_stats, L, S, block_size, relative_bias=None):
     """The BlockSparseMask of tile `entries` ((Bm, Hm, q_blocks, key_blocks) int: EMPTY,
     FULL, or an index into `tiles`, (n, block_q, block_k) bool) whose rows' keys and keys'
     queries span `row_stats` and `key_stats` ((first, end, count), each (Bm, Hm, L) and
-    (Bm, Hm, S) int: (S, 0, 0) and (L, 0, 0) where none). Identical tiles are stored once,
+    (Bm, Hm, S) int: (S, 0, 0) and (L, 0, 0) where none), with `relative_bias` ((Bb, Hb,
+    L + S - 1), its pair (q, k) at q - k + S - 1) or none. Identical tiles are stored once,
     and a partial tile that turns out empty or full becomes EMPTY or FULL."""
     device = entries.device
     block_q, block_k = block_size
     entries, tiles = _distinct_tiles(entries.to(torch.int64), tiles)
     summary = _summary(row_stats, key_stats, L, S)
+    if relative_bias is not None:      # one table and one bias row per (batch entry, head)
+        sizes = torch.broadcast_shapes(entries.shape[:2], relative_bias.shape[:2])
+        entries = entries.expand(*sizes, -1, -1)
+        summary = summary.expand(*sizes, -1, -1)
+        relative_bias = relative_bias.to(torch.promote_types(
+            relative_bias.dtype, torch.float32)).expand(*sizes, -1)
     Bm, Hm, q_blocks, key_blocks = entries.shape
     width = summary_length(L, S)
     table_bytes = _aligned(4 * (_TABLE_HEAD + q_blocks * key_blocks))
     summary_at = 8 * HEADER_WORDS
     tables_at = summary_at + _aligned(4 * Bm * Hm * width)
     tiles_at = tables_at + Bm * Hm * table_bytes
-    total = tiles_at + tiles.numel()
+    bias_at = 0 if relative_bias is None else _aligned(tiles_at + tiles.numel())
+    bias_bytes = 0 if relative_bias is None else relative_bias.element_size()
+    total = tiles_at + tiles.numel() if relative_bias is None else \
+        bias_at + bias_bytes * relative_bias.numel()
     sizes = (Bm, Hm, L, S, block_q, block_k, q_blocks, key_blocks, summary_at, tables_at,
-             tiles_at, table_bytes, tiles.shape[0])
+             tiles_at, bias_at, table_bytes, tiles.shape[0], bias_bytes)
     data = torch.zeros(total, dtype=torch.uint8, device=device)
     data[:summary_at].view(torch.int64).copy_(torch.tensor((MAGIC, *sizes)))
     data[summary_at:summary_at + 4 * summary.numel()].view(torch.int32).copy_(
         summary.reshape(-1))
     tables = data[tables_at:tiles_at].view(torch.int32).view(Bm, Hm, table_bytes // 4)
-    # each table's offset to the tiles, from where that table starts
-    to_tiles = tiles_at - tables_at - table_bytes * torch.arange(Bm * Hm, device=device)
-    head = torch.stack((torch.full_like(to_tiles, block_q), torch.full_like(to_tiles, block_k),
-                        torch.full_like(to_tiles, key_blocks), to_tiles), -1)
+    # each table's offsets to the tiles and to its bias row, from where that table starts
+    table_at = tables_at + table_bytes * torch.arange(Bm * Hm, device=device)
+    to_bias = torch.zeros_like(table_at) if relative_bias is None else \
+        bias_at + bias_bytes * (L + S - 1) * torch.arange(Bm * Hm, device=device) - table_at
+    head = torch.stack((torch.full_like(table_at, block_q), torch.full_like(table_at, block_k),
+                        torch.full_like(table_at, key_blocks), tiles_at - table_at, to_bias,
+                        torch.zeros_like(table_at)), -1)
     tables[..., :_TABLE_HEAD].copy_(head.view(Bm, Hm, _TABLE_HEAD))
     tables[..., _TABLE_HEAD:_TABLE_HEAD + q_blocks * key_blocks].copy_(entries.flatten(2))
-    data[tiles_at:].view(torch.bool).copy_(tiles.reshape(-1))
+    data[tiles_at:tiles_at + tiles.numel()].view(torch.bool).copy_(tiles.reshape(-1))
+    if relative_bias is not None:
+        data[bias_at:].view(relative_bias.dtype).copy_(relative_bias.reshape(-1))
     _built[id(data)] = (weakref.ref(data), sizes)
     weakref.finalize(data, _built.pop, id(data), None)
     return BlockSparseMask(data, sizes)

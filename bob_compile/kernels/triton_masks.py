@@ -65,6 +65,9 @@ def mask_kind_and_tensor(params, fallback, reuse=False):
     if isinstance(mask, KeyIntervals):        # its summary is all there is (never read)
         return BOOL_MASK, mask.summary, mask.summary
     if isinstance(mask, BlockSparseMask):     # its summary made with it
+        if mask.dtype == torch.float64:
+            raise RuntimeError("bob_compile: a float64 relative bias reached the Triton "
+                               "kernels, which take float32 (float64 calls run blockwise)")
         return BLOCK_SPARSE_MASK, mask.kernel_mask(), mask.kernel_summary()
     kind = BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
     if params.mask_summary is not None:

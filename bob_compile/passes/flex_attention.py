@@ -29,7 +29,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch import fx
 
-from ..block_masks import index_reads, register_mask_mod, trace_mod
+from ..block_masks import EVERY_PAIR_KEY, index_reads, register_mask_mod, trace_mod
 from ..flex import flex_call, score_mod_form
 from .erase import erase_unused
 from .nodes import example, example_tensor, shape_text, user_code
@@ -66,8 +66,13 @@ def _rewrite_call(gm, node):
     block_tuple, mask_buffers = node.args[4], node.args[8]
     mask_mod_graph = _mask_mod_graph(gm, block_tuple[-1], mask_buffers)
     masked = not _is_flex_default_mask(block_tuple, mask_mod_graph)
-    # the BlockMask packed for the ops where nothing L x S comes with it (no bias)
-    mask_mod_key = _registered(gm, block_tuple[-1]) if masked and form.identity else None
+    # the BlockMask packed for the ops where nothing L x S comes with it (no bias, or a
+    # relative one that requires no grad; a call without a BlockMask then packs every pair)
+    relative = not form.identity and form.relative and not _learned(node.args[7])
+    mask_mod_key = None
+    if form.identity or relative:
+        mask_mod_key = _registered(gm, block_tuple[-1]) if masked else \
+            EVERY_PAIR_KEY if relative else None
     node.target = flex_call
     node.kwargs = {"additive": dataclasses.astuple(form), "masked": masked,
                    "mask_mod_reads": index_reads(mask_mod_graph),
@@ -75,9 +80,10 @@ def _rewrite_call(gm, node):
     site.replaced = True
     site.enable_gqa = _heads(query) != _heads(key)
     blocks = "BlockMask (materialized per call)" if mask_mod_key is None else _RESOLVED
+    bias = _RELATIVE_BIAS if relative and mask_mod_key is not None else \
+        "score_mod's additive bias (materialized per call)"
     site.mask = ", ".join(what for what, present in (
-        (blocks, masked),
-        ("score_mod's additive bias (materialized per call)", not form.identity)) if present)
+        (blocks, masked), (bias, not form.identity)) if present)
     site.softcap = form.softcap
     if form.scale_factor != 1.0 and isinstance(node.args[5], float):   # c tanh(a score), a != 1/c
         site.scale = f"{node.args[5] * form.scale_factor:.6g}"
@@ -92,7 +98,14 @@ def _registered(gm, mask_fn):
     return register_mask_mod(getattr(gm, mask_fn.target))
 
 
-_RESOLVED = "BlockMask (resolved by the op per call: key intervals, or materialized)"
+_RESOLVED = "BlockMask (resolved by the op per call: key intervals or tiles)"
+_RELATIVE_BIAS = "score_mod's relative bias (L + S - 1 values per head, in the kernels)"
+
+
+def _learned(buffers):
+    """Whether a mod's captured tensors (graph nodes) hold one that requires grad."""
+    return any(getattr(example_tensor(b), "requires_grad", False) for b in buffers
+               if isinstance(b, fx.Node))
 
 
 def materialize_block_masks(gm, report=None, why=""):
@@ -108,8 +121,10 @@ def materialize_block_masks(gm, report=None, why=""):
         if calls:
             module.recompile()
     for site in report.sites if report is not None else ():
-        if site.kind == "flex_attention" and site.mask and _RESOLVED in site.mask:
+        if site.kind == "flex_attention" and site.mask:
             site.mask = site.mask.replace(_RESOLVED, f"BlockMask (materialized per call: {why})")
+            site.mask = site.mask.replace(
+                _RELATIVE_BIAS, f"score_mod's additive bias (materialized per call: {why})")
 
 
 def _is_flex_default_mask(block_tuple, mask_mod_graph):

@@ -531,6 +531,20 @@ def test_block_sparse_masks_every_output(monkeypatch, schedule, causal, block):
 
 
 @in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiles_with_a_relative_bias_every_output(causal):
+    """The same tiles carrying a relative bias (a row of L + S - 1 per head: ALiBi, T5's
+    buckets), added to each visible score, values at or below -1e4 hiding their pair."""
+    from flex_models import tile_by_tile_masks
+    B, Hq, L, S = 2, 3, 77, 90
+    tiles, additive = tile_by_tile_masks(B, Hq, L, S, 16, relative=True)
+    assert tiles.dtype == torch.float32 and torch.equal(tiles.dense(), additive)
+    q, k, v = make_inputs(B, Hq, 1, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32, mask=tiles,
+                   reference_mask=additive)
+
+
+@in_interpreter
 def test_read_masks_keep_every_order_exact_with_is_causal():
     """The same masks as booleans under is_causal=True (the documents then causal too)."""
     B, Hq, L = 2, 2, 70

@@ -2,6 +2,7 @@
 the op, in float64 on the CPU. The forward against PyTorch's own flex_attention (which has
 no second derivative); every order against SDPA's math with the same mask and bias, built
 here from the patterns' definitions, not from the code under test."""
+import math
 import warnings
 
 import pytest
@@ -308,6 +309,86 @@ def test_which_score_mods_are_additive(score_mod, additive):
     (exact), never mistaken for a bias."""
     from bob_compile.flex import AdditiveScoreMod, score_mod_form
     assert isinstance(score_mod_form(score_mod, torch.float64), AdditiveScoreMod) == additive
+
+
+@pytest.mark.parametrize("score_mod,relative", [
+    (lambda s, b, h, i, j: s + SLOPES[h] * (j - i), True),                 # ALiBi
+    (lambda s, b, h, i, j: s - 0.5 * (i - j).abs(), True),                # a distance penalty
+    (lambda s, b, h, i, j: s + SLOPES[h], True),                          # no index at all
+    (lambda s, b, h, i, j: s + 0.01 * i * j, False),                      # a product
+    (lambda s, b, h, i, j: s + ((i - j) * 0.1 + 0.01 * i), False),        # the query alone too
+    (lambda s, b, h, i, j: s + 0.1 * (i - 2 * j), False),                 # not the difference
+    (lambda s, b, h, i, j: s + 0.1 * (i + j), False),                     # their sum
+    (lambda s, b, h, i, j: s + 0.1 * i, False),                           # one of them
+])
+def test_which_biases_are_relative(score_mod, relative):
+    """A bias that reads q_idx and kv_idx only through one q_idx - kv_idx goes to the
+    kernels as a row per head; anything else is materialized, never taken for one."""
+    from bob_compile.flex import score_mod_form
+    assert score_mod_form(score_mod, torch.float64).relative == relative
+
+
+RELATIVE_TABLE = torch.randn(3, 128, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(11))
+
+
+def t5_buckets(score, b, h, q_idx, kv_idx):
+    """T5's bidirectional relative-position buckets (8 exact, 8 logarithmic up to 64, per
+    direction) into a table per head."""
+    relative = kv_idx - q_idx
+    distance = relative.abs()
+    large = 8 + (torch.log(distance.clamp_min(1).to(torch.float64) / 8) / math.log(64 / 8)
+                 * 8).to(torch.int64)
+    bucket = torch.where(distance < 8, distance, large.clamp_max(15)) + 16 * (relative > 0)
+    return score + RELATIVE_TABLE[h, bucket]
+
+
+def grid(L, S):
+    return (torch.arange(B).view(-1, 1, 1, 1), torch.arange(H).view(1, -1, 1, 1),
+            torch.arange(L).view(1, 1, -1, 1), torch.arange(S).view(1, 1, 1, -1))
+
+
+@pytest.mark.parametrize("score_mod,mask_mod", [
+    (t5_buckets, None), (alibi, sliding_window), (t5_buckets, prefix_lm),
+    (alibi, lambda b, h, q_idx, kv_idx: (kv_idx < 4) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 9)))],
+    ids=["T5 buckets", "ALiBi + sliding window", "T5 buckets + prefix-LM",
+         "ALiBi + sink and window"])
+def test_a_relative_bias_reaches_the_op_as_a_row_per_head(monkeypatch, score_mod, mask_mod):
+    """A relative bias comes as L + S - 1 values per head with the mask's tiles (nothing
+    L x S: the materializing path is never called), every order equal to math with the same
+    dense bias and mask; L != S."""
+    from bob_compile import flex
+    monkeypatch.setattr(flex, "additive_bias", None)      # any materialization fails
+    monkeypatch.setattr(flex, "visible_pairs", None)
+    L, S = 37, 45
+    q, k, v = inputs(L, S, seed=6)
+    block_mask = None if mask_mod is None else create_block_mask(
+        mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    b, h, q_idx, kv_idx = grid(L, S)
+    bias = score_mod(torch.zeros(()), b, h, q_idx, kv_idx).expand(B, H, L, S)
+    visible = None if mask_mod is None else mask_mod(b, h, q_idx, kv_idx).expand(B, H, L, S)
+    ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask), q, k, v)
+    math_ = second_orders(lambda q, k, v: math_attention(q, k, v, visible, bias), q, k, v)
+    for a, e in zip(ours, math_):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
+def test_a_learned_relative_bias_is_materialized_for_its_gradient():
+    """A relative table that requires grad: the bias is materialized (its cotangent is
+    L x S before it is summed into the table), the table's gradient exact."""
+    L = 26
+    table = torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True)
+
+    def learned(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + L - 1]
+    q, k, v = inputs(L, L, seed=7)
+    got = torch.autograd.grad(
+        bob_compile.flex_attention(q, k, v, score_mod=learned).square().sum(), table)[0]
+    positions = torch.arange(L)[:, None] - torch.arange(L)[None, :] + L - 1
+    want = torch.autograd.grad(
+        math_attention(q, k, v, bias=table[positions]).square().sum(), table)[0]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
 def per_head_window(b, h, q_idx, kv_idx):       # a window per head (3, 6, 9 keys)

@@ -201,13 +201,21 @@ def test_dynamic_shapes(name):
     assert_report(name)
 
 
-def test_a_call_without_a_block_mask_materializes_no_mask():
+def test_a_call_without_a_block_mask_materializes_no_mask(monkeypatch):
     """flex_attention without a BlockMask passes the one it makes itself (lengths (1, 1), one
-    block of 2^30, noop_mask): the pass recognizes it, and only the bias goes to the op."""
+    block of 2^30, noop_mask): the pass recognizes it, and only the bias goes to the op;
+    ALiBi's reads q_idx - kv_idx alone, so as one row of L + S - 1 per head, every pair's
+    blocks full (nothing L x S)."""
+    from bob_compile.kernels.block_sparse_masks import BlockSparseMask
+    resolved = _resolved(monkeypatch)
     model, batches = make("ALiBi alone, GQA")
     hutchinson_hvp(torch.compile(model, backend=flashbob, options=OPTIONS), batches[:1])
     site, = [s for r in recent_reports for s in r.sites]
-    assert site.replaced and site.mask == "score_mod's additive bias (materialized per call)"
+    assert site.replaced and site.mask == \
+        "score_mod's relative bias (L + S - 1 values per head, in the kernels)"
+    L = batches[0].shape[1]
+    assert resolved and all(isinstance(m, BlockSparseMask) and m.tiles.shape[0] == 0 and
+                            m.relative_bias.shape[-1] == 2 * L - 1 for m in resolved)
 
 
 # ---------------------------------------------------------------------------- fallbacks
@@ -264,8 +272,9 @@ def _resolved(monkeypatch):
 def test_a_compiled_block_mask_reaches_the_ops_packed(monkeypatch, name):
     """In a compiled graph a BlockMask is packed (its block lists and captured tensors:
     nothing L x S in the graph or saved between its ops); each op resolves it when it runs,
-    to key intervals for these masks (causal packed documents, prefix-LM). With an additive
-    bias the mask stays materialized with it."""
+    to key intervals for causal packed documents; with a relative bias (a buffer read at
+    q - k) to tiles carrying the bias's L + S - 1 values per head."""
+    from bob_compile.kernels.block_sparse_masks import BlockSparseMask
     from bob_compile.kernels.interval_masks import KeyIntervals
     resolved = _resolved(monkeypatch)
     model, batches = make(name)
@@ -278,7 +287,9 @@ def test_a_compiled_block_mask_reaches_the_ops_packed(monkeypatch, name):
         # the forward, the create_graph backward, the double backward's ops
         assert len(resolved) >= 3 and all(isinstance(m, KeyIntervals) for m in resolved)
     else:
-        assert "materialized" in site.mask and not resolved
+        assert "relative bias" in site.mask and "materialized" not in site.mask
+        assert resolved and all(isinstance(m, BlockSparseMask) and m.relative_bias is not None
+                                for m in resolved)
 
 
 def test_a_block_mask_of_more_than_intervals_resolves_tile_by_tile(monkeypatch):
