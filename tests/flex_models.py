@@ -164,7 +164,9 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False):
     rows, keys = torch.arange(L)[:, None], torch.arange(S)[None, :]
     layout = torch.randint(0, 3, (-(-L // block), -(-S // block)), generator=g)
     layout = layout.repeat_interleave(block, 0)[:L].repeat_interleave(block, 1)[:, :S]
-    random = torch.where(layout == 2, torch.rand(L, S, generator=g) < 0.4, layout == 1)
+    # every row sees key 0 (no row without a key: a low-precision softmax's NaN there)
+    random = torch.where(layout == 2, torch.rand(L, S, generator=g) < 0.4, layout == 1) | \
+        (keys == 0)
     patterns = torch.stack(((keys <= rows) & ((rows - keys) % 2 == 0),
                             (keys < 5) | ((keys <= rows) & (rows - keys < 9)), random))
     patterns = patterns[torch.arange(Hq) % 3].to(device)

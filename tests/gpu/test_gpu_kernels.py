@@ -147,17 +147,18 @@ def test_masks_against_float64(monkeypatch, schedule, kind, dtype, B, Hq, Hkv, L
 
 
 @pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
-@pytest.mark.parametrize("block,causal", [(128, False), (64, True)])
-def test_tile_by_tile_masks_against_float64(monkeypatch, schedule, block, causal):
+@pytest.mark.parametrize("block,causal,relative", [(128, False, False), (64, True, False),
+                                                   (128, True, True)])
+def test_tile_by_tile_masks_against_float64(monkeypatch, schedule, block, causal, relative):
     """BlockMasks that are not intervals (dilated, sink + window, random block-sparse per
-    head) given tile by tile (BlockSparseMask): every kernel against float64, odd lengths,
-    GQA, blocks larger and smaller than the kernels' tiles."""
+    head) given tile by tile (BlockSparseMask), with a relative bias or not: every kernel
+    against float64, odd lengths, GQA, blocks larger and smaller than the kernels' tiles."""
     from flex_models import tile_by_tile_masks
     monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
     monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
     settings.reload()
     B, Hq, L, S = 2, 6, 1000, 1100
-    tiles, _ = tile_by_tile_masks(B, Hq, L, S, block, device="cuda")
+    tiles, _ = tile_by_tile_masks(B, Hq, L, S, block, device="cuda", relative=relative)
     check_every_output(torch.bfloat16, B, Hq, 3, L, S, 64, 64, causal, tiles)
 
 
