@@ -93,10 +93,12 @@ def visible_pairs(blocks, L, S, device, batch, heads):
 def _layout(blocks, L, S, device, batch, heads):
     """(mask_mod(b, h, q_idx, kv_idx) with the buffers bound, the listed partial and full
     blocks as (Bm, Hm, query blocks, key blocks) bool maps (full: None where the BlockMask
-    has none), the (batch, heads) sizes to evaluate at, and the block sizes cut to L, S)."""
+    has none), the (batch, heads) sizes to evaluate at, and the block sizes)."""
     # a block longer than the call (flex_attention's mask for calls without one: lengths
-    # (1, 1), blocks of 2^30) covers it once
-    q_block, kv_block = min(blocks.block_size[0], L), min(blocks.block_size[1], S)
+    # (1, 1), blocks of 2^30) covers it once: as the power of two at or above its length
+    # (the tiles' blocks are powers of two)
+    q_block, kv_block = (size if size < n else 1 << max(n - 1, 0).bit_length()
+                         for size, n in zip(blocks.block_size, (L, S)))
     q_blocks, kv_blocks = -(-L // q_block), -(-S // kv_block)
     listed_batch, listed_heads = blocks.kv_num_blocks.shape[:2]
     reads_batch, reads_head = blocks.mask_mod_reads
@@ -182,15 +184,16 @@ def _partial_tiles(mask_mod, partial, q_block, kv_block, L, S):
 
 # ------------------------------------------------------------------ as key intervals
 def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False,
-                  relative_bias=None):
+                  relative_bias=None, dense_up_to=0):
     """The key-interval summary (int32, (B or 1, H or 1, 1, 3 + 2L + 2S): kernels/
     interval_masks.py) of the mask `blocks` applies to a (batch, heads, L, S) call (the
     pairs of visible_pairs), or, where a query row sees more than one interval of keys or a
     key is seen by more than one interval of queries, None (tiles_otherwise: the mask tile
     by tile, a kernels/block_sparse_masks.BlockSparseMask, from the tiles already
-    evaluated, which are kept until the verdict for that). With a `relative_bias` ((B or 1,
-    H or 1, L + S - 1): block_sparse_masks.py) the mask is tiles whatever the verdict, the
-    bias with it. The mask_mod is evaluated on the listed partial blocks only, a chunk at a
+    evaluated, which are kept until the verdict for that; the bool (B or 1, H or 1, L, S)
+    mask instead where it takes at most `dense_up_to` bytes, or where the blocks are not
+    powers of two). With a `relative_bias` ((B or 1, H or 1, L + S - 1):
+    block_sparse_masks.py) the mask is tiles whatever the verdict, the bias with it. The mask_mod is evaluated on the listed partial blocks only, a chunk at a
     time; nothing L x S is made. Host
     synchronizations (listing the blocks, the verdict, the distinct tiles): only where
     may_synchronize."""
@@ -220,9 +223,14 @@ def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False,
         return _tile_by_tile(evaluated, full, sizes, (q_blocks, kv_blocks), (q_block, kv_block),
                              rows, keys, L, S, device, relative_bias)
     if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
-        _say_tiles(blocks.mask_mod)
         if not tiles_otherwise:
             return None
+        if sizes[0] * sizes[1] * L * S <= dense_up_to or \
+                not block_sparse_masks.powers_of_two((q_block, kv_block)):
+            _say_dense(blocks.mask_mod)
+            return _written(evaluated, full, sizes, (q_blocks, kv_blocks), q_block, kv_block, L,
+                            S, device)
+        _say_tiles(blocks.mask_mod)
         return _tile_by_tile(evaluated, full, sizes, (q_blocks, kv_blocks), (q_block, kv_block),
                              rows, keys, L, S, device)
     return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
@@ -267,14 +275,24 @@ def every_pair_blocks(L, S, device):
 _said = set()
 
 
+def _say_dense(mask_mod):
+    """Log, once per mask_mod, that its BlockMask is materialized (small, or odd blocks)."""
+    _say(mask_mod, "is not one interval of keys per query (and of queries per key); it is "
+         "materialized per call (at most TILES_ABOVE_BYTES, or blocks not powers of two)")
+
+
 def _say_tiles(mask_mod):
     """Log, once per mask_mod, that its BlockMask is read tile by tile."""
+    _say(mask_mod, "is not one interval of keys per query (and of queries per key); the "
+         "kernels read it tile by tile (its distinct partial tiles stored once, no L*S "
+         "tensor)")
+
+
+def _say(mask_mod, what):
     name = getattr(mask_mod, "__qualname__", None) or type(mask_mod).__name__
-    if name not in _said:
-        _said.add(name)
-        log.info("bob_compile: the BlockMask of mask_mod %s is not one interval of keys per "
-                 "query (and of queries per key); the kernels read it tile by tile (its "
-                 "distinct partial tiles stored once, no L*S tensor)", name)
+    if (name, what) not in _said:
+        _said.add((name, what))
+        log.info("bob_compile: the BlockMask of mask_mod %s %s", name, what)
 
 
 def _inside(index, block):
@@ -540,11 +558,13 @@ def resolve(packed, batch, heads, L, S):
     form = _by_content.get(content) if cached else None
     if form is None:
         form = key_intervals(blocks, L, S, packed.device, batch, heads, tiles_otherwise=True,
-                             relative_bias=relative_bias)
+                             relative_bias=relative_bias, dense_up_to=TILES_ABOVE_BYTES)
         if cached and _small(form):
             _keep(_by_content, content, form)
     if isinstance(form, BlockSparseMask):
         mask = form.for_call(batch, heads)
+    elif form.dtype == torch.bool:
+        mask = form.expand(batch, heads, L, S)
     else:
         mask = KeyIntervals.of(form, batch, heads, L, S)
     # for the later ops of this call
@@ -566,6 +586,10 @@ def _checked_lengths(mask, L, S):
 # its bytes (resolve: read once per packed tensor, whose mask the later ops of its call
 # find by the tensor's identity while it lives); an eager call's by the identity and
 # version of every tensor its pairs depend on (reused_key_intervals).
+# A mask that is not intervals (or a relative bias, flex.py) is materialized where that
+# takes at most this many bytes, read tile by tile beyond: the materialized mask runs the
+# kernels' plain read path, which measured faster than the tiles' (docs/measurements.md)
+TILES_ABOVE_BYTES = 1 << 30
 _CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buffer) not kept,
 _KEPT = 8                            # nor larger tile-by-tile forms
 _by_content = collections.OrderedDict()
@@ -585,8 +609,11 @@ def _keep(kept, key, value):
 
 
 def _small(form):
-    """Whether a mask's form is small enough to keep across calls (key intervals always)."""
-    return not isinstance(form, BlockSparseMask) or form.nbytes() <= _CONTENT_KEYED_BYTES
+    """Whether a mask's form is small enough to keep across calls: key intervals, tiles up
+    to _CONTENT_KEYED_BYTES; never an L x S bool mask."""
+    if isinstance(form, BlockSparseMask):
+        return form.nbytes() <= _CONTENT_KEYED_BYTES
+    return form.dtype == torch.int32
 
 
 def reused_key_intervals(blocks, L, S, device, batch, heads):
@@ -599,7 +626,8 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
     is evaluated every call."""
     sources = _sources(blocks)
     if sources is None:
-        return key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True)
+        return key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True,
+                             dense_up_to=TILES_ABOVE_BYTES)
     values = tuple(b if isinstance(b, (int, float, bool)) else int(b)
                    for b in blocks.mask_mod_buffers if not isinstance(b, torch.Tensor))
     key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in sources), values, L, S,
@@ -611,7 +639,8 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
             if key in _by_identity:
                 _by_identity.move_to_end(key)
         return kept[2]
-    form = key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True)
+    form = key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True,
+                         dense_up_to=TILES_ABOVE_BYTES)
     if _small(form):
         _keep(_by_identity, key, (weakref.ref(blocks.mask_mod),
                                   [weakref.ref(t) for t in sources], form))

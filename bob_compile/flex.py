@@ -42,6 +42,7 @@ from .attention import attention, attention_with_op_mask
 from .block_masks import (Blocks, every_pair_blocks, key_intervals,
                           may_synchronize, over_indices, pack, reused_key_intervals, trace_mod,
                           visible_pairs)
+from . import block_masks
 from .kernels.block_sparse_masks import BlockSparseMask
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
@@ -230,7 +231,8 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
     softcap = 0.0
     if score_mod is not None and form.softcap:
         softcap, scale = form.softcap, scale * form.scale_factor
-    if biased and form.relative:
+    if biased and form.relative and \
+            relative_pays(form, query.shape[0], query.shape[1], L, S, query.dtype):
         relative = relative_bias(score_mod, query, L, S, form, score_mod_buffers)
         mask = None if relative.requires_grad else _relative_mask(
             blocks, relative, L, S, query, mask_mod_key)
@@ -247,6 +249,16 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     return attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
                      softcap=softcap)
+
+
+def relative_pays(form, batch, heads, L, S, dtype):
+    """Whether a relative bias goes to the kernels as rows rather than materialized: where
+    the materialized bias would take more than block_masks.TILES_ABOVE_BYTES (the
+    materialized bias runs the kernels' plain read path, measured faster)."""
+    sizes = (batch if form.reads_batch else 1, heads if form.reads_head else 1, L, S)
+    if not all(type(n) is int for n in sizes):
+        return True
+    return math.prod(sizes) * dtype.itemsize > block_masks.TILES_ABOVE_BYTES
 
 
 def _relative_mask(blocks, relative, L, S, query, mask_mod_key):

@@ -158,7 +158,8 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False):
     layout of empty, full and random partial blocks; as FlexAttention BlockMasks of
     `block`-sized blocks resolved tile by tile (BlockSparseMask: what the ops get for
     them), and as booleans; `relative`: with a relative bias per head (random, a few
-    values below -1e4 that hide their pairs), then the additive mask instead of booleans."""
+    values below -1e4 that hide pairs above the diagonal), then the additive mask instead
+    of booleans. Every row sees key 0."""
     from bob_compile import block_masks
     g = torch.Generator().manual_seed(L * S + block)
     rows, keys = torch.arange(L)[:, None], torch.arange(S)[None, :]
@@ -178,7 +179,7 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False):
     bias = None
     if relative:
         bias = torch.randn(1, Hq, L + S - 1, generator=g)
-        bias[..., ::17] = -2e4
+        bias[..., :S - 1:17] = -2e4      # pairs above the diagonal (key 0 stays seen)
         bias = bias.to(device)
     tiles = block_masks.key_intervals(block_masks.Blocks.of(block_mask), L, S, device, B, Hq,
                                       tiles_otherwise=True, relative_bias=bias)

@@ -21,8 +21,9 @@ One uint8 tensor holds it all, so that it passes through the ops as their mask a
     summary  int32 (Bm, Hm, 1, 3 + 2L + 2S): triton_masks.py's summary of the mask (its
              structure READ_THE_MASK or READ_THE_MASK_CAUSAL: the kernels loop over the key
              blocks each row block sees, and skip those above the diagonal where none is seen)
-    tables   one per (batch entry, head), Bm x Hm of them, int32: block_q, block_k,
-             key_blocks, the byte offsets from this table to the tiles and to its bias row
+    tables   one per (batch entry, head), Bm x Hm of them, int32: log2 block_q, log2
+             block_k (powers of two), key_blocks, the byte offsets from this table to the
+             tiles and to its bias row
              (0: none), then the (q_blocks, key_blocks) entries: EMPTY, FULL, or the index
              of the tile
     tiles    (number of tiles, block_q, block_k) bool, rows past L and keys past S False
@@ -43,6 +44,11 @@ EMPTY, FULL = -1, -2                 # a table entry that is not a tile's index
 MAGIC = 0x656C69745F626F62          # "bob_tile", little-endian
 HEADER_WORDS = 16
 _TABLE_HEAD = 6                      # int32 words of a table before its entries
+
+
+def powers_of_two(block_size):
+    """Whether every block size is a power of two (what the kernels take)."""
+    return all(n > 0 and n & (n - 1) == 0 for n in block_size)
 
 
 def _aligned(nbytes):
@@ -163,6 +169,9 @@ def build(entries, tiles, row_stats, key_stats, L, S, block_size, relative_bias=
     and a partial tile that turns out empty or full becomes EMPTY or FULL."""
     device = entries.device
     block_q, block_k = block_size
+    if not (powers_of_two(block_size)):
+        raise ValueError(f"block_sparse_masks.build: blocks of {block_size}; the kernels "
+                         f"take powers of two")
     entries, tiles = _distinct_tiles(entries.to(torch.int64), tiles)
     summary = _summary(row_stats, key_stats, L, S)
     if relative_bias is not None:      # one table and one bias row per (batch entry, head)
@@ -192,7 +201,8 @@ def build(entries, tiles, row_stats, key_stats, L, S, block_size, relative_bias=
     table_at = tables_at + table_bytes * torch.arange(Bm * Hm, device=device)
     to_bias = torch.zeros_like(table_at) if relative_bias is None else \
         bias_at + bias_bytes * (L + S - 1) * torch.arange(Bm * Hm, device=device) - table_at
-    head = torch.stack((torch.full_like(table_at, block_q), torch.full_like(table_at, block_k),
+    head = torch.stack((torch.full_like(table_at, block_q.bit_length() - 1),
+                        torch.full_like(table_at, block_k.bit_length() - 1),
                         torch.full_like(table_at, key_blocks), tiles_at - table_at, to_bias,
                         torch.zeros_like(table_at)), -1)
     tables[..., :_TABLE_HEAD].copy_(head.view(Bm, Hm, _TABLE_HEAD))

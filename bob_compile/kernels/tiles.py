@@ -369,14 +369,16 @@ def _read_mask(s2, mask_base, offs_m, offs_n, sml, sms, L, S, MASK_KIND: tl.cons
 @triton.jit
 def _read_block_sparse(s2, table, offs_m, offs_n, L, S, TRANSPOSED: tl.constexpr):
     """s2 with a BlockSparseMask applied (block_sparse_masks.py): `table` is this (batch,
-    head)'s table (a uint8 pointer): block_q, block_k, key_blocks, the byte offsets to the
-    tiles and to the bias row (0: none), then per (query block, key block) -1 (empty), -2
-    (full) or its tile's index. Each pair reads its block's entry (one per block in cache),
-    in a partial block its byte of the tile, and with a bias its q - k's value (a row of
-    L + S - 1 in cache), which hides the pair at or below -1e4 as an additive mask's does."""
+    head)'s table (a uint8 pointer): log2 of block_q and of block_k (powers of two: a
+    pair's block and place in it by shifts, not divisions), key_blocks, the byte offsets to
+    the tiles and to the bias row (0: none), then per (query block, key block) -1 (empty),
+    -2 (full) or its tile's index. Each pair reads its block's entry (one per block in
+    cache), in a partial block its byte of the tile, and with a bias its q - k's value (a
+    row of L + S - 1 in cache), which hides the pair at or below -1e4 as an additive mask's
+    does."""
     words = table.to(tl.pointer_type(tl.int32))
-    block_q = tl.load(words)
-    block_k = tl.load(words + 1)
+    shift_q = tl.load(words)
+    shift_k = tl.load(words + 1)
     key_blocks = tl.load(words + 2)
     to_tiles = tl.load(words + 3)
     to_bias = tl.load(words + 4)
@@ -387,11 +389,11 @@ def _read_block_sparse(s2, table, offs_m, offs_n, L, S, TRANSPOSED: tl.constexpr
         rows = offs_m[:, None]
         keys = offs_n[None, :]
     inside = (rows < L) & (keys < S)
-    row_block = rows // block_q
-    key_block = keys // block_k
+    row_block = rows >> shift_q
+    key_block = keys >> shift_k
     entry = tl.load(words + 6 + row_block * key_blocks + key_block, mask=inside, other=-1)
-    in_tile = (rows - row_block * block_q) * block_k + (keys - key_block * block_k)
-    tile = table + to_tiles + entry.to(tl.int64) * (block_q * block_k) + in_tile
+    in_tile = ((rows & ((1 << shift_q) - 1)) << shift_k) + (keys & ((1 << shift_k) - 1))
+    tile = table + to_tiles + (entry.to(tl.int64) << (shift_q + shift_k)) + in_tile
     pair = tl.load(tile, mask=inside & (entry >= 0), other=0)
     visible = (entry == -2) | (pair != 0)
     if to_bias != 0:

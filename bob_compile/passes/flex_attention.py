@@ -30,7 +30,7 @@ import torch.nn.attention.flex_attention as flex_module
 from torch import fx
 
 from ..block_masks import EVERY_PAIR_KEY, index_reads, register_mask_mod, trace_mod
-from ..flex import flex_call, score_mod_form
+from ..flex import flex_call, relative_pays, score_mod_form
 from .erase import erase_unused
 from .nodes import example, example_tensor, shape_text, user_code
 from .report import Site
@@ -68,7 +68,8 @@ def _rewrite_call(gm, node):
     masked = not _is_flex_default_mask(block_tuple, mask_mod_graph)
     # the BlockMask packed for the ops where nothing L x S comes with it (no bias, or a
     # relative one that requires no grad; a call without a BlockMask then packs every pair)
-    relative = not form.identity and form.relative and not _learned(node.args[7])
+    relative = not form.identity and form.relative and not _learned(node.args[7]) and \
+        _relative_pays(form, query, key)
     mask_mod_key = None
     if form.identity or relative:
         mask_mod_key = _registered(gm, block_tuple[-1]) if masked else \
@@ -100,6 +101,13 @@ def _registered(gm, mask_fn):
 
 _RESOLVED = "BlockMask (resolved by the op per call: key intervals or tiles)"
 _RELATIVE_BIAS = "score_mod's relative bias (L + S - 1 values per head, in the kernels)"
+
+
+def _relative_pays(form, query, key):
+    q, k = example_tensor(query), example_tensor(key)
+    if q is None or k is None or q.dim() != 4:
+        return False
+    return relative_pays(form, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.dtype)
 
 
 def _learned(buffers):

@@ -20,6 +20,14 @@ from bob_compile.kernels.triton_masks import (KEY_INTERVALS, READ_THE_MASK, READ
 BLOCK = 16
 
 
+@pytest.fixture(autouse=True)
+def tiles_at_any_size(monkeypatch):
+    """The tile-by-tile and relative-bias routes at these small sizes (by default a mask
+    of at most block_masks.TILES_ABOVE_BYTES is materialized: test_small_masks_are_...)."""
+    from bob_compile import block_masks
+    monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
+
+
 def window(b, h, q_idx, kv_idx):
     return (q_idx >= kv_idx) & (q_idx - kv_idx < 7)
 
@@ -102,14 +110,40 @@ def test_key_intervals_are_the_visible_pairs(name, block):
 
 @pytest.mark.parametrize("mask_mod", [dilated, two_windows])
 def test_masks_that_are_not_intervals_have_none(mask_mod, caplog, monkeypatch):
-    """None, and the log says once that such a BlockMask is read tile by tile."""
+    """None as intervals; as tiles, and the log says once that such a BlockMask is read
+    tile by tile, or, at most dense_up_to bytes, materialized."""
     monkeypatch.setattr(block_masks, "_said", set())
     blocks = blocks_of(mask_mod, None, None, 40, 40)
+    assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
     with caplog.at_level("INFO", logger="bob_compile.flex"):
-        assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
-        assert block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1) is None
-    said = [r for r in caplog.records if "read it tile by tile" in r.getMessage()]
-    assert len(said) == 1 and mask_mod.__name__ in said[0].getMessage()
+        for _ in range(2):
+            tiles = block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1, tiles_otherwise=True)
+            materialized = block_masks.key_intervals(blocks, 40, 40, "cpu", 1, 1,
+                                                     tiles_otherwise=True, dense_up_to=1600)
+    assert isinstance(tiles, BlockSparseMask)
+    assert torch.equal(materialized, tiles.dense())
+    for words in ("read it tile by tile", "it is materialized per call"):
+        said = [r for r in caplog.records if words in r.getMessage()]
+        assert len(said) == 1 and mask_mod.__name__ in said[0].getMessage()
+
+
+def test_small_masks_are_materialized_by_default(monkeypatch):
+    """Up to block_masks.TILES_ABOVE_BYTES (the default, 1 GiB) a mask of more than
+    intervals is the bool mask (the kernels' plain read path, faster than the tiles'),
+    resolved from a packed BlockMask too; a relative bias is materialized likewise."""
+    from bob_compile import flex
+    monkeypatch.undo()            # the module's default threshold
+    assert block_masks.TILES_ABOVE_BYTES == 1 << 30
+    module = graph_of(dilated)
+    key = block_masks.register_mask_mod(module)
+    blocks = blocks_of(dilated, None, None, 40, 40)
+    blocks.mask_mod = module
+    resolved = block_masks.resolve(block_masks.pack(blocks, key), 1, 2, 40, 40)
+    assert resolved.dtype == torch.bool and torch.equal(resolved, dense(dilated, 1, 2, 40, 40))
+    form = flex.score_mod_form(lambda s, b, h, i, j: s + 0.1 * h * (j - i), torch.float32)
+    assert form.relative and form.reads_head
+    assert not flex.relative_pays(form, 1, 12, 4096, 4096, torch.bfloat16)      # 384 MiB
+    assert flex.relative_pays(form, 1, 12, 16384, 16384, torch.bfloat16)        # 6 GiB
 
 
 def test_the_block_lists_decide_with_the_mask_mod():

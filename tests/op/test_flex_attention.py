@@ -15,6 +15,14 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 import bob_compile
 
 B, H, E = 2, 3, 8
+
+
+@pytest.fixture(autouse=True)
+def tiles_at_any_size(monkeypatch):
+    """The tile-by-tile and relative-bias routes at these small sizes (by default a mask
+    of at most block_masks.TILES_ABOVE_BYTES is materialized: test_small_masks_are_...)."""
+    from bob_compile import block_masks
+    monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
 BLOCK = 16                     # BlockMask blocks smaller than the lengths: partial ones too
 SLOPES = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
 

@@ -20,6 +20,14 @@ from scenarios import (first_order, grad_of_grad, hutchinson_hvp, jvp_of_grad, m
 from tiers import diagonal
 
 OPTIONS = {"compiler": "aot_eager", "fallback": False}
+
+
+@pytest.fixture(autouse=True)
+def tiles_at_any_size(monkeypatch):
+    """The tile-by-tile and relative-bias routes at these small sizes (by default a mask
+    of at most block_masks.TILES_ABOVE_BYTES is materialized: test_small_masks_are_...)."""
+    from bob_compile import block_masks
+    monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
 TOLERANCE = 1e-9
 
 
