@@ -218,17 +218,42 @@ def build(entries, tiles, row_stats, key_stats, L, S, block_size, relative_bias=
 def _distinct_tiles(entries, tiles):
     """(entries, tiles) with each distinct tile stored once, a tile without a visible pair
     EMPTY and one with every pair visible FULL (a last block's tile, False past L or S,
-    stays a tile)."""
+    stays a tile). Tiles are grouped by a fingerprint of their bytes (a sort of n numbers,
+    not of n rows of block_q x block_k), checked exactly; rows compared whole only where two
+    tiles' fingerprints collide."""
     if tiles.shape[0] == 0:
         return entries, tiles
-    distinct, inverse = torch.unique(tiles.reshape(tiles.shape[0], -1), dim=0,
-                                     return_inverse=True)
+    flat = tiles.reshape(tiles.shape[0], -1)
+    inverse = _groups(flat)
+    first = torch.full((int(inverse.max()) + 1,), flat.shape[0], device=flat.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(flat.shape[0], device=flat.device),
+                                 "amin")
+    if not torch.equal(flat, flat[first[inverse]]):        # a collision: exact grouping
+        _, inverse = torch.unique(flat, dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), flat.shape[0], device=flat.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(flat.shape[0], device=flat.device),
+                                     "amin")
+    distinct = flat[first]
     count = distinct.sum(-1)
     kept = (count > 0) & (count < distinct.shape[-1])
     status = torch.where(kept, torch.cumsum(kept, 0) - 1,
                          torch.where(count > 0, FULL, EMPTY))
     entries = torch.where(entries >= 0, status[inverse][entries.clamp_min(0)], entries)
     return entries, distinct[kept].view(-1, *tiles.shape[1:])
+
+
+def _groups(flat):
+    """Group numbers of the rows of a (n, m) bool tensor by a 64-bit fingerprint: the
+    weighted sum of their 8-byte words, odd pseudo-random weights, wrapping."""
+    words = flat.shape[1] // 8 * 8
+    packed = flat[:, :words].contiguous().view(torch.uint8).view(torch.int64) if words else \
+        flat.new_zeros(flat.shape[0], 0, dtype=torch.int64)
+    rest = flat[:, words:].to(torch.int64)
+    columns = torch.cat((packed, rest), 1)
+    generator = torch.Generator().manual_seed(0x5EED)
+    weights = torch.randint(-(1 << 62), 1 << 62, (columns.shape[1],), generator=generator)
+    fingerprint = (columns * (weights.to(flat.device) | 1)).sum(-1)
+    return torch.unique(fingerprint, return_inverse=True)[1]
 
 
 def _summary(row_stats, key_stats, L, S):

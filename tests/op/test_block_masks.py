@@ -410,6 +410,17 @@ def test_identical_tiles_are_stored_once():
                                                 64))
 
 
+def test_tiles_whose_fingerprints_collide_stay_apart(monkeypatch):
+    """Tiles are grouped by a fingerprint of their bytes, checked exactly: where every
+    fingerprint is made to collide, the tiles are still told apart."""
+    monkeypatch.setattr(block_sparse_masks, "_groups",
+                        lambda flat: torch.zeros(flat.shape[0], dtype=torch.int64))
+    blocks = blocks_of(sink_and_window_per_head, None, 3, 40, 50)
+    tiles = block_masks.key_intervals(blocks, 40, 50, "cpu", 2, 3, tiles_otherwise=True)
+    assert tiles.tiles.shape[0] > 1
+    assert torch.equal(tiles.dense(), dense(sink_and_window_per_head, 2, 3, 40, 50))
+
+
 def test_a_tile_by_tile_mask_reads_back_from_its_data():
     """The data alone (a copy: not found by identity) gives the same mask, through the ops'
     resolve too; a call of other lengths or sizes is refused."""
