@@ -418,7 +418,8 @@ def test_tiles_whose_fingerprints_collide_stay_apart(monkeypatch):
     blocks = blocks_of(sink_and_window_per_head, None, 3, 40, 50)
     tiles = block_masks.key_intervals(blocks, 40, 50, "cpu", 2, 3, tiles_otherwise=True)
     assert tiles.tiles.shape[0] > 1
-    assert torch.equal(tiles.dense(), dense(sink_and_window_per_head, 2, 3, 40, 50))
+    assert torch.equal(tiles.for_call(2, 3).dense(),
+                       dense(sink_and_window_per_head, 2, 3, 40, 50))
 
 
 def test_a_tile_by_tile_mask_reads_back_from_its_data():
