@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def compiled(model, **options):
-    return torch.compile(model, backend=flashbob, options={**AOT_EAGER, **options})
+    return torch.compile(model, backend=flashbob,
+                         options={**AOT_EAGER, "regions": "blocks", **options})
 
 
 class NextToken(nn.Module):
@@ -186,7 +187,8 @@ def test_an_in_place_write_inside_one_block_is_cut():
 def test_symbolic_shapes_compile_whole():
     torch.manual_seed(0)
     model = Stack([SDPABlock() for _ in range(2)]).double()
-    run = torch.compile(model, backend=flashbob, options=AOT_EAGER, dynamic=True)
+    run = torch.compile(model, backend=flashbob, options={**AOT_EAGER, "regions": "blocks"},
+                        dynamic=True)
     for seq in (8, 12):
         x, = float_batch(5, seq=seq)
         with math_sdpa():
