@@ -43,6 +43,7 @@ from .block_masks import (Blocks, every_pair_blocks, key_intervals,
                           may_synchronize, over_indices, pack, reused_key_intervals, trace_mod,
                           visible_pairs)
 from . import block_masks
+from .kernels import settings as kernel_settings
 from .kernels.block_sparse_masks import BlockSparseMask
 
 _ADD, _SUBTRACT = torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor
@@ -253,8 +254,11 @@ def _attend(query, key, value, blocks, score_mod, form, score_mod_buffers, scale
 
 def relative_pays(form, batch, heads, L, S, dtype):
     """Whether a relative bias goes to the kernels as rows rather than materialized: where
-    the materialized bias would take more than block_masks.TILES_ABOVE_BYTES (the
-    materialized bias runs the kernels' plain read path, measured faster)."""
+    BOB_COMPILE_DEV_RELATIVE_ROWS=1 and the materialized bias would take more than
+    block_masks.TILES_ABOVE_BYTES (the materialized bias runs the kernels' plain read
+    path, measured faster)."""
+    if not kernel_settings.current().relative_rows:
+        return False
     sizes = (batch if form.reads_batch else 1, heads if form.reads_head else 1, L, S)
     if not all(type(n) is int for n in sizes):
         return True

@@ -87,6 +87,11 @@ SWITCHES = (
            "`1`: the same two-part GEMMs on the row pass's masked tiles only (the causal "
            "diagonal, a mask's edges), where most of gq's and gdo's rounding error is, for "
            "< 1 % of the time (triton_bob.py)"),
+    Switch("BOB_COMPILE_DEV_RELATIVE_ROWS", SWITCH, "0",
+           "`1`: a flex_attention score_mod bias that reads q_idx - kv_idx alone, whose "
+           "materialized form would exceed 1 GiB, reaches the kernels as one row of "
+           "L + S - 1 values per head with the mask's tiles (kernels/block_sparse_masks.py); "
+           "off until its first GPU measurement is understood (docs/measurements.md)"),
     Switch("BOB_COMPILE_DEV_FAST_LAUNCH", SWITCH, "1",
            "reuse the compiled kernel of an earlier launch that specialized the same way, "
            "through its C launcher (`0`: every launch through `JITFunction.run`; "
@@ -116,6 +121,7 @@ class Settings:
     interpret: bool
     fast_launch: bool
     cpp_node: str
+    relative_rows: bool = False
 
     @classmethod
     def from_environ(cls, environ=None):
@@ -141,6 +147,7 @@ class Settings:
             interpret=interpret,
             fast_launch=read("BOB_COMPILE_DEV_FAST_LAUNCH") == "1" and not interpret,
             cpp_node=read("BOB_COMPILE_CPP_NODE"),
+            relative_rows=read("BOB_COMPILE_DEV_RELATIVE_ROWS") == "1",
         )
 
     def with_choices(self, choices):

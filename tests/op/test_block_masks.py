@@ -25,7 +25,10 @@ def tiles_at_any_size(monkeypatch):
     """The tile-by-tile and relative-bias routes at these small sizes (by default a mask
     of at most block_masks.TILES_ABOVE_BYTES is materialized: test_small_masks_are_...)."""
     from bob_compile import block_masks
+    from bob_compile.kernels import settings
     monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
+    monkeypatch.setenv("BOB_COMPILE_DEV_RELATIVE_ROWS", "1")
+    settings.reload()
 
 
 def window(b, h, q_idx, kv_idx):
@@ -132,7 +135,9 @@ def test_small_masks_are_materialized_by_default(monkeypatch):
     intervals is the bool mask (the kernels' plain read path, faster than the tiles'),
     resolved from a packed BlockMask too; a relative bias is materialized likewise."""
     from bob_compile import flex
+    from bob_compile.kernels import settings
     monkeypatch.undo()            # the module's default threshold
+    settings.reload()
     assert block_masks.TILES_ABOVE_BYTES == 1 << 30
     module = graph_of(dilated)
     key = block_masks.register_mask_mod(module)
@@ -142,6 +147,11 @@ def test_small_masks_are_materialized_by_default(monkeypatch):
     assert resolved.dtype == torch.bool and torch.equal(resolved, dense(dilated, 1, 2, 40, 40))
     form = flex.score_mod_form(lambda s, b, h, i, j: s + 0.1 * h * (j - i), torch.float32)
     assert form.relative and form.reads_head
+    # relative rows only where asked for (BOB_COMPILE_DEV_RELATIVE_ROWS=1), and then only
+    # beyond the threshold
+    assert not flex.relative_pays(form, 1, 12, 16384, 16384, torch.bfloat16)
+    monkeypatch.setenv("BOB_COMPILE_DEV_RELATIVE_ROWS", "1")
+    settings.reload()
     assert not flex.relative_pays(form, 1, 12, 4096, 4096, torch.bfloat16)      # 384 MiB
     assert flex.relative_pays(form, 1, 12, 16384, 16384, torch.bfloat16)        # 6 GiB
 

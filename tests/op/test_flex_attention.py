@@ -22,7 +22,10 @@ def tiles_at_any_size(monkeypatch):
     """The tile-by-tile and relative-bias routes at these small sizes (by default a mask
     of at most block_masks.TILES_ABOVE_BYTES is materialized: test_small_masks_are_...)."""
     from bob_compile import block_masks
+    from bob_compile.kernels import settings
     monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
+    monkeypatch.setenv("BOB_COMPILE_DEV_RELATIVE_ROWS", "1")
+    settings.reload()
 BLOCK = 16                     # BlockMask blocks smaller than the lengths: partial ones too
 SLOPES = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
 
@@ -216,7 +219,9 @@ def test_soft_capped_scores_run_through_the_op_at_every_order(monkeypatch, score
             scores = scores + bias
         return scores.masked_fill(~dense(prefix_lm, L, L), float("-inf")).softmax(-1) @ v
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        # bob_compile's own (the math fallback's); not PyTorch's (the first forward-mode AD
+        # in a process scripts its decompositions, with a deprecation warning)
+        warnings.filterwarnings("error", message="bob_compile")
         ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
             q, k, v, score_mod=score_mod, block_mask=block_mask), q, k, v)
     for a, e in zip(ours, second_orders(capped, q, k, v)):
