@@ -110,6 +110,17 @@ def seeded():
 
 
 @pytest.fixture
+def tiles_at_any_size(monkeypatch):
+    """FlexAttention's tile-by-tile and relative-bias routes at a test's small sizes: by
+    default a mask of at most block_masks.TILES_ABOVE_BYTES is materialized, and relative
+    biases go as rows only with BOB_COMPILE_DEV_RELATIVE_ROWS=1."""
+    from bob_compile import block_masks
+    monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
+    monkeypatch.setenv("BOB_COMPILE_DEV_RELATIVE_ROWS", "1")
+    settings.reload()
+
+
+@pytest.fixture
 def fresh_dynamo():
     """No compiled graph, recompile count, backend report or counter leaks between tests."""
     torch._dynamo.reset()

@@ -16,16 +16,8 @@ import bob_compile
 
 B, H, E = 2, 3, 8
 
-
-@pytest.fixture(autouse=True)
-def tiles_at_any_size(monkeypatch):
-    """The tile-by-tile and relative-bias routes at these small sizes (by default a mask
-    of at most block_masks.TILES_ABOVE_BYTES is materialized: test_small_masks_are_...)."""
-    from bob_compile import block_masks
-    from bob_compile.kernels import settings
-    monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
-    monkeypatch.setenv("BOB_COMPILE_DEV_RELATIVE_ROWS", "1")
-    settings.reload()
+# the tile-by-tile and relative-bias routes at these small sizes (conftest.py)
+pytestmark = pytest.mark.usefixtures("tiles_at_any_size")
 BLOCK = 16                     # BlockMask blocks smaller than the lengths: partial ones too
 SLOPES = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
 
@@ -132,12 +124,17 @@ def test_every_order_equals_math_with_the_same_mask_and_bias(name):
     else:
         mask_mod, score_mod, L, _ = CASES[name]
         visible, bias = dense(mask_mod, L, L), alibi_bias(L, L)
-    q, k, v = inputs(L, L, seed=1)
     block_mask = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    assert_second_orders_equal_math(score_mod, block_mask, visible, bias, *inputs(L, L, seed=1))
+
+
+def assert_second_orders_equal_math(score_mod, block_mask, visible, bias, q, k, v):
+    """bob_compile.flex_attention's second orders against math with the same dense mask
+    (`visible`) and bias."""
     ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
         q, k, v, score_mod=score_mod, block_mask=block_mask), q, k, v)
-    math = second_orders(lambda q, k, v: math_attention(q, k, v, visible, bias), q, k, v)
-    for a, e in zip(ours, math):
+    math_ = second_orders(lambda q, k, v: math_attention(q, k, v, visible, bias), q, k, v)
+    for a, e in zip(ours, math_):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
 
 
@@ -380,11 +377,7 @@ def test_a_relative_bias_reaches_the_op_as_a_row_per_head(monkeypatch, score_mod
     b, h, q_idx, kv_idx = grid(L, S)
     bias = score_mod(torch.zeros(()), b, h, q_idx, kv_idx).expand(B, H, L, S)
     visible = None if mask_mod is None else mask_mod(b, h, q_idx, kv_idx).expand(B, H, L, S)
-    ours = second_orders(lambda q, k, v: bob_compile.flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block_mask), q, k, v)
-    math_ = second_orders(lambda q, k, v: math_attention(q, k, v, visible, bias), q, k, v)
-    for a, e in zip(ours, math_):
-        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+    assert_second_orders_equal_math(score_mod, block_mask, visible, bias, q, k, v)
 
 
 def test_a_learned_relative_bias_is_materialized_for_its_gradient():

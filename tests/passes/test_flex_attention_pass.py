@@ -21,16 +21,8 @@ from tiers import diagonal
 
 OPTIONS = {"compiler": "aot_eager", "fallback": False}
 
-
-@pytest.fixture(autouse=True)
-def tiles_at_any_size(monkeypatch):
-    """The tile-by-tile and relative-bias routes at these small sizes (by default a mask
-    of at most block_masks.TILES_ABOVE_BYTES is materialized: test_small_masks_are_...)."""
-    from bob_compile import block_masks
-    from bob_compile.kernels import settings
-    monkeypatch.setattr(block_masks, "TILES_ABOVE_BYTES", 0)
-    monkeypatch.setenv("BOB_COMPILE_DEV_RELATIVE_ROWS", "1")
-    settings.reload()
+# the tile-by-tile and relative-bias routes at these small sizes (conftest.py)
+pytestmark = pytest.mark.usefixtures("tiles_at_any_size")
 TOLERANCE = 1e-9
 
 
