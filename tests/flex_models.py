@@ -152,14 +152,15 @@ def make(name, device="cpu", dtype=torch.float64, head_dim=E):
     return model, batches
 
 
-def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False):
+def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False, per_batch=False):
     """Masks whose rows see more than one interval, per query head: dilated causal (every
     other key), an attention sink of 5 keys beside a causal window of 9, and a random
     layout of empty, full and random partial blocks; as FlexAttention BlockMasks of
     `block`-sized blocks resolved tile by tile (BlockSparseMask: what the ops get for
     them), and as booleans; `relative`: with a relative bias per head (random, a few
     values below -1e4 that hide pairs above the diagonal), then the additive mask instead
-    of booleans. Every row sees key 0."""
+    of booleans; `per_batch`: each batch entry's heads take the patterns in another order
+    (a mask that reads b). Every row sees key 0."""
     from bob_compile import block_masks
     g = torch.Generator().manual_seed(L * S + block)
     rows, keys = torch.arange(L)[:, None], torch.arange(S)[None, :]
@@ -173,8 +174,8 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False):
     patterns = patterns[torch.arange(Hq) % 3].to(device)
 
     def per_head(b, h, q_idx, kv_idx):
-        return patterns[h, q_idx, kv_idx]
-    block_mask = create_block_mask(per_head, None, Hq, L, S, device=device,
+        return patterns[(h + b) % Hq if per_batch else h, q_idx, kv_idx]
+    block_mask = create_block_mask(per_head, B if per_batch else None, Hq, L, S, device=device,
                                    BLOCK_SIZE=block)
     bias = None
     if relative:
@@ -184,6 +185,8 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False):
     tiles = block_masks.key_intervals(block_masks.Blocks.of(block_mask), L, S, device, B, Hq,
                                       tiles_otherwise=True, relative_bias=bias)
     visible = patterns.expand(B, Hq, L, S)
+    if per_batch:
+        visible = torch.stack([patterns[(torch.arange(Hq) + b) % Hq] for b in range(B)])
     if relative:
         at = (torch.arange(L)[:, None] - torch.arange(S)[None, :] + S - 1).to(device)
         visible = bias[..., at].masked_fill(~visible, float("-inf"))

@@ -531,6 +531,20 @@ def test_block_sparse_masks_every_output(monkeypatch, schedule, causal, block):
 
 
 @in_interpreter
+def test_block_sparse_masks_of_each_batch_entry_every_output():
+    """Tiles per batch entry and head (a mask that reads b: each (b, h) its own table)."""
+    from bob_compile.kernels.block_sparse_masks import BlockSparseMask
+    from flex_models import tile_by_tile_masks
+    B, Hq, L, S = 2, 3, 61, 70
+    tiles, visible = tile_by_tile_masks(B, Hq, L, S, 16, per_batch=True)
+    assert isinstance(tiles, BlockSparseMask) and tiles.summary.shape[:2] == (B, Hq)
+    assert torch.equal(tiles.dense(), visible)
+    q, k, v = make_inputs(B, Hq, 1, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, False, (True, True, True), True, torch.float32, mask=tiles,
+                   reference_mask=visible)
+
+
+@in_interpreter
 @pytest.mark.parametrize("causal", [False, True])
 def test_tiles_with_a_relative_bias_every_output(causal):
     """The same tiles carrying a relative bias (a row of L + S - 1 per head: ALiBi, T5's
