@@ -193,10 +193,10 @@ def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False,
     evaluated, which are kept until the verdict for that; the bool (B or 1, H or 1, L, S)
     mask instead where it takes at most `dense_up_to` bytes, or where the blocks are not
     powers of two). With a `relative_bias` ((B or 1, H or 1, L + S - 1):
-    block_sparse_masks.py) the mask is tiles whatever the verdict, the bias with it. The mask_mod is evaluated on the listed partial blocks only, a chunk at a
-    time; nothing L x S is made. Host
-    synchronizations (listing the blocks, the verdict, the distinct tiles): only where
-    may_synchronize."""
+    block_sparse_masks.py) the mask is tiles whatever the verdict, the bias with it. The
+    mask_mod is evaluated on the listed partial blocks only, a chunk at a time; nothing
+    L x S is made. Host synchronizations (listing the blocks, the verdict, the distinct
+    tiles): only where may_synchronize."""
     mask_mod, partial, full, sizes, q_block, kv_block = _layout(blocks, L, S, device, batch,
                                                                 heads)
     partial = partial.expand(*sizes, -1, -1)
@@ -504,8 +504,10 @@ def pack(blocks, key, relative_bias=None):
 def resolve(packed, batch, heads, L, S):
     """The mask a packed BlockMask applies to a (batch, heads, L, S) call, as the ops take
     it: KeyIntervals where its rows and keys are intervals, else a BlockSparseMask (tile by
-    tile). Reads the header and lists the partial blocks on the host. A tile-by-tile mask's
-    own data (what bob_compile.flex_attention passes eagerly) is taken as it is."""
+    tile) or, up to TILES_ABOVE_BYTES, the materialized (batch, heads, L, S) view
+    (key_intervals). Reads the header and lists the partial blocks on the host. A
+    tile-by-tile mask's own data (what bob_compile.flex_attention passes eagerly) is taken
+    as it is."""
     if packed.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "bob_compile: a packed BlockMask cannot be resolved while a CUDA graph is "

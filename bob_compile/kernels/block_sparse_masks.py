@@ -23,9 +23,8 @@ One uint8 tensor holds it all, so that it passes through the ops as their mask a
              blocks each row block sees, and skip those above the diagonal where none is seen)
     tables   one per (batch entry, head), Bm x Hm of them, int32: log2 block_q, log2
              block_k (powers of two), key_blocks, the byte offsets from this table to the
-             tiles and to its bias row
-             (0: none), then the (q_blocks, key_blocks) entries: EMPTY, FULL, or the index
-             of the tile
+             tiles and to its bias row (0: none), then the (q_blocks, key_blocks) entries:
+             EMPTY, FULL, or the index of the tile
     tiles    (number of tiles, block_q, block_k) bool, rows past L and keys past S False
     bias     (Bm, Hm, L + S - 1): the bias of a pair (q, k) at q - k + S - 1, float32
              (float64 for float64 calls, which the Triton kernels never take)
@@ -38,7 +37,8 @@ import weakref
 
 import torch
 
-from .interval_masks import READ_THE_MASK, READ_THE_MASK_CAUSAL, summary_length
+from .interval_masks import (READ_THE_MASK, READ_THE_MASK_CAUSAL, summary_length,
+                             summary_of_intervals)
 
 EMPTY, FULL = -1, -2                 # a table entry that is not a tile's index
 MAGIC = 0x656C69745F626F62          # "bob_tile", little-endian
@@ -225,14 +225,10 @@ def _distinct_tiles(entries, tiles):
         return entries, tiles
     flat = tiles.reshape(tiles.shape[0], -1)
     inverse = _groups(flat)
-    first = torch.full((int(inverse.max()) + 1,), flat.shape[0], device=flat.device)
-    first = first.scatter_reduce(0, inverse, torch.arange(flat.shape[0], device=flat.device),
-                                 "amin")
+    first = _first_of_each_group(inverse)
     if not torch.equal(flat, flat[first[inverse]]):        # a collision: exact grouping
-        _, inverse = torch.unique(flat, dim=0, return_inverse=True)
-        first = torch.full((int(inverse.max()) + 1,), flat.shape[0], device=flat.device)
-        first = first.scatter_reduce(0, inverse, torch.arange(flat.shape[0], device=flat.device),
-                                     "amin")
+        inverse = torch.unique(flat, dim=0, return_inverse=True)[1]
+        first = _first_of_each_group(inverse)
     distinct = flat[first]
     count = distinct.sum(-1)
     kept = (count > 0) & (count < distinct.shape[-1])
@@ -240,6 +236,13 @@ def _distinct_tiles(entries, tiles):
                          torch.where(count > 0, FULL, EMPTY))
     entries = torch.where(entries >= 0, status[inverse][entries.clamp_min(0)], entries)
     return entries, distinct[kept].view(-1, *tiles.shape[1:])
+
+
+def _first_of_each_group(inverse):
+    """For group numbers 0 .. g - 1 of n rows, the first row of each group."""
+    n = inverse.shape[0]
+    first = torch.full((int(inverse.max()) + 1,), n, device=inverse.device)
+    return first.scatter_reduce(0, inverse, torch.arange(n, device=inverse.device), "amin")
 
 
 def _groups(flat):
@@ -257,18 +260,12 @@ def _groups(flat):
 
 
 def _summary(row_stats, key_stats, L, S):
-    """triton_masks.py's summary of a mask that is not intervals: first, end (the keys any
-    query sees), READ_THE_MASK_CAUSAL where no row sees a key above the diagonal (else
-    READ_THE_MASK), then the rows' and the keys' (first, end)."""
+    """triton_masks.py's summary of a mask that is not intervals: interval_masks'
+    summary_of_intervals with the structure READ_THE_MASK_CAUSAL where no row sees a key
+    above the diagonal, else READ_THE_MASK."""
     row_first, row_end, row_count = row_stats
-    key_first, key_end, _ = key_stats
-    first = row_first.amin(-1, keepdim=True) if L else row_first.new_zeros(
-        *row_first.shape[:-1], 1)
-    end = row_end.amax(-1, keepdim=True) if L else first
-    first = torch.minimum(first, end)
+    summary = summary_of_intervals(row_first, row_end, *key_stats[:2])
     rows = torch.arange(1, L + 1, device=row_end.device)
-    below_only = ((row_count == 0) | (row_end <= rows)).all(-1, keepdim=True)
-    structure = torch.where(below_only, READ_THE_MASK_CAUSAL, READ_THE_MASK)
-    ranges = torch.cat((torch.stack((row_first, row_end), -1).flatten(-2),
-                        torch.stack((key_first, key_end), -1).flatten(-2)), -1)
-    return torch.cat((first, end, structure, ranges), -1).to(torch.int32).unsqueeze(-2)
+    below_only = ((row_count == 0) | (row_end <= rows)).all(-1)
+    summary[..., 0, 2] = torch.where(below_only, READ_THE_MASK_CAUSAL, READ_THE_MASK)
+    return summary
