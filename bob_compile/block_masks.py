@@ -193,7 +193,8 @@ def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False,
     evaluated, which are kept until the verdict for that; the bool (B or 1, H or 1, L, S)
     mask instead where it takes at most `dense_up_to` bytes, or where the blocks are not
     powers of two). With a `relative_bias` ((B or 1, H or 1, L + S - 1):
-    block_sparse_masks.py) the mask is tiles whatever the verdict, the bias with it. The
+    block_sparse_masks.py) the mask is tiles whatever the verdict, the bias with it (blocks
+    that are not powers of two: the additive mask materialized, the bias where visible). The
     mask_mod is evaluated on the listed partial blocks only, a chunk at a time; nothing
     L x S is made. Host synchronizations (listing the blocks, the verdict, the distinct
     tiles): only where may_synchronize."""
@@ -219,21 +220,32 @@ def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False,
         pair = (b * heads_listed + h)[:, None]
         _add_tile(rows, seen, pair * L + row_index, key_index, S)
         _add_tile(keys, seen.transpose(1, 2), pair * S + key_index, row_index, L)
-    if relative_bias is not None:
+    tileable = block_sparse_masks.powers_of_two((q_block, kv_block))
+    if relative_bias is not None and tileable:
         return _tile_by_tile(evaluated, full, sizes, (q_blocks, kv_blocks), (q_block, kv_block),
                              rows, keys, L, S, device, relative_bias)
-    if not bool(_one_interval_each(rows) & _one_interval_each(keys)):
-        if not tiles_otherwise:
+    if relative_bias is not None or not bool(_one_interval_each(rows) &
+                                             _one_interval_each(keys)):
+        if not tiles_otherwise and relative_bias is None:
             return None
-        if sizes[0] * sizes[1] * L * S <= dense_up_to or \
-                not block_sparse_masks.powers_of_two((q_block, kv_block)):
+        if sizes[0] * sizes[1] * L * S <= dense_up_to or not tileable:
             _say_dense(blocks.mask_mod)
-            return _written(evaluated, full, sizes, (q_blocks, kv_blocks), q_block, kv_block, L,
-                            S, device)
+            visible = _written(evaluated, full, sizes, (q_blocks, kv_blocks), q_block, kv_block,
+                               L, S, device)
+            return visible if relative_bias is None else _with_relative_bias(
+                visible, relative_bias, L, S)
         _say_tiles(blocks.mask_mod)
         return _tile_by_tile(evaluated, full, sizes, (q_blocks, kv_blocks), (q_block, kv_block),
                              rows, keys, L, S, device)
     return summary_of_intervals(*(t.view(*sizes, -1) for t in rows[:2] + keys[:2]))
+
+
+def _with_relative_bias(visible, relative_bias, L, S):
+    """The additive mask of bool `visible` (..., L, S) and a relative bias (..., L + S - 1):
+    the bias of q - k where visible, -inf elsewhere."""
+    at = torch.arange(L, device=visible.device)[:, None] - \
+        torch.arange(S, device=visible.device)[None, :] + S - 1
+    return relative_bias[..., at].masked_fill(~visible, float("-inf"))
 
 
 def _tile_by_tile(evaluated, full, sizes, block_counts, block_size, rows, keys, L, S, device,
@@ -565,7 +577,7 @@ def resolve(packed, batch, heads, L, S):
             _keep(_by_content, content, form)
     if isinstance(form, BlockSparseMask):
         mask = form.for_call(batch, heads)
-    elif form.dtype == torch.bool:
+    elif form.dtype != torch.int32:         # materialized: bool, or additive with a bias
         mask = form.expand(batch, heads, L, S)
     else:
         mask = KeyIntervals.of(form, batch, heads, L, S)

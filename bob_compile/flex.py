@@ -274,12 +274,18 @@ def _relative_mask(blocks, relative, L, S, query, mask_mod_key):
     if blocks is None:
         blocks = every_pair_blocks(L, S, query.device)
     if may_synchronize(blocks.kv_num_blocks):
-        return key_intervals(blocks, L, S, query.device, *query.shape[:2],
-                             relative_bias=relative).data
+        return _as_op_mask(key_intervals(blocks, L, S, query.device, *query.shape[:2],
+                                         relative_bias=relative))
     if mask_mod_key is not None and not (query.is_cuda and
                                          torch.cuda.is_current_stream_capturing()):
         return pack(blocks, mask_mod_key, relative)
     return None
+
+
+def _as_op_mask(form):
+    """A mask's form (block_masks.key_intervals) as the op's mask argument takes it: a
+    BlockSparseMask as its uint8 data, a tensor as it is."""
+    return form.data if isinstance(form, BlockSparseMask) else form
 
 
 def _mask_for_the_op(blocks, L, S, query, mask_mod_key):
@@ -289,8 +295,7 @@ def _mask_for_the_op(blocks, L, S, query, mask_mod_key):
     mask_mod is registered (mask_mod_key), the BlockMask packed (uint8), which the ops
     resolve when they run. None otherwise (the caller materializes the mask)."""
     if may_synchronize(blocks.kv_num_blocks):
-        form = reused_key_intervals(blocks, L, S, query.device, *query.shape[:2])
-        return form.data if isinstance(form, BlockSparseMask) else form
+        return _as_op_mask(reused_key_intervals(blocks, L, S, query.device, *query.shape[:2]))
     if mask_mod_key is not None and not (query.is_cuda and
                                          torch.cuda.is_current_stream_capturing()):
         return pack(blocks, mask_mod_key)

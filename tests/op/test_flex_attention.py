@@ -380,6 +380,31 @@ def test_a_relative_bias_reaches_the_op_as_a_row_per_head(monkeypatch, score_mod
     assert_second_orders_equal_math(score_mod, block_mask, visible, bias, q, k, v)
 
 
+def test_a_relative_bias_beside_blocks_that_are_not_powers_of_two_is_materialized():
+    """The tiles take blocks of powers of two: a BlockMask of 24-token blocks with ALiBi
+    gets the bias materialized with its mask (eagerly and as a packed mask resolves),
+    every order exact."""
+    from bob_compile import block_masks
+    L = 53
+    block_mask = create_block_mask(sliding_window, None, None, L, L, device="cpu",
+                                   BLOCK_SIZE=24)
+    q, k, v = inputs(L, L, seed=8)
+    assert_second_orders_equal_math(alibi, block_mask, dense(sliding_window, L, L),
+                                    alibi_bias(L, L), q, k, v)
+    blocks = block_masks.Blocks.of(block_mask)
+    rows_of_the_bias = SLOPES.view(1, H, 1) * -torch.arange(-(L - 1), L)   # at q - k + L - 1
+    form = block_masks.key_intervals(blocks, L, L, "cpu", B, H, relative_bias=rows_of_the_bias)
+    want = alibi_bias(L, L).masked_fill(~dense(sliding_window, L, L), float("-inf"))
+    assert form.dtype == torch.float64 and form.shape == (1, H, L, L)
+    torch.testing.assert_close(form, want.expand(1, H, L, L))
+    # a compiled graph's packed BlockMask with the bias resolves to the same
+    module = torch.fx.symbolic_trace(sliding_window)
+    blocks.mask_mod = module
+    packed = block_masks.pack(blocks, block_masks.register_mask_mod(module), rows_of_the_bias)
+    torch.testing.assert_close(block_masks.resolve(packed, B, H, L, L),
+                               want.expand(B, H, L, L))
+
+
 def test_a_learned_relative_bias_is_materialized_for_its_gradient():
     """A relative table that requires grad: the bias is materialized (its cotangent is
     L x S before it is summed into the table), the table's gradient exact."""
