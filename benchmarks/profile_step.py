@@ -10,9 +10,12 @@ and causal or not:
   kernels     torch.profiler over one step: each CUDA kernel's GPU time and launch count
 
 Made for the short-sequence question (at 1K a causal step took longer than a non-causal
-one): launches, host time and per-kernel time side by side.
+one): launches, host time and per-kernel time side by side. With --dropout or --softcap,
+the same step with attention dropout or soft-capped scores: which passes the feature slows
+(issues 39 and 41).
 
     python benchmarks/profile_step.py --seq-lens 1024 4096 --out results/
+    python benchmarks/profile_step.py --seq-lens 16384 --causal yes --dropout 0.1
 """
 import argparse
 import json
@@ -31,13 +34,16 @@ from run_record import run_record  # noqa: E402
 
 
 def step_of(n, causal, args):
+    options = dict(dropout_p=args.dropout) if args.dropout else {}
+    if args.softcap:
+        options["softcap"] = args.softcap
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do, *cotangents = (
         torch.randn(1, args.heads, n, args.head_dim, device="cuda", dtype=torch.bfloat16,
                     generator=g, requires_grad=i < 3) for i in range(7))
 
     def step():
-        o = bob_compile.attention(q, k, v, is_causal=causal)
+        o = bob_compile.attention(q, k, v, is_causal=causal, **options)
         grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
         torch.autograd.grad(grads, (q, k, v), cotangents)
     return step
@@ -87,21 +93,26 @@ def main():
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--top", type=int, default=8, help="kernels printed per row")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout p")
+    p.add_argument("--softcap", type=float, default=0.0, help="soft-capping c (0: none)")
     p.add_argument("--out", default="results")
     args = p.parse_args()
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     for n in args.seq_lens:
         for causal in causal_values:
-            row = dict(N=n, causal=causal, **measure(step_of(n, causal, args), args.reps))
+            row = dict(N=n, causal=causal, dropout=args.dropout, softcap=args.softcap,
+                       **measure(step_of(n, causal, args), args.reps))
             rows.append(row)
-            print(f"N={n} causal={causal}: step {row['step_ms']:.3f} ms, host issue "
+            print(f"N={n} causal={causal} dropout={args.dropout} softcap={args.softcap}: step {row['step_ms']:.3f} ms, host issue "
                   f"{row['host_ms']:.3f} ms, kernels {row['kernel_ms']:.3f} ms in "
                   f"{row['launches']} launches")
             for k in row["kernels"][:args.top]:
                 print(f"   {k['ms']:8.3f} ms x{k['launches']:<3d} {k['name'][:90]}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+    name = "profile_step" + (f"_dropout{args.dropout}" if args.dropout else "") + \
+        (f"_softcap{args.softcap:g}" if args.softcap else "")
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(dict(run=run_record(), device=torch.cuda.get_device_name(), rows=rows), f,
                   indent=1)
 
