@@ -19,7 +19,7 @@ had to recompute their residuals (a create_graph backward frees them: docs/routi
     python benchmarks/bench_second_order_memory.py --compiler eager ...   # the eager route
     python benchmarks/bench_second_order_memory.py --activation-memory-budget 0.3 ...
         # PyTorch's partitioner knob (torch._functorch.config), which our orders honour
-    python benchmarks/bench_second_order_memory.py --regions graph ...   # one compile, whole
+    python benchmarks/bench_second_order_memory.py --regions blocks ...   # each block once
     python benchmarks/bench_second_order_memory.py --cpp-wrapper ...   # inductor's C++ wrapper
     python benchmarks/bench_second_order_memory.py --mode reduce-overhead ...   # CUDA graphs
 
@@ -222,9 +222,9 @@ def main():
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--vocab-size", type=int, default=50304)
     p.add_argument("--compiler", default=None, help="flashbob's compiler option (eager: the eager route)")
-    p.add_argument("--regions", choices=["blocks", "graph"], default="blocks",
-                   help="flashbob's regions option: compile each distinct block once "
-                        "(default) or the graph whole")
+    p.add_argument("--regions", choices=["blocks", "graph"], default="graph",
+                   help="flashbob's regions option: compile the graph whole (default, as "
+                        "flashbob's) or each distinct block once")
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="torch._functorch.config.activation_memory_budget for every compile")
     p.add_argument("--mode", default=None, help="torch.compile's mode (reduce-overhead: CUDA graphs)")
@@ -246,7 +246,7 @@ def main():
     if out.is_dir() or args.out.endswith("/"):
         tag = (f"_{args.impl}{'_checkpoint' if args.checkpoint else ''}_b{args.batch_size}"
                f"{'_' + args.mode if args.mode else ''}{'_cpp' if args.cpp_wrapper else ''}"
-               f"{'_whole' if args.regions == 'graph' else ''}")
+               f"{'_blocks' if args.regions == 'blocks' else ''}")
         out = out / f"bench_second_order_memory{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

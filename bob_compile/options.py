@@ -27,7 +27,7 @@ class Options:
     dump_dir: Optional[str] = None
     compiler: str = "inductor"
     fallback: bool = True
-    regions: str = "blocks"
+    regions: str = "graph"
     # Inductor config patches for torch.compile's `mode` (not an option key).
     inductor_config: tuple = ()
     kernel_choices: Optional[kernel_settings.KernelChoices] = None   # None: the environment's
