@@ -18,6 +18,7 @@ pattern). Given to the op as
 """
 import collections
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -633,22 +634,23 @@ def _small(form):
 def reused_key_intervals(blocks, L, S, device, batch, heads):
     """key_intervals(..., tiles_otherwise=True): the int32 summary or the BlockSparseMask,
     kept for the next call with the same BlockMask, mask_mod and tensors, none of them
-    modified since (their versions), where small (_small). Kept only for a mask_mod that is
-    a plain function whose closure and the globals it names hold nothing else that could
-    change what it computes (tensors, numbers, strings, modules and PyTorch's or Python's
-    own functions), or a graph of Dynamo's, which reads only its arguments; anything else
-    is evaluated every call."""
+    modified since (their versions), and the same values of the numbers and strings the
+    mask_mod reads, where small (_small). Kept only where everything the mask_mod reads can
+    be told (_reads_of: its closure, defaults and the globals it names, through the plain
+    functions it reaches, as and_masks/or_masks compose them), or for a graph of Dynamo's,
+    which reads only its arguments; anything else is evaluated every call."""
     sources = _sources(blocks)
     if sources is None:
         return key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True,
                              dense_up_to=TILES_ABOVE_BYTES)
+    tensors, constants = sources
     values = tuple(b if isinstance(b, (int, float, bool)) else int(b)
                    for b in blocks.mask_mod_buffers if not isinstance(b, torch.Tensor))
-    key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in sources), values, L, S,
-           batch, heads, str(device))
+    key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in tensors), values,
+           constants, L, S, batch, heads, str(device))
     kept = _by_identity.get(key)
     if kept is not None and kept[0]() is blocks.mask_mod and \
-            all(ref() is t for ref, t in zip(kept[1], sources)):
+            all(ref() is t for ref, t in zip(kept[1], tensors)):
         with _kept_lock:
             if key in _by_identity:
                 _by_identity.move_to_end(key)
@@ -657,43 +659,94 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
                          dense_up_to=TILES_ABOVE_BYTES)
     if _small(form):
         _keep(_by_identity, key, (weakref.ref(blocks.mask_mod),
-                                  [weakref.ref(t) for t in sources], form))
+                                  [weakref.ref(t) for t in tensors], form))
     return form
 
 
-_CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), types.ModuleType)
+_SCALAR_TYPES = (int, float, bool, str, bytes, type(None))
+# modules a mask_mod may name whose attributes it reads as library code (torch.where,
+# math.pi); a user's module may hold state (config.window) that no key would see
+_LIBRARY_MODULES = ("torch", "math", "operator", "functools", "numpy", "builtins")
 
 
 def _sources(blocks):
-    """The tensors the pairs of `blocks` depend on (block lists, captured buffers, the
-    tensors its mask_mod reads from its closure and globals), or None where that cannot be
-    told (see reused_key_intervals)."""
+    """(the tensors the pairs of `blocks` depend on: block lists, captured buffers, the
+    tensors its mask_mod reads; the numbers and strings its mask_mod reads), or None where
+    that cannot be told (see reused_key_intervals)."""
     mask_mod = blocks.mask_mod
     tensors = [t for t in (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
                            blocks.full_kv_indices, *blocks.mask_mod_buffers)
                if isinstance(t, torch.Tensor)]
     if isinstance(mask_mod, torch.fx.GraphModule):     # Dynamo's: what it reads is passed
-        return None if mask_mod.graph.find_nodes(op="get_attr") else tensors
+        return None if mask_mod.graph.find_nodes(op="get_attr") else (tensors, ())
     if not isinstance(mask_mod, types.FunctionType):
         return None
-    cells = []
-    for cell in mask_mod.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:          # an empty cell
-            return None
-    names = mask_mod.__code__.co_names
-    read = cells + [mask_mod.__globals__[n] for n in names if n in mask_mod.__globals__]
-    for value in read:
+    reads = _reads_of(mask_mod)
+    return None if reads is None else (tensors + reads[0], reads[1])
+
+
+def _reads_of(function):
+    """(tensors, scalar values) that a plain function reads from its closure, its defaults
+    and the globals its code names (nested functions' code included), through every plain
+    function, functools.partial and tuple it reaches that way (and_masks/or_masks keep their
+    mask_mods in a closure tuple); the scalars in a fixed order, for a key. None where it
+    reaches anything else: a list, a dict, an object, a user's module, an empty cell."""
+    tensors, scalars, seen = [], [], set()
+    stack = [function]
+    while stack:
+        value = stack.pop()
         if isinstance(value, torch.Tensor):
             tensors.append(value)
-        elif not (isinstance(value, _CONSTANT_TYPES) or _library_function(value)):
+        elif isinstance(value, _SCALAR_TYPES):
+            scalars.append((type(value).__name__, value))
+        elif id(value) in seen:
+            continue
+        elif isinstance(value, types.ModuleType):
+            if value.__name__.split(".")[0] not in _LIBRARY_MODULES:
+                return None
+        elif isinstance(value, (tuple, frozenset)):
+            seen.add(id(value))
+            stack.extend(value)
+        elif isinstance(value, functools.partial):
+            seen.add(id(value))
+            stack.extend((value.func, *value.args, *value.keywords.values()))
+        elif isinstance(value, types.FunctionType):
+            seen.add(id(value))
+            reached = _function_reads(value)
+            if reached is None:
+                return None
+            stack.extend(reached)
+        elif not _library_function(value):
             return None
-    return tensors
+    return tensors, tuple(scalars)
+
+
+def _function_reads(function):
+    """What a plain function reads besides its arguments: its closure's cells, defaults and
+    the globals its code (and its nested functions' code) names; a library function's
+    (PyTorch's, Python's) closure only, its globals being the library's. None for an empty
+    cell."""
+    read = []
+    for cell in function.__closure__ or ():
+        try:
+            read.append(cell.cell_contents)
+        except ValueError:          # an empty cell
+            return None
+    if _library_function(function):
+        return read
+    read += list(function.__defaults__ or ()) + list((function.__kwdefaults__ or {}).values())
+    codes, names = [function.__code__], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    namespace = function.__globals__
+    return read + [namespace[n] for n in sorted(names) if n in namespace]
 
 
 def _library_function(value):
-    """PyTorch's or Python's own callables (torch.where, abs): they read no user state."""
+    """PyTorch's, Python's or NumPy's own callables (torch.where, abs, math.floor): they
+    read no user state."""
     module = getattr(value, "__module__", None) or ""
-    return callable(value) and (module == "builtins" or module.split(".")[0] == "torch") \
+    return callable(value) and module.split(".")[0] in _LIBRARY_MODULES \
         and not isinstance(value, torch.nn.Module)

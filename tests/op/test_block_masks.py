@@ -501,19 +501,74 @@ def test_an_eager_block_mask_is_evaluated_once_until_its_tensors_change(monkeypa
     assert not torch.equal(third, first)
 
 
-def test_a_mask_mod_calling_user_code_is_evaluated_every_call(monkeypatch):
-    """What a mask_mod's helper function reads cannot be told: no intervals kept."""
+def calls_over_two_steps(monkeypatch, mask_mod, L=30, between=lambda: None):
+    """How many times a BlockMask of `mask_mod` is evaluated over two eager calls (`between`
+    runs between them); each call checked against the mask as the mask_mod reads now."""
     calls = counting_key_intervals(monkeypatch)
+    block_mask = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    q, k, v = inputs(1, 1, L, L)
+    for step in range(2):
+        if step:
+            between()
+        out = bob_compile.flex_attention(q, k, v, block_mask=block_mask)
+        want = block_masks.visible_pairs(block_masks.Blocks.of(block_mask), L, L, "cpu", 1, 1)
+        torch.testing.assert_close(out, bob_compile.attention(q, k, v, attn_mask=want),
+                                   rtol=1e-12, atol=1e-12)
+    return len(calls)
 
-    def helper(q_idx, kv_idx):
-        return q_idx - kv_idx < 5
+
+def test_a_mask_mod_calling_helpers_is_evaluated_once(monkeypatch):
+    """Helper functions, their closures and globals, and and_masks/or_masks compositions
+    (attention-gym's way to build masks): everything they read can be told, so the
+    intervals are kept."""
+    from torch.nn.attention.flex_attention import and_masks, or_masks
+    span = 5
+
+    def near(q_idx, kv_idx):
+        return q_idx - kv_idx < span
+
     def helped(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & helper(q_idx, kv_idx)
-    block_mask = create_block_mask(helped, None, None, 30, 30, device="cpu", BLOCK_SIZE=BLOCK)
-    q, k, v = inputs(1, 1, 30, 30)
-    for _ in range(2):
-        bob_compile.flex_attention(q, k, v, block_mask=block_mask)
-    assert len(calls) == 2
+        return (q_idx >= kv_idx) & near(q_idx, kv_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    assert calls_over_two_steps(monkeypatch, helped) == 1
+    assert calls_over_two_steps(monkeypatch, and_masks(causal, window)) == 1
+    assert calls_over_two_steps(monkeypatch, or_masks(window, prefix_lm)) == 1
+
+
+def test_a_number_the_mask_mod_reads_is_part_of_the_key(monkeypatch):
+    """A closure's number changed between calls (a window grown by a curriculum): the
+    mask is evaluated again and follows it (FlexAttention's semantics: the listed blocks,
+    the mask_mod as it reads now)."""
+    width = 4
+
+    def near(q_idx, kv_idx):
+        return q_idx - kv_idx < width
+
+    def widened(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & near(q_idx, kv_idx)
+
+    def grow():
+        nonlocal width
+        width = 9
+    assert calls_over_two_steps(monkeypatch, widened, between=grow) == 2
+
+
+def test_a_mask_mod_reading_state_it_cannot_key_is_evaluated_every_call(monkeypatch):
+    """A list, a dict, an object or a user's module: what they hold may change unseen."""
+    import types
+    limits = [5]
+    config = types.ModuleType("user_config")
+    config.width = 5
+
+    def from_list(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < limits[0])
+
+    def from_module(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < config.width)
+    assert calls_over_two_steps(monkeypatch, from_list) == 2
+    assert calls_over_two_steps(monkeypatch, from_module) == 2
 
 
 def test_a_packed_mask_is_evaluated_once_per_content(monkeypatch):
