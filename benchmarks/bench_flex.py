@@ -25,12 +25,20 @@ Per row: the CUDA-event median, the visible pairs, the time per visible pair rel
 the causal op's (the issue's target: <= 1.15), the peak memory beyond the inputs, and for
 the flex rows the time to make the mask's form from the BlockMask and the form's size.
 
+The tile-by-tile and relative-bias forms are taken where the materialized mask would
+exceed 1 GiB (block_masks.TILES_ABOVE_BYTES), the relative rows only with
+BOB_COMPILE_DEV_RELATIVE_ROWS=1; --tiles-above-bytes 0 takes them at any size, to compare
+them with the materialized mask at a length where both fit.
+
     python benchmarks/bench_flex.py --out results/ [--n 16384] [--window 1024]
+    BOB_COMPILE_DEV_RELATIVE_ROWS=1 python benchmarks/bench_flex.py --n 8192 \
+        --tiles-above-bytes 0
 """
 import argparse
 import json
 import os
 import sys
+import warnings
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
@@ -59,7 +67,13 @@ def main():
     p.add_argument("--min-doc", type=int, default=1024)
     p.add_argument("--max-doc", type=int, default=4096)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--tiles-above-bytes", type=int, default=None,
+                   help="block_masks.TILES_ABOVE_BYTES for this run (default: the library's)")
     args = p.parse_args()
+    # a flex row that fell back to math (N x N) would be timed as the op's: refuse it
+    warnings.filterwarnings("error", message="bob_compile.flex_attention runs this call as math")
+    if args.tiles_above_bytes is not None:
+        block_masks.TILES_ABOVE_BYTES = args.tiles_above_bytes
     if not torch.cuda.is_available():
         print("bench_flex.py needs a CUDA device")
         return

@@ -58,7 +58,8 @@ class Blocks:
         return cls(tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
                    block_mask.kv_num_blocks, block_mask.kv_indices,
                    block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                   block_mask.mask_mod, (), mask_mod_reads(block_mask.mask_mod))
+                   block_mask.mask_mod, (), mask_mod_reads(block_mask.mask_mod,
+                                                           device=block_mask.kv_indices.device))
 
     @classmethod
     def of_tuple(cls, block_tuple, mask_mod_buffers=(), mask_mod_reads=(True, True)):
@@ -381,11 +382,13 @@ def _listed(num_blocks, indices, kv_blocks, device):
 
 
 # ------------------------------------------------------------------ tracing a mod
-def trace_mod(function, buffers=(), score_dtype=None):
+def trace_mod(function, buffers=(), score_dtype=None, device=None):
     """A mod's aten graph: a score_mod's (score_dtype given: traced with score, b, h, q_idx,
     kv_idx) or a mask_mod's (b, h, q_idx, kv_idx), then `buffers` (tensors, real, fake or
     meta, or sizes, standing for what Dynamo passes as extra arguments); or why it could
-    not be traced."""
+    not be traced. The indices are made on the buffers' device, else on `device` (the
+    call's: where the tensors a mod reads from its closure are, which it indexes), else on
+    the CPU."""
     try:
         # traced as written, outside any torch.func level (the example inputs made there
         # too: made under a transform, make_fx takes them for constants); one-element
@@ -393,7 +396,8 @@ def trace_mod(function, buffers=(), score_dtype=None):
         # per input (make_fx takes one tensor passed twice for one input); on the meta
         # device, where the buffers are, so that no value is read
         with torch._C._DisableFuncTorch():
-            device = next((b.device for b in buffers if isinstance(b, torch.Tensor)), "cpu")
+            device = next((b.device for b in buffers if isinstance(b, torch.Tensor)),
+                          device or "cpu")
             examples = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(4)]
             if score_dtype is not None:
                 examples.insert(0, torch.zeros(1, dtype=score_dtype, device=device))
@@ -402,12 +406,40 @@ def trace_mod(function, buffers=(), score_dtype=None):
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def mask_mod_reads(mask_mod, buffers=()):
+def mask_mod_reads(mask_mod, buffers=(), device=None):
     """(reads the batch index, reads the head index) of `mask_mod(b, h, q_idx, kv_idx,
     *buffers)`, from its traced graph; both where it cannot be traced. FlexAttention
     evaluates a mask_mod at the call's own batch entry and head, whatever the BlockMask's
-    batch and head sizes."""
-    return index_reads(trace_mod(mask_mod, buffers))
+    batch and head sizes. Traced once per mask_mod and what it reads (traced_once)."""
+    if buffers:
+        return index_reads(trace_mod(mask_mod, buffers, device=device))
+    return traced_once(mask_mod, ("mask_mod_reads", str(device)),
+                       lambda: index_reads(trace_mod(mask_mod, device=device)))
+
+
+# traced_once: results kept per function (a few: an eager loop's mods)
+_KEPT_TRACES = 32
+_traces = collections.OrderedDict()
+
+
+def traced_once(function, what, trace):
+    """trace() (what a mod's traced graph says, named by `what`), kept for the next call with
+    the same function where everything it reads can be told (_reads_of) and has not
+    changed: the numbers and strings by value, the tensors by identity, dtype and shape
+    (tracing takes milliseconds, an eager flex call's whole host budget). Else traced
+    every call."""
+    reads = _reads_of(function) if isinstance(function, types.FunctionType) else None
+    if reads is None:
+        return trace()
+    tensors, scalars = reads
+    key = (id(function), what, scalars,
+           tuple((id(t), t.dtype, tuple(t.shape), str(t.device)) for t in tensors))
+    kept = _traces.get(key)
+    if kept is not None and kept[0]() is function:
+        return kept[1]
+    result = trace()
+    _keep(_traces, key, (weakref.ref(function), result), _KEPT_TRACES)
+    return result
 
 
 def index_reads(mask_mod_graph):
@@ -615,11 +647,11 @@ _by_identity = collections.OrderedDict()
 _kept_lock = threading.Lock()     # the autograd engine's threads resolve masks too
 
 
-def _keep(kept, key, value):
+def _keep(kept, key, value, limit=_KEPT):
     with _kept_lock:
         kept[key] = value
         kept.move_to_end(key)
-        while len(kept) > _KEPT:
+        while len(kept) > limit:
             kept.popitem(last=False)
 
 

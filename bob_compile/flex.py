@@ -39,8 +39,8 @@ import warnings
 import torch
 
 from .attention import attention, attention_with_op_mask
-from .block_masks import (Blocks, every_pair_blocks, key_intervals,
-                          may_synchronize, over_indices, pack, reused_key_intervals, trace_mod,
+from .block_masks import (Blocks, every_pair_blocks, key_intervals, may_synchronize,
+                          over_indices, pack, reused_key_intervals, trace_mod, traced_once,
                           visible_pairs)
 from . import block_masks
 from .kernels import settings as kernel_settings
@@ -73,7 +73,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                              f"{blocks.seq_lengths} (query, key) lengths, the call has "
                              f"({query.shape[-2]}, {key.shape[-2]}); build it for the call's "
                              f"lengths")
-    form = None if score_mod is None else score_mod_form(score_mod, query.dtype)
+    form = None if score_mod is None else score_mod_form(score_mod, query.dtype,
+                                                         device=query.device)
     if isinstance(form, str) or return_lse:
         why = "return_lse=True" if not isinstance(form, str) else (
             f"its score_mod {getattr(score_mod, '__name__', score_mod)} {form} (only "
@@ -101,12 +102,20 @@ class AdditiveScoreMod:
     relative: bool = False
 
 
-def score_mod_form(score_mod, dtype, buffers=()):
+def score_mod_form(score_mod, dtype, buffers=(), device=None):
     """AdditiveScoreMod for `score_mod(score, b, h, q_idx, kv_idx, *buffers)` when its
     traced graph is (soft-capped score) plus a term without the score, else a phrase saying
     what it does instead. `buffers`: tensors (real, fake or meta) standing for the captured
-    tensors Dynamo passes as extra arguments."""
-    graph = trace_mod(score_mod, buffers, dtype)
+    tensors Dynamo passes as extra arguments; `device`: the call's (where the tensors the
+    mod captures are). Traced once per score_mod and what it reads (traced_once)."""
+    if buffers:
+        return _score_mod_form(score_mod, dtype, buffers, device)
+    return traced_once(score_mod, ("score_mod_form", dtype, str(device)),
+                       lambda: _score_mod_form(score_mod, dtype, (), device))
+
+
+def _score_mod_form(score_mod, dtype, buffers, device):
+    graph = trace_mod(score_mod, buffers, dtype, device)
     if isinstance(graph, str):
         return f"could not be traced ({graph})"
     score, b, h = graph.find_nodes(op="placeholder")[:3]
@@ -209,7 +218,8 @@ def relative_bias(score_mod, query, L, S, form, buffers=()):
 def additive_bias(score_mod, query, L, S, form=None, buffers=()):
     """score_mod's bias(b, h, q_idx, kv_idx) in query's dtype, at (B, H, L, S) with B or H 1
     where the bias does not read b or h. `form`: score_mod_form's, when known."""
-    form = form if form is not None else score_mod_form(score_mod, query.dtype)
+    form = form if form is not None else score_mod_form(score_mod, query.dtype,
+                                                        device=query.device)
     if isinstance(form, str):
         raise NotImplementedError(f"the score_mod {form}")
     score = torch.zeros((), dtype=query.dtype, device=query.device)

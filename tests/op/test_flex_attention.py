@@ -338,6 +338,48 @@ def test_which_biases_are_relative(score_mod, relative):
     assert score_mod_form(score_mod, torch.float64).relative == relative
 
 
+def test_mods_are_traced_on_the_device_of_what_they_capture():
+    """A score_mod or mask_mod indexing a tensor it captures (ALiBi slopes, document ids on
+    the GPU) is traced with indices on the call's device; traced on the CPU it fails, and
+    the call would run as math (N x N)."""
+    from bob_compile.block_masks import mask_mod_reads
+    from bob_compile.flex import AdditiveScoreMod, score_mod_form
+    slopes, ids = torch.ones(4, device="meta"), torch.zeros(16, dtype=torch.int64, device="meta")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def documents(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+    assert isinstance(score_mod_form(alibi, torch.float32, device="cpu"), str)
+    form = score_mod_form(alibi, torch.float32, device=torch.device("meta"))
+    assert isinstance(form, AdditiveScoreMod) and form.relative and form.reads_head
+    assert mask_mod_reads(documents, device=torch.device("meta")) == (False, False)
+
+
+def test_a_mod_is_traced_once_until_what_it_reads_changes(monkeypatch):
+    """Tracing takes milliseconds: an eager call's mods are traced once, again where a
+    number they read changes (a soft cap's value) and every call where what they read
+    cannot be told (a list)."""
+    from bob_compile import block_masks, flex
+    traces, real = [], block_masks.trace_mod
+    monkeypatch.setattr(flex, "trace_mod", lambda *a, **k: traces.append(1) or real(*a, **k))
+    cap, factors = 30.0, [0.5]
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def from_list(score, b, h, q_idx, kv_idx):
+        return score + factors[0] * (q_idx - kv_idx)
+    assert flex.score_mod_form(capped, torch.float64).softcap == 30.0
+    assert flex.score_mod_form(capped, torch.float64).softcap == 30.0 and len(traces) == 1
+    cap = 50.0
+    assert flex.score_mod_form(capped, torch.float64).softcap == 50.0 and len(traces) == 2
+    for _ in range(2):
+        flex.score_mod_form(from_list, torch.float64)
+    assert len(traces) == 4
+
+
 RELATIVE_TABLE = torch.randn(3, 128, dtype=torch.float64,
                              generator=torch.Generator().manual_seed(11))
 
