@@ -1,7 +1,7 @@
 """What attention dropout's keep mask costs a kernel, compiled ahead of time for sm_90a (no
 GPU needed): a probe loop shaped like the forward (per key tile: S = q kᵀ, Z, then (S Z) k),
 compiled without the mask, with the mask as bob_compile draws it (triton_dropout.dropout_tile:
-Philox-2x32-10, 16 bits per element) and with the earlier definition (Triton's
+Philox-2x32 of philox.ROUNDS rounds, 16 bits per element) and with the earlier definition (Triton's
 tl.randint4x, Philox-4x32-10, 32 bits per element, the same 2 x 2 groups). Prints registers,
 spills, the convert_layouts left in the TTGIR (a mask whose words moved between threads
 would add some) and the SASS instruction count of each.

@@ -5,7 +5,7 @@ Z = keep / (1 - p) (SDPA's semantics: kept probabilities scaled up so that the o
 expectation is unchanged). Z is a constant of the call: every order sees the same one, so
 each kernel regenerates it, per (batch, head, query, key), from the call's seed.
 
-One Philox-2x32-10 call (philox.py) gives two 32-bit words, whose four 16-bit halves decide
+One Philox-2x32-7 call (philox.py) gives two 32-bit words, whose four 16-bit halves decide
 a 2 x 2 group of elements: rows i and i + 8 and keys j and j + 8 of one head. Rows and keys
 are numbered in blocks of 16, i = 16 I + 8 a + r and j = 16 J + 8 c + s (a, c in {0, 1};
 r, s in 0 .. 7), the group's number is

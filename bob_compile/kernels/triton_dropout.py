@@ -21,7 +21,7 @@ GROUP = tl.constexpr(dropout.GROUP)   # rows and keys in blocks of 16: 2 x 2 ele
 
 @triton.jit
 def philox2x32(key, c0, c1):
-    """Philox-2x32-10 (philox.py): two uint32 words of the uint32 counters (c0, c1)."""
+    """Philox-2x32 of PHILOX_ROUNDS rounds (philox.py): two uint32 words of the uint32 counters (c0, c1)."""
     for _ in tl.static_range(PHILOX_ROUNDS):
         hi = tl.umulhi(c0, PHILOX_MULTIPLIER)
         c0, c1 = hi ^ key ^ c1, c0 * PHILOX_MULTIPLIER

@@ -72,12 +72,43 @@ def test_mask_follows_its_definition_element_by_element():
 
 
 def test_philox_matches_random123s_known_answers():
-    """Philox-2x32-10 against Random123's kat_vectors (counter, key -> words)."""
+    """The round function: Philox-2x32-10 against Random123's kat_vectors (counter, key ->
+    words); the mask draws the same rounds, seven of them (philox.py)."""
     for (c0, c1), key, expected in [((0, 0), 0, (0xFF1DAE59, 0x6CD10DF2)),
                                     ((2 ** 32 - 1, 2 ** 32 - 1), 2 ** 32 - 1, (0x2C3F628B, 0xAB4FD7AD)),
                                     ((0x243F6A88, 0x85A308D3), 0x13198A2E, (0xDD7CE038, 0xF62A4C12))]:
-        words = philox.philox2x32(key, torch.tensor([c0]), torch.tensor([c1]))
+        words = philox.philox2x32(key, torch.tensor([c0]), torch.tensor([c1]), rounds=10)
         assert tuple(w.item() for w in words) == expected
+
+
+def avalanche_z(rounds, samples=1 << 13):
+    """z-scores (96 x 64) of how often flipping one input bit (32 of c0, 32 of c1, 32 of the
+    key) flips each of the 64 output bits of `rounds` Philox-2x32 rounds, against 1/2."""
+    g = torch.Generator().manual_seed(rounds)
+    c0, c1, key = (torch.randint(0, 2 ** 32, (samples,), generator=g) for _ in range(3))
+    bits = torch.arange(32)
+
+    def output_bits(key, c0, c1):
+        w0, w1 = philox.philox2x32(key, c0, c1, rounds)
+        return torch.cat([w0[:, None] >> bits & 1, w1[:, None] >> bits & 1], 1)
+    base, z = output_bits(key, c0, c1), []
+    for which in range(3):
+        for bit in range(32):
+            flipped = [key, c0, c1]
+            flipped[(which + 1) % 3] = flipped[(which + 1) % 3] ^ (1 << bit)
+            rate = (output_bits(*flipped) != base).double().mean(0)
+            z.append((rate - 0.5) * 2 * samples ** 0.5)
+    return torch.stack(z)
+
+
+def test_seven_philox_rounds_flip_every_output_bit_half_the_time():
+    """Why seven rounds are enough (philox.py): one flipped bit of the counter or the key
+    flips each output bit with probability 1/2 within sampling error; four rounds are
+    told apart (the test's power)."""
+    z = avalanche_z(philox.ROUNDS)
+    assert philox.ROUNDS >= 7
+    assert z.abs().max() < 5 and 0.9 < (z ** 2).mean() < 1.1
+    assert avalanche_z(4).abs().max() > 10
 
 
 def test_a_call_too_large_for_the_counter_is_refused():
