@@ -25,6 +25,7 @@ the torch version and the Python version, so a machine builds it once. BOB_COMPI
 until the build is ready, ~30 s), `wait` (the first call waits: benchmarks), `off`. A failed
 build is logged once, and the Python node runs.
 """
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -32,6 +33,11 @@ import os
 import sys
 import threading
 import time
+
+try:
+    import fcntl
+except ImportError:         # Windows: the age rule alone (_clear_stale_build_lock)
+    fcntl = None
 
 import torch
 
@@ -66,23 +72,50 @@ def _build_directory():
     return os.path.join(kernel_settings.current().cache_dir, "native_node", key), key
 
 
-# A build takes a minute or two; torch's build lock (a file in the build folder) left by a
-# process killed mid-build makes every later build wait on it forever. One older than this
-# belongs to no live build.
+# A build takes a minute or two. torch's build lock (a file in the build folder, taken by
+# every load(), even of a built module) left by a process that died inside load() (killed,
+# or exiting while this background build ran) makes every later build wait on it forever.
+# So each load() runs under an OS lock of our own on the folder, which the system releases
+# when its holder dies: a torch lock found while holding it belongs to a dead build. Where
+# the system has no such locks (fcntl: not on Windows), a torch lock older than this is
+# taken for a dead build's.
 STALE_BUILD_LOCK_S = 30 * 60
+BUILD_FLOCK = "build.flock"
+
+
+@contextlib.contextmanager
+def _exclusive_build(directory):
+    """Hold the build folder's OS lock for one load(), after removing a torch build lock left
+    there by a build that died; said in the log."""
+    if fcntl is None:
+        _clear_stale_build_lock(directory)
+        yield
+        return
+    with open(os.path.join(directory, BUILD_FLOCK), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)        # released by the system if we die
+        try:
+            _remove_build_lock(directory, "its build died before it finished")
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _clear_stale_build_lock(directory):
-    """Remove the build folder's lock file where it is older than STALE_BUILD_LOCK_S (a
-    build killed before it finished); said in the log."""
-    lock = os.path.join(directory, "lock")
+    """Without OS locks: remove the build folder's torch lock where it is older than
+    STALE_BUILD_LOCK_S (a build killed before it finished); said in the log."""
     try:
-        age = time.time() - os.path.getmtime(lock)
+        age = time.time() - os.path.getmtime(os.path.join(directory, "lock"))
     except OSError:
         return
     if age > STALE_BUILD_LOCK_S:
-        log.warning("bob_compile: removing a stale C++ node build lock (%s, %.0f min old: a "
-                    "build was killed before it finished)", lock, age / 60)
+        _remove_build_lock(directory, f"{age / 60:.0f} min old: a build was killed before it "
+                                      f"finished")
+
+
+def _remove_build_lock(directory, why):
+    lock = os.path.join(directory, "lock")
+    if os.path.exists(lock):
+        log.warning("bob_compile: removing a stale C++ node build lock (%s: %s)", lock, why)
         try:
             os.remove(lock)
         except OSError:
@@ -96,9 +129,9 @@ def _build():
         from torch.utils.cpp_extension import load
         directory, key = _build_directory()
         os.makedirs(directory, exist_ok=True)
-        _clear_stale_build_lock(directory)
-        module = load(f"bob_compile_native_node_{key}", [_SOURCE], extra_cflags=["-O2"],
-                      build_directory=directory, verbose=False)
+        with _exclusive_build(directory):
+            module = load(f"bob_compile_native_node_{key}", [_SOURCE], extra_cflags=["-O2"],
+                          build_directory=directory, verbose=False)
         module.set_general_backward(general_backward)
         module.set_bob_backward(bob_backward)
         module.set_triton_stage(run_triton_stage)

@@ -650,8 +650,9 @@ def test_no_cpp_entry_when_off(cpu_kernels_as_native, reread_settings, monkeypat
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
-    """torch's build lock left by a build killed midway would make every later build wait
-    forever; one younger than STALE_BUILD_LOCK_S may be a live build in another process."""
+    """Without OS locks: torch's build lock left by a build killed midway would make every
+    later build wait forever; one younger than STALE_BUILD_LOCK_S may be a live build in
+    another process."""
     import os
     import time
     lock = tmp_path / "lock"
@@ -664,3 +665,31 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
         eager_node._clear_stale_build_lock(str(tmp_path))
     assert not lock.exists() and "stale C++ node build lock" in caplog.text
     eager_node._clear_stale_build_lock(str(tmp_path))     # no lock: nothing to do
+
+
+@pytest.mark.skipif(eager_node.fcntl is None, reason="no OS file locks (Windows)")
+def test_a_build_waits_for_a_live_build_and_clears_a_dead_ones_lock(tmp_path, caplog):
+    """Each load() holds the folder's OS lock, which the system releases when its holder
+    dies: a build waits while another holds it, and a torch lock found once it holds it is
+    a dead build's, however fresh (a process that exited during the background build left
+    one, and the next test session's build waited on it forever)."""
+    import threading
+    fcntl = eager_node.fcntl
+    lock = tmp_path / "lock"
+    lock.touch()
+    live = open(tmp_path / eager_node.BUILD_FLOCK, "a")
+    fcntl.flock(live, fcntl.LOCK_EX)               # another process inside load()
+    entered = threading.Event()
+
+    def build():
+        with eager_node._exclusive_build(str(tmp_path)):
+            entered.set()
+    with caplog.at_level(logging.WARNING, logger="bob_compile.eager"):
+        waiting = threading.Thread(target=build, daemon=True)
+        waiting.start()
+        assert not entered.wait(0.5) and lock.exists()
+        fcntl.flock(live, fcntl.LOCK_UN)           # it dies, its torch lock left behind
+        live.close()
+        assert entered.wait(10)
+        waiting.join(10)
+    assert not lock.exists() and "its build died" in caplog.text
