@@ -626,17 +626,21 @@ strides_of(_finish_rows_kernel, O="so", DO="sd")
 # Host side
 # --------------------------------------------------------------------------------------
 def row_candidates(dtype, head_dim, head_dim_v, fold, reads_dq=False, read=False,
-                   masked=False, dropout=False):
+                   masked=False, dropout=False, softcap=False):
     """Launch configs of the row pass, the measured best first (the choice without tuning).
     fold: the folded form's row pass with B accumulated; reads_dq: R read from dq, not
     accumulated (what autograd runs); read: for a mask read per tile; masked: with a mask
-    (read or from indices); dropout: with attention dropout."""
-    if dropout and fold and reads_dq and not read and not interpreting() \
+    (read or from indices); dropout: with attention dropout; softcap: soft-capped scores."""
+    if (dropout or softcap) and fold and reads_dq and not read and not interpreting() \
             and row_bytes(dtype, head_dim, head_dim_v) <= 128:
         # The mask's regeneration needs registers the 128 x 64 tile spills for: with
         # dropout 0.1 at 16K causal (H100, bench_row_configs.py --dropout 0.1), 128 x 32
         # with 8 warps took the step from 26.4 to 19.1 ms, and the tuner, given the list,
-        # chose it (docs/measurements.md, "Dropout")
+        # chose it (docs/measurements.md, "Dropout"). The cap's tanh and its derivatives
+        # spill alike: compiled for sm_90a at d = 64 (kernel_resources.py --softcap), 128 x
+        # 64 spills 2,224 / 2,940 bytes per thread, 128 x 32 144 / 184 (dropout: 1,900 /
+        # 2,756 and 120 / 192); the capped row pass took 9.25 ms at 16K causal against 3.46
+        # uncapped (H100, 128 x 64)
         return [dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
                 dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)]
@@ -818,7 +822,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
                 + ((1,) if split else ()) + (("edge_split",) if edges else ()),
                 lambda: row_candidates(q.dtype, E, Ev, fold and not has_b, reads_dq=has_dq,
                                        read=path == READ_PATH, masked=mask_kind != NO_MASK,
-                                       dropout=dropout),
+                                       dropout=dropout, softcap=capped),
                 lambda: dict(common(path), HAS_DLSE=has_dlse, HAS_DQ=has_dq, HAS_B=has_b,
                              SPLIT_SBAR=split, SPLIT_EDGES=edges), launch_rows, L * S,
                 has_work=mask_path_work(key_range, path)))

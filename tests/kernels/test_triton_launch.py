@@ -401,6 +401,19 @@ def test_nothing_extra_is_launched_into_a_cuda_graph_capture(untimed_choice, mon
     assert ran == []
 
 
+def test_the_row_pass_with_dropout_or_a_soft_cap_takes_narrow_key_tiles_first(monkeypatch):
+    """Dropout's mask state and the cap's derivatives spill the plain causal row tile
+    (128 x 64; kernel_resources.py --dropout / --softcap): both take 128 x 32 first."""
+    from bob_compile.kernels import triton_bob
+    monkeypatch.setattr(triton_bob, "interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    plain = triton_bob.row_candidates(bf16, 64, 64, fold=True, reads_dq=True)[0]
+    for feature in ("dropout", "softcap"):
+        first = triton_bob.row_candidates(bf16, 64, 64, fold=True, reads_dq=True,
+                                          **{feature: True})[0]
+        assert (first["BLOCK_M"], first["BLOCK_N"]) == (128, 32) and first != plain
+
+
 def test_the_bob_passes_without_a_choice_have_fallbacks(monkeypatch):
     """The folded passes whose first config won through the step are untimed lists (a tuner
     timing the launch alone picks by noise), not single configs: a device on which the first
