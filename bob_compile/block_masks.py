@@ -431,14 +431,14 @@ def traced_once(function, what, trace):
     reads = _reads_of(function) if isinstance(function, types.FunctionType) else None
     if reads is None:
         return trace()
-    tensors, scalars = reads
+    tensors, scalars, functions = reads
     key = (id(function), what, scalars,
            tuple((id(t), t.dtype, tuple(t.shape), str(t.device)) for t in tensors))
     kept = _traces.get(key)
-    if kept is not None and kept[0]() is function:
+    if kept is not None and _alive(kept[0], (function, *functions)):
         return kept[1]
     result = trace()
-    _keep(_traces, key, (weakref.ref(function), result), _KEPT_TRACES)
+    _keep(_traces, key, (_weak((function, *functions)), result), _KEPT_TRACES)
     return result
 
 
@@ -675,23 +675,22 @@ def reused_key_intervals(blocks, L, S, device, batch, heads):
     if sources is None:
         return key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True,
                              dense_up_to=TILES_ABOVE_BYTES)
-    tensors, constants = sources
+    tensors, constants, functions = sources
     values = tuple(b if isinstance(b, (int, float, bool)) else int(b)
                    for b in blocks.mask_mod_buffers if not isinstance(b, torch.Tensor))
     key = (id(blocks.mask_mod), tuple((id(t), t._version) for t in tensors), values,
            constants, L, S, batch, heads, str(device))
+    reached = (blocks.mask_mod, *functions, *tensors)
     kept = _by_identity.get(key)
-    if kept is not None and kept[0]() is blocks.mask_mod and \
-            all(ref() is t for ref, t in zip(kept[1], tensors)):
+    if kept is not None and _alive(kept[0], reached):
         with _kept_lock:
             if key in _by_identity:
                 _by_identity.move_to_end(key)
-        return kept[2]
+        return kept[1]
     form = key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=True,
                          dense_up_to=TILES_ABOVE_BYTES)
     if _small(form):
-        _keep(_by_identity, key, (weakref.ref(blocks.mask_mod),
-                                  [weakref.ref(t) for t in tensors], form))
+        _keep(_by_identity, key, (_weak(reached), form))
     return form
 
 
@@ -703,27 +702,28 @@ _LIBRARY_MODULES = ("torch", "math", "operator", "functools", "numpy", "builtins
 
 def _sources(blocks):
     """(the tensors the pairs of `blocks` depend on: block lists, captured buffers, the
-    tensors its mask_mod reads; the numbers and strings its mask_mod reads), or None where
-    that cannot be told (see reused_key_intervals)."""
+    tensors its mask_mod reads; the numbers and strings its mask_mod reads; the functions it
+    reaches), or None where that cannot be told (see reused_key_intervals)."""
     mask_mod = blocks.mask_mod
     tensors = [t for t in (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
                            blocks.full_kv_indices, *blocks.mask_mod_buffers)
                if isinstance(t, torch.Tensor)]
     if isinstance(mask_mod, torch.fx.GraphModule):     # Dynamo's: what it reads is passed
-        return None if mask_mod.graph.find_nodes(op="get_attr") else (tensors, ())
+        return None if mask_mod.graph.find_nodes(op="get_attr") else (tensors, (), [])
     if not isinstance(mask_mod, types.FunctionType):
         return None
     reads = _reads_of(mask_mod)
-    return None if reads is None else (tensors + reads[0], reads[1])
+    return None if reads is None else (tensors + reads[0], reads[1], reads[2])
 
 
 def _reads_of(function):
-    """(tensors, scalar values) that a plain function reads from its closure, its defaults
-    and the globals its code names (nested functions' code included), through every plain
-    function, functools.partial and tuple it reaches that way (and_masks/or_masks keep their
-    mask_mods in a closure tuple); the scalars in a fixed order, for a key. None where it
-    reaches anything else: a list, a dict, an object, a user's module, an empty cell."""
-    tensors, scalars, seen = [], [], set()
+    """(tensors, scalar values, functions) that a plain function reads from its closure, its
+    defaults and the globals its code names (nested functions' code included), through
+    every plain function, functools.partial and tuple it reaches that way (and_masks/or_masks
+    keep their mask_mods in a closure tuple); the scalars (with the functions' ids) in a
+    fixed order, for a key. None where it reaches anything else: a list, a dict, an object,
+    a user's module, an empty cell."""
+    tensors, scalars, functions, seen = [], [], [], set()
     stack = [function]
     while stack:
         value = stack.pop()
@@ -744,13 +744,27 @@ def _reads_of(function):
             stack.extend((value.func, *value.args, *value.keywords.values()))
         elif isinstance(value, types.FunctionType):
             seen.add(id(value))
+            # which function is reached (a global helper rebound to another function between
+            # calls): by id in the key (kept keys stay plain values: Dynamo may trace this
+            # and guard on them), checked by identity where kept (reached_are_alive)
+            scalars.append(("function", id(value)))
+            functions.append(value)
             reached = _function_reads(value)
             if reached is None:
                 return None
             stack.extend(reached)
         elif not _library_function(value):
             return None
-    return tensors, tuple(scalars)
+    return tensors, tuple(scalars), functions
+
+
+def _weak(objects):
+    return [weakref.ref(o) for o in objects]
+
+
+def _alive(refs, objects):
+    """Whether weak references `refs` still name exactly `objects` (no id reused)."""
+    return len(refs) == len(objects) and all(r() is o for r, o in zip(refs, objects))
 
 
 def _function_reads(function):

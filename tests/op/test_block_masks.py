@@ -555,6 +555,26 @@ def test_a_number_the_mask_mod_reads_is_part_of_the_key(monkeypatch):
     assert calls_over_two_steps(monkeypatch, widened, between=grow) == 2
 
 
+HELPER_SPAN = 4
+
+
+def near_helper(q_idx, kv_idx):
+    return q_idx - kv_idx < HELPER_SPAN
+
+
+def through_a_global_helper(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & near_helper(q_idx, kv_idx)
+
+
+def test_a_global_helper_rebound_between_calls_is_part_of_the_key(monkeypatch):
+    """The mask_mod the same object, the helper it calls by its global name another
+    function: evaluated again (the reached functions are in the key)."""
+    def wider(q_idx, kv_idx):       # reads the same numbers: only its identity differs
+        return q_idx - kv_idx < 2 * HELPER_SPAN
+    assert calls_over_two_steps(monkeypatch, through_a_global_helper, between=lambda: (
+        monkeypatch.setitem(globals(), "near_helper", wider))) == 2
+
+
 def test_a_mask_mod_reading_state_it_cannot_key_is_evaluated_every_call(monkeypatch):
     """A list, a dict, an object or a user's module: what they hold may change unseen."""
     import types
