@@ -104,9 +104,9 @@ def main():
             row = dict(N=n, causal=causal, dropout=args.dropout, softcap=args.softcap,
                        **measure(step_of(n, causal, args), args.reps))
             rows.append(row)
-            print(f"N={n} causal={causal} dropout={args.dropout} softcap={args.softcap}: step {row['step_ms']:.3f} ms, host issue "
-                  f"{row['host_ms']:.3f} ms, kernels {row['kernel_ms']:.3f} ms in "
-                  f"{row['launches']} launches")
+            print(f"N={n} causal={causal} dropout={args.dropout} softcap={args.softcap}: "
+                  f"step {row['step_ms']:.3f} ms, host issue {row['host_ms']:.3f} ms, "
+                  f"kernels {row['kernel_ms']:.3f} ms in {row['launches']} launches")
             for k in row["kernels"][:args.top]:
                 print(f"   {k['ms']:8.3f} ms x{k['launches']:<3d} {k['name'][:90]}")
     os.makedirs(args.out, exist_ok=True)

@@ -746,7 +746,7 @@ def _reads_of(function):
             seen.add(id(value))
             # which function is reached (a global helper rebound to another function between
             # calls): by id in the key (kept keys stay plain values: Dynamo may trace this
-            # and guard on them), checked by identity where kept (reached_are_alive)
+            # and guard on them), checked by identity where kept (_alive)
             scalars.append(("function", id(value)))
             functions.append(value)
             reached = _function_reads(value)
