@@ -532,27 +532,77 @@ def pack(blocks, key, relative_bias=None):
         return None
     words = [_MAGIC, key, *sizes, *map(int, blocks.mask_mod_reads), int(has_full),
              int(relative_bias is not None), len(parts)]
-    data, offset = [], _HEADER_BYTES
-    device = blocks.kv_num_blocks.device
+    offset = _HEADER_BYTES
     for t in parts:
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        padding = -raw.numel() % 8
         words += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *[1] * (_MAX_DIMS - t.dim()),
                   offset]
-        data += [raw, torch.zeros(padding, dtype=torch.uint8, device=device)]
-        offset += raw.numel() + padding
+        offset += _aligned(t.numel() * t.dtype.itemsize)
     words += [0] * (_HEADER_BYTES // 8 - len(words))
-    header = torch.tensor(words, dtype=torch.int64, device=device).view(torch.uint8)
-    return torch.cat([header, *data])
+    return torch.ops.bob_compile.pack_block_mask(parts, words)
+
+
+def _aligned(nbytes):
+    return -(-nbytes // 8) * 8
+
+
+# One op packs, so that the ops' `resolve` can tell a packed mask by what it was packed
+# from: a compiled graph packs its BlockMask anew at every call (and the second order's
+# VJP pair once more), and reading a packed mask's bytes to key its form is a host
+# synchronization on a GPU. Packed from the same tensors, none of them written since
+# (their versions), the form made for them is taken without reading anything.
+@torch.library.custom_op("bob_compile::pack_block_mask", mutates_args=())
+def _pack_block_mask(parts: list[torch.Tensor], words: list[int]) -> torch.Tensor:
+    device = parts[0].device
+    data = [_header(tuple(words), device)]
+    for t in parts:
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        data += [raw, _zeros(-raw.numel() % 8, device)]
+    packed = torch.cat(data)
+    _remember_sources(packed, parts, words)
+    return packed
+
+
+@_pack_block_mask.register_fake
+def _(parts, words):
+    nbytes = _HEADER_BYTES + sum(_aligned(t.numel() * t.dtype.itemsize) for t in parts)
+    return parts[0].new_empty(nbytes, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def _header(words, device):
+    """The header's bytes on `device`, copied there once per header (a copy per call would
+    wait for the device)."""
+    return torch.tensor(words, dtype=torch.int64).view(torch.uint8).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(n, device):
+    return torch.zeros(n, dtype=torch.uint8, device=device)
+
+
+def _source_key(tensor):
+    """A part's tensor as resolve's key names it: the tensor it views (the graph's input,
+    which the compiled code may view afresh at every call), its version and its geometry."""
+    base = tensor if tensor._base is None else tensor._base
+    return base, (id(base), base._version, tensor.data_ptr(), tuple(tensor.shape),
+                  tuple(tensor.stride()), tensor.dtype)
+
+
+def _remember_sources(packed, parts, words):
+    bases, keys = zip(*map(_source_key, parts))
+    _sources_of_packed[id(packed)] = (weakref.ref(packed), (tuple(keys), tuple(words)),
+                                      _weak(bases), bases)
+    weakref.finalize(packed, _sources_of_packed.pop, id(packed), None)
 
 
 def resolve(packed, batch, heads, L, S):
     """The mask a packed BlockMask applies to a (batch, heads, L, S) call, as the ops take
     it: KeyIntervals where its rows and keys are intervals, else a BlockSparseMask (tile by
     tile) or, up to TILES_ABOVE_BYTES, the materialized (batch, heads, L, S) view
-    (key_intervals). Reads the header and lists the partial blocks on the host. A
-    tile-by-tile mask's own data (what bob_compile.flex_attention passes eagerly) is taken
-    as it is."""
+    (key_intervals). Reads the packed bytes and lists the partial blocks on the host,
+    except where the form of a mask packed from the same tensors is kept (a loop reusing
+    its BlockMask: read at its first call only). A tile-by-tile mask's own data (what
+    bob_compile.flex_attention passes eagerly) is taken as it is."""
     if packed.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "bob_compile: a packed BlockMask cannot be resolved while a CUDA graph is "
@@ -566,6 +616,14 @@ def resolve(packed, batch, heads, L, S):
     kept = _by_packed.get(identity)
     if kept is not None and kept[0]() is packed:        # a later op of the same call
         return kept[1]
+    call = (batch, heads, L, S, str(packed.device))
+    sources = _sources_of_packed.get(id(packed))
+    if sources is not None and (sources[0]() is not packed or packed._version):
+        sources = None                   # another tensor now, or written since it was packed
+    if sources is not None:              # packed from tensors whose form is known: no read
+        kept = _by_sources.get((sources[1], call))
+        if kept is not None and _alive(kept[0], sources[3]):
+            return _resolved(packed, identity, kept[1], batch, heads, L, S)
     cached = packed.numel() <= _CONTENT_KEYED_BYTES
     data = (packed if cached else packed[:_HEADER_BYTES]).cpu()
     words = data[:min(data.numel(), _HEADER_BYTES) // 8 * 8].view(torch.int64).tolist()
@@ -600,14 +658,21 @@ def resolve(packed, batch, heads, L, S):
     # each op of a step resolves the same packed mask, and each step packs it anew: its
     # form is kept by content (the bytes read above: block lists, captured tensors, the
     # mask_mod's key)
-    content = (hashlib.blake2b(data.numpy().tobytes(), digest_size=16).digest(), batch, heads,
-               L, S, str(packed.device)) if cached else None
+    content = (hashlib.blake2b(data.numpy().tobytes(), digest_size=16).digest(), *call) \
+        if cached else None
     form = _by_content.get(content) if cached else None
     if form is None:
         form = key_intervals(blocks, L, S, packed.device, batch, heads, tiles_otherwise=True,
                              relative_bias=relative_bias, dense_up_to=TILES_ABOVE_BYTES)
         if cached and _small(form):
             _keep(_by_content, content, form)
+    if sources is not None and _small(form):
+        _keep(_by_sources, (sources[1], call), (sources[2], form))
+    return _resolved(packed, identity, form, batch, heads, L, S)
+
+
+def _resolved(packed, identity, form, batch, heads, L, S):
+    """The op's mask of a packed BlockMask's form, kept for the later ops of the call."""
     if isinstance(form, BlockSparseMask):
         mask = form.for_call(batch, heads)
     elif form.dtype != torch.int32:         # materialized: bool, or additive with a bias
@@ -630,9 +695,10 @@ def _checked_lengths(mask, L, S):
 # ------------------------------------------------------------------ kept across calls
 # A training loop attends with the same BlockMask call after call: key intervals (small)
 # are kept, a few at a time, and found again by what they were made from. A packed mask by
-# its bytes (resolve: read once per packed tensor, whose mask the later ops of its call
-# find by the tensor's identity while it lives); an eager call's by the identity and
-# version of every tensor its pairs depend on (reused_key_intervals).
+# the identity and version of the tensors it was packed from (no read at all), else by its
+# bytes (resolve: read once per packed tensor, whose mask the later ops of its call find
+# by the tensor's identity while it lives); an eager call's by the identity and version of
+# every tensor its pairs depend on (reused_key_intervals).
 # A mask that is not intervals (or a relative bias, flex.py) is materialized where that
 # takes at most this many bytes, read tile by tile beyond: the materialized mask runs the
 # kernels' plain read path, which measured faster than the tiles' (docs/measurements.md)
@@ -641,6 +707,8 @@ _CONTENT_KEYED_BYTES = 64 << 20      # larger packed masks (a dense captured buf
 _KEPT = 8                            # nor larger tile-by-tile forms
 _by_content = collections.OrderedDict()
 _by_packed = collections.OrderedDict()
+_by_sources = collections.OrderedDict()
+_sources_of_packed = {}      # id(packed) -> (weakref to it, key, weakrefs to and its sources)
 _by_identity = collections.OrderedDict()
 
 

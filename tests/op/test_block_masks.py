@@ -2,6 +2,9 @@
 packed form compiled graphs hand the ops, and the ops' every order with a mask given as
 key intervals, in float64 on the CPU against the same mask as booleans (built here from
 the patterns' definitions, or from visible_pairs, which test_flex_attention.py checks)."""
+import collections
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -620,6 +623,48 @@ def test_a_packed_mask_is_evaluated_once_per_content(monkeypatch):
     other, other_bound = packed(other_ids)
     c = block_masks.resolve(other, B, H, L, L)
     assert len(calls) == 2 and torch.equal(c.dense(), dense(other_bound, B, H, L, L))
+
+
+def test_a_mask_packed_again_from_the_same_tensors_is_not_read(monkeypatch):
+    """A compiled graph packs its BlockMask at every call (its second order's VJP pair once
+    more), from the same tensors while the loop reuses the BlockMask, which the compiled
+    code may pass as fresh views: packed from them again, none written since, the form is
+    found without reading the packed bytes (a host synchronization on a GPU). A tensor
+    written in place, or other tensors of the same content, are read again (and found by
+    content); other content is evaluated again."""
+    for kept in ("_by_content", "_by_sources", "_by_packed"):
+        monkeypatch.setattr(block_masks, kept, collections.OrderedDict())
+    calls = counting_key_intervals(monkeypatch)
+    reads, blake2b = [], block_masks.hashlib.blake2b
+    monkeypatch.setattr(block_masks.hashlib, "blake2b",
+                        lambda *a, **k: reads.append(1) or blake2b(*a, **k))
+    B, H, L = 2, 1, 64
+    module = graph_of(documents_with_ids)
+    key = block_masks.register_mask_mod(module)
+    ids = document_ids(B, L, 6)
+
+    def bound(b, h, q_idx, kv_idx):
+        return documents_with_ids(b, h, q_idx, kv_idx, ids)
+    blocks = block_masks.Blocks.of(create_block_mask(bound, B, None, L, L, device="cpu",
+                                                     BLOCK_SIZE=BLOCK))
+    blocks.mask_mod, blocks.mask_mod_buffers = module, (ids,)
+    expected = dense(bound, B, H, L, L)
+
+    def resolved(blocks):
+        return block_masks.resolve(block_masks.pack(blocks, key), B, H, L, L).dense()
+    assert torch.equal(resolved(blocks), expected) and (len(calls), len(reads)) == (1, 1)
+    views = dataclasses.replace(blocks, kv_num_blocks=blocks.kv_num_blocks[:],
+                                kv_indices=blocks.kv_indices.view(blocks.kv_indices.shape))
+    assert torch.equal(resolved(views), expected) and (len(calls), len(reads)) == (1, 1)
+    ids.add_(0)                                   # written in place: read, same content
+    assert torch.equal(resolved(blocks), expected) and (len(calls), len(reads)) == (1, 2)
+    assert torch.equal(resolved(blocks), expected) and (len(calls), len(reads)) == (1, 2)
+    clones = dataclasses.replace(blocks, kv_indices=blocks.kv_indices.clone())
+    assert torch.equal(resolved(clones), expected) and (len(calls), len(reads)) == (1, 3)
+    other_ids = document_ids(B, L, 7)
+    other = dataclasses.replace(blocks, mask_mod_buffers=(other_ids,))
+    assert torch.equal(resolved(other), block_masks.visible_pairs(other, L, L, "cpu", B, H))
+    assert len(calls) == 2
 
 
 def test_a_packed_tile_by_tile_mask_lives_as_long_as_its_packed_tensor(monkeypatch):

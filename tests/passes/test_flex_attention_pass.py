@@ -295,6 +295,29 @@ def test_a_compiled_block_mask_reaches_the_ops_packed(monkeypatch, name):
                                 for m in resolved)
 
 
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_block_mask_kept_across_steps_is_read_once(monkeypatch, compiler):
+    """A model holding its BlockMask (made once, as training code does) packs it in every
+    compiled call, and the second order's VJP pair packs it once more: its bytes are read
+    (on a GPU a host synchronization) at the first step only; the later resolves find its
+    form by the tensors it was packed from, exact at every step."""
+    import collections
+    from bob_compile import block_masks
+    for kept in ("_by_content", "_by_sources", "_by_packed"):
+        monkeypatch.setattr(block_masks, kept, collections.OrderedDict())
+    reads, blake2b = [], block_masks.hashlib.blake2b
+    monkeypatch.setattr(block_masks.hashlib, "blake2b",
+                        lambda *a, **k: reads.append(1) or blake2b(*a, **k))
+    resolved = _resolved(monkeypatch)
+    model, batches = make("documents")
+    expected = hutchinson_hvp(reference(model), batches[:1])
+    compiled = torch.compile(model, backend=flashbob, options={**OPTIONS, "compiler": compiler})
+    for step in range(3):
+        assert max_error(hutchinson_hvp(compiled, batches[:1]), expected) <= TOLERANCE
+        assert len(reads) == 1, f"step {step}: the packed mask was read {len(reads)} times"
+    assert len(resolved) >= 9
+
+
 def test_a_block_mask_of_more_than_intervals_resolves_tile_by_tile(monkeypatch):
     """A dilated causal mask (every other key) is no interval per row: the ops resolve the
     packed BlockMask tile by tile (nothing L x S), exact at every order."""
