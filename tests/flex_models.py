@@ -152,7 +152,8 @@ def make(name, device="cpu", dtype=torch.float64, head_dim=E):
     return model, batches
 
 
-def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False, per_batch=False):
+def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False, per_batch=False,
+                       intervals=False):
     """Masks whose rows see more than one interval, per query head: dilated causal (every
     other key), an attention sink of 5 keys beside a causal window of 9, and a random
     layout of empty, full and random partial blocks; as FlexAttention BlockMasks of
@@ -160,7 +161,9 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False, per_bat
     them), and as booleans; `relative`: with a relative bias per head (random, a few
     values below -1e4 that hide pairs above the diagonal), then the additive mask instead
     of booleans; `per_batch`: each batch entry's heads take the patterns in another order
-    (a mask that reads b). Every row sees key 0."""
+    (a mask that reads b); `intervals`: patterns whose rows and keys are intervals instead
+    (causal, a causal window of 9, prefix-LM over 20 keys), which with a relative bias the
+    kernels apply from indices. Every row sees key 0 (`intervals`: some key)."""
     from bob_compile import block_masks
     g = torch.Generator().manual_seed(L * S + block)
     rows, keys = torch.arange(L)[:, None], torch.arange(S)[None, :]
@@ -171,6 +174,9 @@ def tile_by_tile_masks(B, Hq, L, S, block, device="cpu", relative=False, per_bat
         (keys == 0)
     patterns = torch.stack(((keys <= rows) & ((rows - keys) % 2 == 0),
                             (keys < 5) | ((keys <= rows) & (rows - keys < 9)), random))
+    if intervals:
+        patterns = torch.stack((keys <= rows, (keys <= rows) & (rows - keys < 9),
+                                (keys < 20) | (keys <= rows)))
     patterns = patterns[torch.arange(Hq) % 3].to(device)
 
     def per_head(b, h, q_idx, kv_idx):

@@ -37,8 +37,8 @@ import weakref
 
 import torch
 
-from .interval_masks import (READ_THE_MASK, READ_THE_MASK_CAUSAL, summary_length,
-                             summary_of_intervals)
+from .interval_masks import (KEY_INTERVALS, READ_THE_MASK, READ_THE_MASK_CAUSAL,
+                             summary_length, summary_of_intervals)
 
 EMPTY, FULL = -1, -2                 # a table entry that is not a tile's index
 MAGIC = 0x656C69745F626F62          # "bob_tile", little-endian
@@ -173,7 +173,7 @@ def build(entries, tiles, row_stats, key_stats, L, S, block_size, relative_bias=
         raise ValueError(f"block_sparse_masks.build: blocks of {block_size}; the kernels "
                          f"take powers of two")
     entries, tiles = _distinct_tiles(entries.to(torch.int64), tiles)
-    summary = _summary(row_stats, key_stats, L, S)
+    summary = _summary(row_stats, key_stats, L, S, intervals_from_indices=relative_bias is not None)
     if relative_bias is not None:      # one table and one bias row per (batch entry, head)
         sizes = torch.broadcast_shapes(entries.shape[:2], relative_bias.shape[:2])
         entries = entries.expand(*sizes, -1, -1)
@@ -259,13 +259,28 @@ def _groups(flat):
     return torch.unique(fingerprint, return_inverse=True)[1]
 
 
-def _summary(row_stats, key_stats, L, S):
-    """triton_masks.py's summary of a mask that is not intervals: interval_masks'
+def _summary(row_stats, key_stats, L, S, intervals_from_indices=False):
+    """triton_masks.py's summary of a mask held tile by tile: interval_masks'
     summary_of_intervals with the structure READ_THE_MASK_CAUSAL where no row sees a key
-    above the diagonal, else READ_THE_MASK."""
+    above the diagonal, else READ_THE_MASK; with `intervals_from_indices` (a relative bias,
+    which the kernels add apart from the mask: tiles.add_relative_bias), KEY_INTERVALS for
+    the (batch, head)s whose rows each see one interval of keys and whose keys are each seen
+    by one interval of queries (causal, a window, documents), applied from indices and never
+    read."""
     row_first, row_end, row_count = row_stats
-    summary = summary_of_intervals(row_first, row_end, *key_stats[:2])
+    key_first, key_end, key_count = key_stats
+    summary = summary_of_intervals(row_first, row_end, key_first, key_end)
     rows = torch.arange(1, L + 1, device=row_end.device)
     below_only = ((row_count == 0) | (row_end <= rows)).all(-1)
-    summary[..., 0, 2] = torch.where(below_only, READ_THE_MASK_CAUSAL, READ_THE_MASK)
+    structure = torch.where(below_only, READ_THE_MASK_CAUSAL, READ_THE_MASK)
+    if intervals_from_indices:
+        intervals = _one_interval_each(row_stats) & _one_interval_each(key_stats)
+        structure = torch.where(intervals, KEY_INTERVALS, structure)
+    summary[..., 0, 2] = structure
     return summary
+
+
+def _one_interval_each(stats):
+    """Per (batch entry, head): whether each row's (key's) visible pairs are one interval."""
+    first, end, count = stats
+    return ((count == 0) | (count == end - first)).all(-1)

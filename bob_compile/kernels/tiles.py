@@ -371,23 +371,16 @@ def _read_block_sparse(s2, table, offs_m, offs_n, L, S, TRANSPOSED: tl.constexpr
     """s2 with a BlockSparseMask applied (block_sparse_masks.py): `table` is this (batch,
     head)'s table (a uint8 pointer): log2 of block_q and of block_k (powers of two: a
     pair's block and place in it by shifts, not divisions), key_blocks, the byte offsets to
-    the tiles and to the bias row (0: none), then per (query block, key block) -1 (empty),
-    -2 (full) or its tile's index. Each pair reads its block's entry (one per block in
-    cache), in a partial block its byte of the tile, and with a bias its q - k's value (a
-    row of L + S - 1 in cache), which hides the pair at or below -1e4 as an additive mask's
-    does."""
+    the tiles and to the bias row, then per (query block, key block) -1 (empty), -2 (full)
+    or its tile's index. Each pair reads its block's entry (one per block in cache), in a
+    partial block its byte of the tile. A relative bias is not applied here: every loop adds
+    it where its scores are formed (add_relative_bias), masked or not."""
     words = table.to(tl.pointer_type(tl.int32))
     shift_q = tl.load(words)
     shift_k = tl.load(words + 1)
     key_blocks = tl.load(words + 2)
     to_tiles = tl.load(words + 3)
-    to_bias = tl.load(words + 4)
-    if TRANSPOSED:
-        rows = offs_m[None, :]
-        keys = offs_n[:, None]
-    else:
-        rows = offs_m[:, None]
-        keys = offs_n[None, :]
+    rows, keys = _pairs(offs_m, offs_n, TRANSPOSED)
     inside = (rows < L) & (keys < S)
     row_block = rows >> shift_q
     key_block = keys >> shift_k
@@ -396,9 +389,27 @@ def _read_block_sparse(s2, table, offs_m, offs_n, L, S, TRANSPOSED: tl.constexpr
     tile = table + to_tiles + (entry.to(tl.int64) << (shift_q + shift_k)) + in_tile
     pair = tl.load(tile, mask=inside & (entry >= 0), other=0)
     visible = (entry == -2) | (pair != 0)
-    if to_bias != 0:
-        bias_row = (table + to_bias).to(tl.pointer_type(tl.float32))
-        bias = tl.load(bias_row + (rows - keys + S - 1), mask=visible, other=0.0)
-        visible = visible & (bias > -1e4)
-        s2 = s2 + bias * 1.4426950408889634
     return tl.where(visible, s2, float("-inf"))
+
+
+@triton.jit
+def _pairs(offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """(query, key) indices of a tile's pairs, broadcast to [M, N] (or [N, M] TRANSPOSED)."""
+    if TRANSPOSED:
+        return offs_m[None, :], offs_n[:, None]
+    return offs_m[:, None], offs_n[None, :]
+
+
+@triton.jit
+def add_relative_bias(s2, table, offs_m, offs_n, L, S, TRANSPOSED: tl.constexpr):
+    """Base-2 scores s2 plus a BlockSparseMask's relative bias (RELATIVE: every loop of a
+    kernel, masked or not, forms its scores with it; the mask itself then applies as its
+    summary says, from indices where it is intervals, or read): the pair (q, k) reads q - k
+    + S - 1 of this (batch, head)'s row (L + S - 1 float32 values, in cache), whose byte
+    offset from `table` is the table's fifth word; a bias at or below -1e4 hides the pair,
+    as an additive mask's does (params.HIDDEN_AT_OR_BELOW)."""
+    to_bias = tl.load(table.to(tl.pointer_type(tl.int32)) + 4)
+    bias_row = (table + to_bias).to(tl.pointer_type(tl.float32))
+    rows, keys = _pairs(offs_m, offs_n, TRANSPOSED)
+    bias = tl.load(bias_row + (rows - keys + S - 1), mask=(rows < L) & (keys < S), other=0.0)
+    return tl.where(bias <= -1e4, float("-inf"), s2 + bias * 1.4426950408889634)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .launching import fixed_plan, launch_plan, read_path_first, strides_of
-from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
+from .tiles import (INDICES_PATH, LOG2E, add_relative_bias, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
                     add_score_tile, apply_mask_tile, blocks, column_block_program, dot_precision,
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask, load_lse2,
                     load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
@@ -30,7 +30,8 @@ from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_S
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_softcap import base2_scores, capped_slope, softcap_arguments, softcap_flags
-from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
+from .triton_masks import (has_relative_bias, mask_flags, mask_kind_and_tensor, mask_path_work,
+                           mask_paths, relative_flags)
 
 
 # --------------------------------------------------------------------------------------
@@ -98,7 +99,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
+                  SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -116,6 +118,8 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
         # everything is transposed ([keys, queries]) so that dk, dv accumulate without trans
         s2t, tht = base2_scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale,
                                 qk_scale_log2, softcap, SOFTCAP)
+        if RELATIVE:
+            s2t = add_relative_bias(s2t, mask_base, offs_m, offs_n, L, S, True)
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
@@ -156,7 +160,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, D
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DQ_ATOMICS: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr,
-                   SOFTCAP: tl.constexpr):
+                   SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -200,14 +205,14 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, D
                 qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
                 sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_DM, SOFTCAP)
+                DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_DM, SOFTCAP, RELATIVE)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, firsts, ends, m_a, m_b, 0, 0, n0, L, S,
                 qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
                 sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, 0, DQ_ATOMICS, DOT_PRECISION,
-                NO_MASK_SOURCE, DROPOUT, HAS_DM, SOFTCAP)
+                NO_MASK_SOURCE, DROPOUT, HAS_DM, SOFTCAP, RELATIVE)
         else:
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
@@ -215,14 +220,14 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, D
                 qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
                 sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM, SOFTCAP)
+                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM, SOFTCAP, RELATIVE)
             dk, dv = _column_steps(
                 dk, dv, k, v, q_base, do_base, LSE + row, D + row, dq_base, mask_base, sql, sqe,
                 sdl, sde, HEAD_DIM, sml, sme, firsts, ends, m_mid, m_hi, 0, 0, n0, L, S,
                 qk_scale_log2, scale, softcap, SEED, head, drop_threshold, keep_scale, dm_base,
                 sdml, sdme, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_E, BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, DQ_ATOMICS,
-                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM, SOFTCAP)
+                DOT_PRECISION, MASK_READ, DROPOUT, HAS_DM, SOFTCAP, RELATIVE)
     store_tile(DK + b * sdkb + hk * sdkh, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_e,
                sdkn, sdke, S, HEAD_DIM, PAD_E)
     store_tile(DV + b * sdvb + hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_ev,
@@ -243,7 +248,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
+              MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -253,6 +259,8 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
         s2, th = base2_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale,
                               qk_scale_log2, softcap, SOFTCAP)
+        if RELATIVE:
+            s2 = add_relative_bias(s2, mask_base, offs_m, offs_n, L, S, False)
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
@@ -281,7 +289,8 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
+               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -314,24 +323,24 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, a_end,
                        b_end, 0, 0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0,
                        drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP)
+                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP, RELATIVE)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo1, hi2,
                        a_end, b_end - a_end, L, S, qk_scale_log2, scale, softcap, SEED, head, m0,
                        drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
                        MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT,
-                       SOFTCAP)
+                       SOFTCAP, RELATIVE)
     else:
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo1, hi1, 0,
                        0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold,
                        keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP)
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP, RELATIVE)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo2, hi2, 0,
                        0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold,
                        keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP)
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP, RELATIVE)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 
@@ -399,6 +408,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmas
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q, reuse=True)
     dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
     capped, softcap = softcap_arguments(params)
+    relative = has_relative_bias(params)
     has_dm = dmask is not None
     # broadcast dims at stride 0 (atomics add the (batch, head)s sharing an element)
     dm_arg = dmask.expand(B, Hq, L, S) if has_dm else dk
@@ -406,7 +416,8 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmas
     def common(path):
         return dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E), BLOCK_EV=padded_dim(Ev),
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
-                    DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout, SOFTCAP=capped)
+                    DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout, SOFTCAP=capped,
+                    RELATIVE=relative)
 
     def launch_columns(plan):
         plan(_column_kernel, (blocks(S, plan.kwargs["BLOCK_N"]), B * Hkv),
@@ -421,7 +432,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmas
     plans = [launch_plan(
         "bwd_columns", q, k, v, causal,
         (dq_atomics, *mask_flags(mask_kind, path), *dropout_flags(dropout),
-         *softcap_flags(capped)) + (("dmask",) if has_dm else ()),
+         *softcap_flags(capped), *relative_flags(relative)) + (("dmask",) if has_dm else ()),
         lambda: column_candidates(q.dtype, E, Ev, dq_atomics, read=path == READ_PATH),
         lambda: dict(common(path), DQ_ATOMICS=dq_atomics, HAS_DM=has_dm), launch_columns,
         L * S,
@@ -447,7 +458,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, params, dq_atomics=False, dmas
     for path in paths:
         launch_rows(launch_plan("bwd_dq", q, k, v, causal,
                                 mask_flags(mask_kind, path) + dropout_flags(dropout)
-                                + softcap_flags(capped),
+                                + softcap_flags(capped) + relative_flags(relative),
                                 lambda: dq_candidates(q.dtype, E, Ev, read=path == READ_PATH),
                                 lambda: common(path), launch_rows, L * S,
                                 has_work=mask_path_work(key_range, path)))

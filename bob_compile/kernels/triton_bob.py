@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
 from .launching import fixed_plan, launch_plan, read_path_first, strides_of
-from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
+from .tiles import (INDICES_PATH, LOG2E, add_relative_bias, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
                     add_score_tile, apply_mask_tile, blocks, column_block_program, dot_precision,
                     group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask,
                     load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
@@ -56,8 +56,8 @@ from . import settings
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_softcap import (base2_scores, capped_curvature, capped_scores, capped_slope,
                              softcap_arguments, softcap_flags)
-from .triton_masks import (NO_MASK, mask_flags, mask_kind_and_tensor, mask_path_work,
-                           mask_paths)
+from .triton_masks import (NO_MASK, has_relative_bias, mask_flags, mask_kind_and_tensor,
+                           mask_path_work, mask_paths, relative_flags)
 
 
 # --------------------------------------------------------------------------------------
@@ -109,7 +109,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
                SPLIT_SBAR: tl.constexpr, SPLIT_ALL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
-               SOFTCAP: tl.constexpr):
+               SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     """SPLIT_SBAR: Sbar's GEMM with k in two half-precision parts; SPLIT_ALL: also those of
     dS (with gdk), P (with gdv) and A (with v), the roundings behind gq's and gdo's error.
     HAS_GDM: a learned bias's cotangent gdM (gdm_base: its (batch, head)) adds to F.
@@ -131,6 +132,8 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
             s2 = t * 1.4426950408889634    # log2(e)
         else:
             s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        if RELATIVE:
+            s2 = add_relative_bias(s2, mask_base, offs_m, offs_n, L, S, False)
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
@@ -224,7 +227,8 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
                 HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, SPLIT_EDGES: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
@@ -283,7 +287,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme, softcap,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, 0, PAD_E, PAD_EV, HAS_GDQ, HAS_GDK,
             HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            NO_MASK_SOURCE, DROPOUT, HAS_GDM, SOFTCAP)
+            NO_MASK_SOURCE, DROPOUT, HAS_GDM, SOFTCAP, RELATIVE)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
@@ -291,7 +295,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             qk_scale_log2, scale, SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme,
             softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM, SOFTCAP)
+            DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM, SOFTCAP, RELATIVE)
     else:
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
@@ -300,7 +304,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme, softcap,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, False, DOT_PRECISION,
-            MASK_READ, DROPOUT, HAS_GDM, SOFTCAP)
+            MASK_READ, DROPOUT, HAS_GDM, SOFTCAP, RELATIVE)
         gq, gdo, dg, sbar_sum, r_acc, b_acc = _row_steps(
             gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d, k_base, v_base, gdk_base,
             gdv_base, skn, ske, svn, sve, sgkn, sgke, sgvn, sgve, mask_base, sml, sme, firsts,
@@ -308,7 +312,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
             SEED, head, m0, drop_threshold, keep_scale, gdm_base, sgml, sgme, softcap,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, HAS_GDQ,
             HAS_GDK, HAS_GDV, ACCUMULATE_B, ACCUMULATE_R, SPLIT_SBAR, SPLIT_EDGES,
-            DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, SOFTCAP)
+            DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, SOFTCAP, RELATIVE)
     o = load_tile(O + b * sob + h * soh, offs_m, offs_ev, sol, soe, L, HEAD_DIM_V, True, PAD_EV)
     # outputs are contiguous (B, Hq, L, E|Ev): row `row + i` starts at (row + i) * E
     if FOLD:
@@ -354,7 +358,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
-                  HAS_GM: tl.constexpr, SOFTCAP: tl.constexpr):
+                  HAS_GM: tl.constexpr, SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     """HAS_GDM: a learned bias's cotangent gdM adds to F; HAS_GM: the folded form's Sbar,
     the bias's cotangent, is added into gm_base (fp32, by atomics). SOFTCAP: the scores are
     T = c tanh(U / c); what meets q, gdq or k is U's (dU, Ubar)."""
@@ -384,6 +389,8 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
         # tiles are [keys, queries] so that gk, gv accumulate without transposes
         s2t, tht = base2_scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale,
                                 qk_scale_log2, softcap, SOFTCAP)
+        if RELATIVE:
+            s2t = add_relative_bias(s2t, mask_base, offs_m, offs_n, L, S, True)
         if MASKED:
             s2t = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, True), s2t, float("-inf"))
         if MASK_KIND != 0:
@@ -495,7 +502,8 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                    ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr, HAS_GM: tl.constexpr,
-                   SOFTCAP: tl.constexpr):
+                   SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -550,7 +558,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
                 BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
                 ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_FROM_INDICES, DROPOUT, HAS_GDM, HAS_GM,
-                SOFTCAP)
+                SOFTCAP, RELATIVE)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
@@ -559,7 +567,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
                 BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, 0, HAS_GDQ, HAS_GDK, HAS_GDV,
                 ROW_ATOMICS, FOLD, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, HAS_GDM, HAS_GM,
-                SOFTCAP)
+                SOFTCAP, RELATIVE)
         else:
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
@@ -569,7 +577,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
                 BLOCK_EV, BLOCK_M, BLOCK_N, True, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
                 ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM,
-                SOFTCAP)
+                SOFTCAP, RELATIVE)
             gk, gv = _column_steps(
                 gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, LSE + row, D + row,
                 ALPHA + row, ROW_E + row, row, mask_base, sql, sqe, sdl, sde, sgql, sgqe, sml,
@@ -578,7 +586,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                 gm_base, sgml, sgme, sbgl, sbge, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_E,
                 BLOCK_EV, BLOCK_M, BLOCK_N, False, CAUSAL, MASK_KIND, HAS_GDQ, HAS_GDK, HAS_GDV,
                 ROW_ATOMICS, FOLD, DOT_PRECISION, MASK_READ, DROPOUT, HAS_GDM, HAS_GM,
-                SOFTCAP)
+                SOFTCAP, RELATIVE)
     store_tile(GK + (b * num_kv_heads + hk) * S * HEAD_DIM, (gk * scale).to(GK.dtype.element_ty),
                offs_n, offs_e, HEAD_DIM, 1, S, HEAD_DIM, PAD_E)
     store_tile(GV + (b * num_kv_heads + hk) * S * HEAD_DIM_V, gv.to(GV.dtype.element_ty),
@@ -740,6 +748,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
     assert not (fold and row_atomics), "the folded form needs the row pass's scalars first"
     assert fold or (gdmask is None and gmask is None), "a learned bias takes the folded form"
     capped, softcap = softcap_arguments(params)
+    relative = has_relative_bias(params)
     if capped and keys_out is not None:
         raise ValueError("attention_bob: keys_out with a softcap: the folded row pass's B is "
                          "then (phi'(U) P) k, not forward(q, k, k)'s o; pass keys_out=None")
@@ -781,7 +790,8 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
 
     def flag_key(path):
         return (int(has_gdq), int(has_gdk), int(has_gdv), *mask_flags(mask_kind, path),
-                int(fold), *dropout_flags(dropout), *softcap_flags(capped)) \
+                int(fold), *dropout_flags(dropout), *softcap_flags(capped),
+                *relative_flags(relative)) \
             + (("gdmask",) if has_gdm else ())
 
     def common(path):
@@ -789,7 +799,7 @@ def attention_bob(q, k, v, o, lse, do, dlse, gdq, gdk, gdv, params, row_atomics=
                     CAUSAL=causal, MASK_KIND=mask_kind, MASK_PATH=path,
                     DOT_PRECISION=dot_precision(q.dtype), HAS_GDQ=has_gdq, HAS_GDK=has_gdk,
                     HAS_GDV=has_gdv, FOLD=fold, DROPOUT=dropout, HAS_GDM=has_gdm,
-                    SOFTCAP=capped)
+                    SOFTCAP=capped, RELATIVE=relative)
 
     def launch_rows(plan):
         plan(_row_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),

@@ -14,14 +14,15 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .launching import launch_plan, read_path_first, strides_of
-from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH, NO_MASK_SOURCE,
+from .tiles import (INDICES_PATH, LOG2E, add_relative_bias, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH, NO_MASK_SOURCE,
                     READ_PATH, apply_mask_tile, blocks, dot_precision, key_blocks_of_row_block,
                     key_loops_within_mask, load_tile, on_mask_path, padded_dim, row_block_program,
                     store_tile, unmasked_key_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_softcap import base2_scores, softcap_arguments, softcap_flags
-from .triton_masks import mask_flags, mask_kind_and_tensor, mask_path_work, mask_paths
+from .triton_masks import (has_relative_bias, mask_flags, mask_kind_and_tensor, mask_path_work,
+                           mask_paths, relative_flags)
 
 
 @triton.jit
@@ -40,7 +41,8 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr,
-                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
+                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -50,6 +52,8 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
         v = load_tile(v_base, offs_n, offs_ev, svn, sve, S, HEAD_DIM_V, MASKED, PAD_EV)
         s2 = base2_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale,
                           qk_scale_log2, softcap, SOFTCAP)[0]
+        if RELATIVE:
+            s2 = add_relative_bias(s2, mask_base, offs_m, offs_n, L, S, False)
         if MASKED:
             s2 = tl.where(visibility_mask(offs_m, offs_n, S, CAUSAL, False), s2, float("-inf"))
         if MASK_KIND != 0:
@@ -78,7 +82,8 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
+                    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -116,26 +121,26 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2, scale,
             softcap, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP)
+            False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP, RELATIVE)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
             qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_FROM_INDICES, DROPOUT, SOFTCAP)
+            MASK_FROM_INDICES, DROPOUT, SOFTCAP, RELATIVE)
     else:
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo1, hi1, 0, 0, L, S, qk_scale_log2, scale, softcap,
             SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, False, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_READ, DROPOUT, SOFTCAP)
+            MASK_READ, DROPOUT, SOFTCAP, RELATIVE)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo2, hi2, 0, 0, L, S, qk_scale_log2, scale, softcap,
             SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, True, CAUSAL, MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION,
-            MASK_READ, DROPOUT, SOFTCAP)
+            MASK_READ, DROPOUT, SOFTCAP, RELATIVE)
 
     # Without a mask every row in range sees key 0 (S > 0 is checked on the host). A running
     # max still -inf means all its scores are -inf (infinite inputs, or a mask hiding every
@@ -196,6 +201,7 @@ def attention_forward(q, k, v, params):
     mask_kind, mask, key_range = mask_kind_and_tensor(params, q)
     dropout, seed, drop_threshold, keep_scale = dropout_arguments(params, lse)
     capped, softcap = softcap_arguments(params)
+    relative = has_relative_bias(params)
 
     def launch(plan):
         plan(_forward_kernel, (blocks(L, plan.kwargs["BLOCK_M"]), B * Hq),
@@ -206,11 +212,12 @@ def attention_forward(q, k, v, params):
     for path in mask_paths(mask_kind):
         launch(launch_plan(
             "forward", q, k, v, causal,
-            mask_flags(mask_kind, path) + dropout_flags(dropout) + softcap_flags(capped),
+            mask_flags(mask_kind, path) + dropout_flags(dropout) + softcap_flags(capped)
+            + relative_flags(relative),
             lambda: forward_candidates(q.dtype, E, Ev, path),
             lambda: dict(HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_E=padded_dim(E),
                          BLOCK_EV=padded_dim(Ev), CAUSAL=causal, MASK_KIND=mask_kind,
                          MASK_PATH=path, DOT_PRECISION=dot_precision(q.dtype), DROPOUT=dropout,
-                         SOFTCAP=capped),
+                         SOFTCAP=capped, RELATIVE=relative),
             launch, L * S, has_work=mask_path_work(key_range, path)))
     return o, lse

@@ -117,6 +117,17 @@ def summary_of_forward(mask, reuse):
     return summary
 
 
+def has_relative_bias(params):
+    """Whether the call's mask is tiles with a relative bias, which every kernel loop adds to
+    its scores (RELATIVE: tiles.add_relative_bias), the mask applying as its summary says."""
+    return isinstance(params.mask, BlockSparseMask) and params.mask.relative_bias is not None
+
+
+def relative_flags(relative):
+    """The part of a launch plan's flags (its tuning key) that a relative bias adds."""
+    return ("relative",) if relative else ()
+
+
 def mask_paths(kind):
     """A kernel's launches for a mask kind (tiles.py, MASK_PATH): one without a
     mask; with one, a launch for the (batch, head)s whose mask applies from indices and one

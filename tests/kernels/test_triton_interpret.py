@@ -559,6 +559,23 @@ def test_tiles_with_a_relative_bias_every_output(causal):
 
 
 @in_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_intervals_with_a_relative_bias_every_output(causal):
+    """Causal, window and prefix-LM BlockMasks with a relative bias: the mask is applied
+    from its intervals (the summary says KEY_INTERVALS: its tiles are never read) and every
+    loop adds the bias, the unmasked ones too (tiles.add_relative_bias)."""
+    from bob_compile.kernels.interval_masks import KEY_INTERVALS
+    from flex_models import tile_by_tile_masks
+    B, Hq, L, S = 2, 3, 77, 90
+    tiles, additive = tile_by_tile_masks(B, Hq, L, S, 16, relative=True, intervals=True)
+    assert tiles.dtype == torch.float32 and torch.equal(tiles.dense(), additive)
+    assert (tiles.kernel_summary()[..., 0, 2] == KEY_INTERVALS).all()
+    q, k, v = make_inputs(B, Hq, 1, L, S, 16, 16, torch.float32)
+    run_all_orders(q, k, v, causal, (True, True, True), True, torch.float32, mask=tiles,
+                   reference_mask=additive)
+
+
+@in_interpreter
 def test_read_masks_keep_every_order_exact_with_is_causal():
     """The same masks as booleans under is_causal=True (the documents then causal too)."""
     B, Hq, L = 2, 2, 70
