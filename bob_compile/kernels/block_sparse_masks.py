@@ -9,7 +9,9 @@ partial tiles are all alike: stored once). A bias that depends on the query and 
 only through q - k (ALiBi, relative-position tables, T5's buckets; flex.py finds such
 score_mods) comes with it as one row of L + S - 1 values per (batch entry, head), added to
 each visible score: then the mask is additive (its dtype float32), and a bias at or below
--1e4 hides its pair, as an additive mask's value does (params.HIDDEN_AT_OR_BELOW).
+-1e4 hides its pair, as an additive mask's value does (params.HIDDEN_AT_OR_BELOW). The
+kernels add it where they form their scores, in every loop (RELATIVE: tiles.
+add_relative_bias), so that a mask of intervals keeps the loops that never read it.
 
 One uint8 tensor holds it all, so that it passes through the ops as their mask argument
 (ops.flat_mask knows it by its first word) and is saved for the backwards like any mask:
@@ -20,7 +22,9 @@ One uint8 tensor holds it all, so that it passes through the ops as their mask a
              bytes per value
     summary  int32 (Bm, Hm, 1, 3 + 2L + 2S): triton_masks.py's summary of the mask (its
              structure READ_THE_MASK or READ_THE_MASK_CAUSAL: the kernels loop over the key
-             blocks each row block sees, and skip those above the diagonal where none is seen)
+             blocks each row block sees, and skip those above the diagonal where none is seen;
+             with a bias, KEY_INTERVALS for the (batch, head)s whose rows and keys are
+             intervals: applied from indices, the tiles never read, the bias added apart)
     tables   one per (batch entry, head), Bm x Hm of them, int32: log2 block_q, log2
              block_k (powers of two), key_blocks, the byte offsets from this table to the
              tiles and to its bias row (0: none), then the (q_blocks, key_blocks) entries:

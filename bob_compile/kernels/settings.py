@@ -90,9 +90,9 @@ SWITCHES = (
     Switch("BOB_COMPILE_DEV_RELATIVE_ROWS", SWITCH, "0",
            "`1`: a flex_attention score_mod bias that reads q_idx - kv_idx alone, whose "
            "materialized form would exceed 1 GiB, reaches the kernels as one row of "
-           "L + S - 1 values per head with the mask's tiles (kernels/block_sparse_masks.py); "
-           "off until measured on a GPU (its first measurement ran as math, a tracing fault "
-           "since fixed: docs/measurements.md)"),
+           "L + S - 1 values per head with the mask's tiles (kernels/block_sparse_masks.py), "
+           "added in every loop, the mask applied from its intervals where it has them; off "
+           "until timed on a GPU in that form (docs/measurements.md)"),
     Switch("BOB_COMPILE_DEV_FAST_LAUNCH", SWITCH, "1",
            "reuse the compiled kernel of an earlier launch that specialized the same way, "
            "through its C launcher (`0`: every launch through `JITFunction.run`; "

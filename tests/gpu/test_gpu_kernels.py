@@ -163,6 +163,22 @@ def test_tile_by_tile_masks_against_float64(monkeypatch, schedule, block, causal
 
 
 @pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
+def test_intervals_with_a_relative_bias_against_float64(monkeypatch, schedule):
+    """Causal, window and prefix-LM BlockMasks with a relative bias per head: the mask
+    applied from its intervals, the bias added in every loop (tiles.add_relative_bias)."""
+    from bob_compile.kernels.interval_masks import KEY_INTERVALS
+    from flex_models import tile_by_tile_masks
+    monkeypatch.setenv("BOB_COMPILE_DEV_BOB_SCHEDULE", schedule)
+    monkeypatch.setenv("BOB_COMPILE_DEV_BWD_DQ", schedule)
+    settings.reload()
+    B, Hq, L, S = 2, 6, 1000, 1100
+    tiles, _ = tile_by_tile_masks(B, Hq, L, S, 128, device="cuda", relative=True,
+                                  intervals=True)
+    assert (tiles.kernel_summary()[..., 0, 2] == KEY_INTERVALS).all()
+    check_every_output(torch.bfloat16, B, Hq, 3, L, S, 64, 64, False, tiles)
+
+
+@pytest.mark.parametrize("schedule", ["two_pass", "atomic"])
 def test_hf_causal_folded_masks_against_float64(monkeypatch, schedule):
     """Hugging Face's 4-D mask (key padding and the causal mask in one tensor, is_causal
     False), which the kernels apply from indices (triton_masks.mask_summary); left padding
