@@ -93,6 +93,10 @@ SWITCHES = (
            "L + S - 1 values per head with the mask's tiles (kernels/block_sparse_masks.py), "
            "added in every loop, the mask applied from its intervals where it has them; off "
            "until timed on a GPU in that form (docs/measurements.md)"),
+    Switch("BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL", ("mufu", "newton"), "mufu",
+           "soft-capped scores: the reciprocal inside tanh on the multifunction unit, or by "
+           "three Newton iterations on the FMA units (a capped pair needs the multifunction "
+           "unit three times against once uncapped; triton_softcap.py); not yet timed"),
     Switch("BOB_COMPILE_DEV_FAST_LAUNCH", SWITCH, "1",
            "reuse the compiled kernel of an earlier launch that specialized the same way, "
            "through its C launcher (`0`: every launch through `JITFunction.run`; "
@@ -123,6 +127,7 @@ class Settings:
     fast_launch: bool
     cpp_node: str
     relative_rows: bool = False
+    softcap_reciprocal: str = "mufu"
 
     @classmethod
     def from_environ(cls, environ=None):
@@ -149,6 +154,7 @@ class Settings:
             fast_launch=read("BOB_COMPILE_DEV_FAST_LAUNCH") == "1" and not interpret,
             cpp_node=read("BOB_COMPILE_CPP_NODE"),
             relative_rows=read("BOB_COMPILE_DEV_RELATIVE_ROWS") == "1",
+            softcap_reciprocal=read("BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL"),
         )
 
     def with_choices(self, choices):

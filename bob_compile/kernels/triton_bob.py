@@ -128,7 +128,7 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
         if SOFTCAP:     # capped in natural units, before any mask (base2_scores, inlined:
             # the helper's call cost the uncapped d = 128 folded row pass 144 bytes of spills)
             t, th = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale,
-                                  softcap)
+                                  softcap, SOFTCAP)
             s2 = t * 1.4426950408889634    # log2(e)
         else:
             s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2

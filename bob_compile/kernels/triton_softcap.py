@@ -10,18 +10,41 @@ functions of th = tanh(U / c), which capped_scores returns beside T: nothing els
 import triton
 import triton.language as tl
 
-from . import tiles
+from . import settings, tiles
 
 LOG2E = tl.constexpr(tiles.LOG2E)     # jitted code reads constexpr globals only
 
 
+# SOFTCAP's values: off; on, tanh's reciprocal on the multifunction unit; on, that
+# reciprocal by Newton's iterations on the FMA units (BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL)
+SOFTCAP_OFF, RECIPROCAL_MUFU, RECIPROCAL_NEWTON = 0, 1, 2
+# 1 / x for a float32 x > 0 to start Newton from: the bits' magic difference is within 5.1 %
+# of it for every x, so that three iterations (each squares the error) reach float32's
+RECIPROCAL_MAGIC = tl.constexpr(0x7EF311C3)
+
+
 @triton.jit
-def capped_scores(u, softcap):
+def capped_scores(u, softcap, SOFTCAP: tl.constexpr = RECIPROCAL_MUFU):
     """(T, th): T = c tanh(u / c), th = tanh(u / c), for a tile u of natural-unit scores.
     tanh from one exp2: 1 - 2 / (exp(2 u / c) + 1) is exact at both ends (an infinite u gives
-    ±1) and its absolute error near 0 is float32's, which is what a softmax sees."""
-    e = tl.math.exp2(u * (2.0 * LOG2E / softcap))
-    th = 1.0 - 2.0 / (e + 1.0)
+    ±1) and its absolute error near 0 is float32's, which is what a softmax sees.
+    RECIPROCAL_NEWTON: each pair of a capped step needs the multifunction unit three times
+    (this exp2, this reciprocal, the softmax's exp2), against once uncapped; the reciprocal
+    then runs on the FMA units instead (its exponent clamped to ±64, where tanh is ±1 in
+    float32 already, so that e + 1 stays finite; NaN kept): tanh within 2.4e-7 of float64
+    against 1.8e-7 by division, ±1 at both ends."""
+    y = u * (2.0 * LOG2E / softcap)
+    if SOFTCAP == RECIPROCAL_NEWTON:
+        y = tl.minimum(tl.maximum(y, -64.0, propagate_nan=tl.PropagateNan.ALL), 64.0,
+                       propagate_nan=tl.PropagateNan.ALL)
+        x = tl.math.exp2(y) + 1.0
+        r = (RECIPROCAL_MAGIC.value - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+        r = r + r * (1.0 - x * r)     # this form lands on 1 exactly at x = 1
+        r = r + r * (1.0 - x * r)
+        r = r + r * (1.0 - x * r)
+        th = 1.0 - 2.0 * r
+    else:
+        th = 1.0 - 2.0 / (tl.math.exp2(y) + 1.0)
     return softcap * th, th
 
 
@@ -31,7 +54,7 @@ def base2_scores(qk, scale, qk_scale_log2, softcap, SOFTCAP: tl.constexpr):
     its masks: capped in natural units with SOFTCAP (th = tanh(U / c), for φ' and φ''),
     else qk times scale·log2(e) (th is then qk, never read)."""
     if SOFTCAP:
-        t, th = capped_scores(qk * scale, softcap)
+        t, th = capped_scores(qk * scale, softcap, SOFTCAP)
         return t * LOG2E, th
     return qk * qk_scale_log2, qk
 
@@ -49,11 +72,15 @@ def capped_curvature(th, softcap):
 
 
 def softcap_arguments(params):
-    """(SOFTCAP, softcap) of a launch: the constexpr switch and the cap (1.0 where off, never
-    read)."""
-    return (True, float(params.softcap)) if params.softcap else (False, 1.0)
+    """(SOFTCAP, softcap) of a launch: the constexpr (SOFTCAP_OFF, or how tanh's reciprocal
+    is taken: BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL) and the cap (1.0 where off, never read)."""
+    if not params.softcap:
+        return SOFTCAP_OFF, 1.0
+    newton = settings.current().softcap_reciprocal == "newton"
+    return (RECIPROCAL_NEWTON if newton else RECIPROCAL_MUFU), float(params.softcap)
 
 
 def softcap_flags(softcap):
     """The part of a launch plan's flags (its tuning key) that soft-capping adds."""
-    return ("softcap",) if softcap else ()
+    return () if not softcap else ("softcap",) if softcap == RECIPROCAL_MUFU else \
+        ("softcap", "newton")

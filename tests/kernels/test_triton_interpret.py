@@ -49,7 +49,17 @@ from bob_compile.kernels.params import AttentionParams  # noqa: E402
 
 
 if INTERPRETED:
+    import triton.language as tl  # noqa: E402
+
     from bob_compile.kernels import triton_attention, triton_forward  # noqa: E402
+    from bob_compile.kernels.triton_softcap import capped_scores  # noqa: E402
+
+    @triton.jit
+    def _capped_scores_kernel(U, T, TH, n, softcap, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        t, th = capped_scores(tl.load(U + offs, mask=offs < n), softcap, SOFTCAP)
+        tl.store(T + offs, t, mask=offs < n)
+        tl.store(TH + offs, th, mask=offs < n)
 
     if not isinstance(triton_forward._forward_kernel,
                       triton.runtime.interpreter.InterpretedFunction):
@@ -1198,3 +1208,42 @@ def test_softcap_bob_folded_bias(causal, softcap, dtype):
                                      params64)
     for name, a, e in zip((*reference.BOB_FOLDED_OUTPUTS, "gbias"), outs, want):
         check(name, a, e.to(a.dtype), dtype)
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal,softcap", SOFTCAP_BOB_CASES)
+def test_softcap_newton_reciprocal_every_kernel(monkeypatch, causal, softcap, dtype):
+    """BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL=newton (tanh's reciprocal on the FMA units): the
+    forward, the backward and the folded BoB as exact as with the multifunction unit's."""
+    monkeypatch.setenv("BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL", "newton")
+    settings.reload()
+    q, k, v = capped_inputs(1, 4, 2, 29, 29 if causal else 37, 16, 16, dtype, softcap)
+    params = softcap_params(q, causal, softcap)
+    check_first_order(q, k, v, params, dtype)
+    o, lse = triton_attention.forward(q, k, v, params)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    cot = [torch.randn_like(t) for t in (q, k, v)]
+    outs = triton_attention.bob_folded(q, k, v, o, lse, do, dlse, *cot, None, params)
+    expected = reference.bob_folded(*f64(q, k, v, o, lse, do, dlse, *cot, None), params)
+    for name, a, e in zip(reference.BOB_FOLDED_OUTPUTS, outs, expected):
+        check("folded " + name, a, e.to(a.dtype), dtype)
+
+
+@in_interpreter
+@pytest.mark.parametrize("reciprocal", [1, 2], ids=["mufu", "newton"])
+def test_capped_scores_at_every_magnitude(reciprocal):
+    """tanh of either reciprocal within 4e-7 of float64's over 60 binades, +-1 at +-inf and
+    beyond the clamp, NaN kept (a NaN score must make its row NaN)."""
+    magnitudes = torch.logspace(-30, 30, 2001, base=2, dtype=torch.float64)
+    u = torch.cat((magnitudes, -magnitudes, torch.tensor([0.0, float("inf"), -float("inf"),
+                                                           float("nan"), 1e30, -1e30]))).float()
+    t, th = torch.empty_like(u), torch.empty_like(u)
+    _capped_scores_kernel[(triton.cdiv(u.numel(), 1024),)](u, t, th, u.numel(), 3.0,
+                                                           reciprocal, 1024)
+    want = torch.tanh(u.double() / 3.0)
+    finite = ~torch.isnan(u)
+    assert (th[finite].double() - want[finite]).abs().max() <= 4e-7
+    assert torch.isnan(th[~finite]).all() and torch.isnan(t[~finite]).all()
+    assert torch.equal(th[u.abs() >= 1e30], torch.sign(u[u.abs() >= 1e30]))
+    assert torch.allclose(t, 3.0 * th, rtol=0, atol=0, equal_nan=True)
