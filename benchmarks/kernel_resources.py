@@ -74,11 +74,12 @@ def resources(fn, constexprs, num_warps, num_stages, dtype="bf16"):
                 spill_loads=number(r"(\d+) bytes spill loads"),
                 stack=number(r"(\d+) bytes stack frame"),
                 shared=kernel.metadata.shared,
-                hgmma=len(re.findall(r"\bHGMMA\b", sass)), hmma=len(re.findall(r"\bHMMA\b", sass)))
+                hgmma=len(re.findall(r"\bHGMMA\b", sass)), hmma=len(re.findall(r"\bHMMA\b", sass)),
+                mufu=len(re.findall(r"\bMUFU\.", sass)))
 
 
 DROPOUT = False     # --dropout: the kernels as a call with attention dropout compiles them
-SOFTCAP = False     # --softcap: as a call with soft-capped scores compiles them
+SOFTCAP = 0         # --softcap (--softcap-newton): as a call with soft-capped scores compiles them
 
 
 def causal_constexprs(fn, is_bob, d, block_m, block_n):
@@ -94,7 +95,8 @@ def causal_constexprs(fn, is_bob, d, block_m, block_n):
                   HAS_TDO=True,
                   # no learned bias: what a plain causal call compiles (dropout and a
                   # soft cap if asked)
-                  DROPOUT=DROPOUT, SOFTCAP=SOFTCAP, HAS_DM=False, HAS_GDM=False, HAS_GM=False)
+                  DROPOUT=DROPOUT, SOFTCAP=SOFTCAP, HAS_DM=False, HAS_GDM=False, HAS_GM=False,
+                  RELATIVE=False)
     if is_bob:
         consts.update(HAS_GDQ=True, HAS_GDK=True, HAS_GDV=True,
                       FOLD=is_bob in ("fold", "fold_dq"))
@@ -152,17 +154,20 @@ def main(argv=None):
                     help="compile the kernels with attention dropout on")
     ap.add_argument("--softcap", action="store_true",
                     help="compile the kernels with soft-capped scores")
+    ap.add_argument("--softcap-newton", action="store_true",
+                    help="soft-capped, tanh's reciprocal by Newton's iterations "
+                         "(BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL=newton)")
     ap.add_argument("--candidates", action="store_true",
                     help="the shared memory of every candidate of each launch site instead")
     args = ap.parse_args(argv)
     global DROPOUT, SOFTCAP
-    DROPOUT, SOFTCAP = args.dropout, args.softcap
+    DROPOUT, SOFTCAP = args.dropout, 2 if args.softcap_newton else int(args.softcap)
     if args.candidates:
         candidates_shared_memory()
         return
     bob, bwd, forward_mode = load_kernels()
     print(f"{'kernel':14s} {'d':>4s} {'tile MxN':>9s} {'warps':>5s} {'stages':>6s} {'regs':>5s} "
-          f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s}")
+          f"{'spill st/ld B':>14s} {'stack':>6s} {'smem':>7s} {'HGMMA':>6s} {'HMMA':>5s} {'MUFU':>5s}")
     # (kernel, function, pick flags, {d: (BLOCK_M, BLOCK_N, warps, stages)}) as tuned on H200
     tuned = [
         ("bob rows", bob._row_kernel, True, {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)}),
@@ -194,7 +199,7 @@ def main(argv=None):
             r = resources(fn, causal_constexprs(fn, is_bob, d, bm, bn), warps, stages)
             print(f"{name:14s} {d:4d} {bm:4d}x{bn:<4d} {warps:5d} {stages:6d} {r['registers']:5d} "
                   f"{r['spill_stores']:6d}/{r['spill_loads']:<7d} {r['stack']:6d} "
-                  f"{r['shared']:7d} {r['hgmma']:6d} {r['hmma']:5d}")
+                  f"{r['shared']:7d} {r['hgmma']:6d} {r['hmma']:5d} {r['mufu']:5d}")
 
 
 if __name__ == "__main__":

@@ -396,8 +396,12 @@ def _read_block_sparse(s2, table, offs_m, offs_n, L, S, TRANSPOSED: tl.constexpr
 def _pairs(offs_m, offs_n, TRANSPOSED: tl.constexpr):
     """(query, key) indices of a tile's pairs, broadcast to [M, N] (or [N, M] TRANSPOSED)."""
     if TRANSPOSED:
-        return offs_m[None, :], offs_n[:, None]
-    return offs_m[:, None], offs_n[None, :]
+        rows = offs_m[None, :]
+        keys = offs_n[:, None]
+    else:
+        rows = offs_m[:, None]
+        keys = offs_n[None, :]
+    return rows, keys
 
 
 @triton.jit

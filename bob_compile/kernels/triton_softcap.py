@@ -18,13 +18,11 @@ LOG2E = tl.constexpr(tiles.LOG2E)     # jitted code reads constexpr globals only
 # SOFTCAP's values: off; on, tanh's reciprocal on the multifunction unit; on, that
 # reciprocal by Newton's iterations on the FMA units (BOB_COMPILE_DEV_SOFTCAP_RECIPROCAL)
 SOFTCAP_OFF, RECIPROCAL_MUFU, RECIPROCAL_NEWTON = 0, 1, 2
-# 1 / x for a float32 x > 0 to start Newton from: the bits' magic difference is within 5.1 %
-# of it for every x, so that three iterations (each squares the error) reach float32's
-RECIPROCAL_MAGIC = tl.constexpr(0x7EF311C3)
+NEWTON = tl.constexpr(RECIPROCAL_NEWTON)     # jitted code reads constexpr globals only
 
 
 @triton.jit
-def capped_scores(u, softcap, SOFTCAP: tl.constexpr = RECIPROCAL_MUFU):
+def capped_scores(u, softcap, SOFTCAP: tl.constexpr = 1):
     """(T, th): T = c tanh(u / c), th = tanh(u / c), for a tile u of natural-unit scores.
     tanh from one exp2: 1 - 2 / (exp(2 u / c) + 1) is exact at both ends (an infinite u gives
     ±1) and its absolute error near 0 is float32's, which is what a softmax sees.
@@ -34,11 +32,13 @@ def capped_scores(u, softcap, SOFTCAP: tl.constexpr = RECIPROCAL_MUFU):
     float32 already, so that e + 1 stays finite; NaN kept): tanh within 2.4e-7 of float64
     against 1.8e-7 by division, ±1 at both ends."""
     y = u * (2.0 * LOG2E / softcap)
-    if SOFTCAP == RECIPROCAL_NEWTON:
+    if SOFTCAP == NEWTON:
         y = tl.minimum(tl.maximum(y, -64.0, propagate_nan=tl.PropagateNan.ALL), 64.0,
                        propagate_nan=tl.PropagateNan.ALL)
         x = tl.math.exp2(y) + 1.0
-        r = (RECIPROCAL_MAGIC.value - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+        # 1 / x to start from: the bits' magic difference is within 5.1 % of it for every
+        # float32 x > 0, so that three iterations (each squares the error) reach float32's
+        r = (0x7EF311C3 - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
         r = r + r * (1.0 - x * r)     # this form lands on 1 exactly at x = 1
         r = r + r * (1.0 - x * r)
         r = r + r * (1.0 - x * r)
