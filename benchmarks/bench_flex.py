@@ -22,8 +22,10 @@ q, k, v, dO):
   `causal + ALiBi (dense bias)`: the bias materialized (1, H, N, N) with the causal mask
   folded in, as bob_compile.attention takes it (what flex calls cost before).
 Per row: the CUDA-event median, the visible pairs, the time per visible pair relative to
-the causal op's (the issue's target: <= 1.15), the peak memory beyond the inputs, and for
-the flex rows the time to make the mask's form from the BlockMask and the form's size.
+the causal op's (the issue's target: <= 1.15), the peak memory beyond the inputs, the host
+time to issue a step (from a synchronize to its return) and the calls in a step that make
+the host wait for the GPU (torch.cuda's sync debug mode), and for the flex rows the time to
+make the mask's form from the BlockMask and the form's size.
 
 The tile-by-tile and relative-bias forms are taken where the materialized mask would
 exceed 1 GiB (block_masks.TILES_ABOVE_BYTES), the relative rows only with
@@ -48,7 +50,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bob_compile  # noqa: E402
 from bob_compile import block_masks  # noqa: E402
 from bench_masks import median_ms  # noqa: E402  (benchmarks/, the script's folder)
+from profile_step import host_issue_ms  # noqa: E402
 from run_record import run_record  # noqa: E402
+
+
+def synchronizing_calls(step):
+    """How many calls in one step make the host wait for the GPU (torch.cuda's sync debug
+    mode warns at each): a step that synchronizes leaves the GPU idle while the host issues
+    what follows."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def second_order(attend, q, k, v, do, cotangents):
@@ -107,14 +125,20 @@ def main():
                          for _ in range(7))
 
     def measure(name, attend, pairs):
-        second_order(attend, q, k, v, do, cot)
+        def step():
+            second_order(attend, q, k, v, do, cot)
+        step()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        ms = median_ms(lambda: second_order(attend, q, k, v, do, cot), args.reps)
+        ms = median_ms(step, args.reps)
         extra = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-        print(f"  {name}: {ms:.2f} ms, {extra:.0f} MiB beyond the inputs", flush=True)
-        return dict(row=name, ms=ms, visible_pairs=pairs, extra_mib=extra)
+        host = host_issue_ms(step, args.reps)
+        syncs = synchronizing_calls(step)
+        print(f"  {name}: {ms:.2f} ms, {extra:.0f} MiB beyond the inputs, host issue "
+              f"{host:.2f} ms, {syncs} synchronizing calls", flush=True)
+        return dict(row=name, ms=ms, visible_pairs=pairs, extra_mib=extra, host_issue_ms=host,
+                    synchronizing_calls=syncs)
 
     causal_pairs = H * N * (N + 1) // 2
     results = [measure("causal op", lambda q, k, v: bob_compile.attention(q, k, v, is_causal=True),
@@ -155,13 +179,15 @@ def main():
     print(f"\nN={N} H={H} d={d} bf16, second-order step; window {window}, "
           f"{len(lengths)} documents")
     print(f"{'row':32s} {'ms':>8s} {'visible pairs':>14s} {'per pair vs causal':>19s} "
-          f"{'extra MiB':>10s} {'mask, ms':>9s} {'mask MiB':>9s}  form")
+          f"{'extra MiB':>10s} {'host ms':>8s} {'syncs':>6s} {'mask, ms':>9s} {'mask MiB':>9s}"
+          f"  form")
     for r in results:
         r["per_pair_vs_causal"] = r["ms"] / r["visible_pairs"] / per_pair
         materialize = f"{r['mask_ms']:9.2f} {r['mask_mib']:9.2f}  {r['mask_form']}" \
             if "mask_ms" in r else ""
         print(f"{r['row']:32s} {r['ms']:8.2f} {r['visible_pairs']:14.3g} "
-              f"{r['per_pair_vs_causal']:19.2f} {r['extra_mib']:10.0f} {materialize}")
+              f"{r['per_pair_vs_causal']:19.2f} {r['extra_mib']:10.0f} "
+              f"{r['host_issue_ms']:8.2f} {r['synchronizing_calls']:6d} {materialize}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_flex_{N}.json")
     with open(path, "w") as f:
