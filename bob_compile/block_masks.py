@@ -226,8 +226,8 @@ def key_intervals(blocks, L, S, device, batch, heads, tiles_otherwise=False,
     if relative_bias is not None and tileable:
         return _tile_by_tile(evaluated, full, sizes, (q_blocks, kv_blocks), (q_block, kv_block),
                              rows, keys, L, S, device, relative_bias)
-    if relative_bias is not None or not bool(_one_interval_each(rows) &
-                                             _one_interval_each(keys)):
+    if relative_bias is not None or not bool(block_sparse_masks.one_interval_each(rows) &
+                                             block_sparse_masks.one_interval_each(keys)):
         if not tiles_otherwise and relative_bias is None:
             return None
         if sizes[0] * sizes[1] * L * S <= dense_up_to or not tileable:
@@ -353,12 +353,6 @@ def _add_tile(stats, seen, flat_rows, columns, none):
     first.scatter_reduce_(0, index, tile_first.reshape(-1), "amin")
     end.scatter_reduce_(0, index, tile_end.reshape(-1), "amax")
     count.scatter_add_(0, index, tile_count.reshape(-1))
-
-
-def _one_interval_each(stats):
-    """Whether every row's pairs are the one interval [first, end) (or none)."""
-    first, end, count = stats
-    return ((count == 0) | (count == end - first)).all()
 
 
 def may_synchronize(tensor):
@@ -536,13 +530,9 @@ def pack(blocks, key, relative_bias=None):
     for t in parts:
         words += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *[1] * (_MAX_DIMS - t.dim()),
                   offset]
-        offset += _aligned(t.numel() * t.dtype.itemsize)
+        offset += _padded_bytes(t)
     words += [0] * (_HEADER_BYTES // 8 - len(words))
     return torch.ops.bob_compile.pack_block_mask(parts, words)
-
-
-def _aligned(nbytes):
-    return -(-nbytes // 8) * 8
 
 
 # One op packs, so that the ops' `resolve` can tell a packed mask by what it was packed
@@ -564,8 +554,13 @@ def _pack_block_mask(parts: list[torch.Tensor], words: list[int]) -> torch.Tenso
 
 @_pack_block_mask.register_fake
 def _(parts, words):
-    nbytes = _HEADER_BYTES + sum(_aligned(t.numel() * t.dtype.itemsize) for t in parts)
-    return parts[0].new_empty(nbytes, dtype=torch.uint8)
+    return parts[0].new_empty(_HEADER_BYTES + sum(map(_padded_bytes, parts)),
+                              dtype=torch.uint8)
+
+
+def _padded_bytes(part):
+    """A part's bytes in the packed tensor: its own, then zeros to an 8-byte boundary."""
+    return block_sparse_masks.aligned(part.numel() * part.dtype.itemsize)
 
 
 @functools.lru_cache(maxsize=64)
@@ -590,8 +585,7 @@ def _source_key(tensor):
 
 def _remember_sources(packed, parts, words):
     bases, keys = zip(*map(_source_key, parts))
-    _sources_of_packed[id(packed)] = (weakref.ref(packed), (tuple(keys), tuple(words)),
-                                      _weak(bases), bases)
+    _sources_of_packed[id(packed)] = (weakref.ref(packed), (tuple(keys), tuple(words)), bases)
     weakref.finalize(packed, _sources_of_packed.pop, id(packed), None)
 
 
@@ -622,7 +616,7 @@ def resolve(packed, batch, heads, L, S):
         sources = None                   # another tensor now, or written since it was packed
     if sources is not None:              # packed from tensors whose form is known: no read
         kept = _by_sources.get((sources[1], call))
-        if kept is not None and _alive(kept[0], sources[3]):
+        if kept is not None and _alive(kept[0], sources[2]):
             return _resolved(packed, identity, kept[1], batch, heads, L, S)
     cached = packed.numel() <= _CONTENT_KEYED_BYTES
     data = (packed if cached else packed[:_HEADER_BYTES]).cpu()
@@ -667,7 +661,7 @@ def resolve(packed, batch, heads, L, S):
         if cached and _small(form):
             _keep(_by_content, content, form)
     if sources is not None and _small(form):
-        _keep(_by_sources, (sources[1], call), (sources[2], form))
+        _keep(_by_sources, (sources[1], call), (_weak(sources[2]), form))
     return _resolved(packed, identity, form, batch, heads, L, S)
 
 
@@ -708,7 +702,7 @@ _KEPT = 8                            # nor larger tile-by-tile forms
 _by_content = collections.OrderedDict()
 _by_packed = collections.OrderedDict()
 _by_sources = collections.OrderedDict()
-_sources_of_packed = {}      # id(packed) -> (weakref to it, key, weakrefs to and its sources)
+_sources_of_packed = {}      # id(packed) -> (weakref to it, its sources' key, the sources)
 _by_identity = collections.OrderedDict()
 
 

@@ -55,7 +55,7 @@ def powers_of_two(block_size):
     return all(n > 0 and n & (n - 1) == 0 for n in block_size)
 
 
-def _aligned(nbytes):
+def aligned(nbytes):
     return -(-nbytes // 8) * 8
 
 
@@ -177,7 +177,8 @@ def build(entries, tiles, row_stats, key_stats, L, S, block_size, relative_bias=
         raise ValueError(f"block_sparse_masks.build: blocks of {block_size}; the kernels "
                          f"take powers of two")
     entries, tiles = _distinct_tiles(entries.to(torch.int64), tiles)
-    summary = _summary(row_stats, key_stats, L, S, intervals_from_indices=relative_bias is not None)
+    summary = _summary(row_stats, key_stats, L, S,
+                       intervals_from_indices=relative_bias is not None)
     if relative_bias is not None:      # one table and one bias row per (batch entry, head)
         sizes = torch.broadcast_shapes(entries.shape[:2], relative_bias.shape[:2])
         entries = entries.expand(*sizes, -1, -1)
@@ -186,11 +187,11 @@ def build(entries, tiles, row_stats, key_stats, L, S, block_size, relative_bias=
             relative_bias.dtype, torch.float32)).expand(*sizes, -1)
     Bm, Hm, q_blocks, key_blocks = entries.shape
     width = summary_length(L, S)
-    table_bytes = _aligned(4 * (_TABLE_HEAD + q_blocks * key_blocks))
+    table_bytes = aligned(4 * (_TABLE_HEAD + q_blocks * key_blocks))
     summary_at = 8 * HEADER_WORDS
-    tables_at = summary_at + _aligned(4 * Bm * Hm * width)
+    tables_at = summary_at + aligned(4 * Bm * Hm * width)
     tiles_at = tables_at + Bm * Hm * table_bytes
-    bias_at = 0 if relative_bias is None else _aligned(tiles_at + tiles.numel())
+    bias_at = 0 if relative_bias is None else aligned(tiles_at + tiles.numel())
     bias_bytes = 0 if relative_bias is None else relative_bias.element_size()
     total = tiles_at + tiles.numel() if relative_bias is None else \
         bias_at + bias_bytes * relative_bias.numel()
@@ -278,13 +279,14 @@ def _summary(row_stats, key_stats, L, S, intervals_from_indices=False):
     below_only = ((row_count == 0) | (row_end <= rows)).all(-1)
     structure = torch.where(below_only, READ_THE_MASK_CAUSAL, READ_THE_MASK)
     if intervals_from_indices:
-        intervals = _one_interval_each(row_stats) & _one_interval_each(key_stats)
+        intervals = one_interval_each(row_stats) & one_interval_each(key_stats)
         structure = torch.where(intervals, KEY_INTERVALS, structure)
     summary[..., 0, 2] = structure
     return summary
 
 
-def _one_interval_each(stats):
-    """Per (batch entry, head): whether each row's (key's) visible pairs are one interval."""
+def one_interval_each(stats):
+    """Whether the visible pairs of each row (or key) are the one interval [first, end) or
+    none, over the last dim of (first, end, count): per (batch entry, head)."""
     first, end, count = stats
     return ((count == 0) | (count == end - first)).all(-1)

@@ -21,12 +21,13 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .launching import fixed_plan, launch_plan, read_path_first, strides_of
-from .tiles import (INDICES_PATH, LOG2E, add_relative_bias, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
-                    add_score_tile, apply_mask_tile, blocks, column_block_program, dot_precision,
-                    group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask, load_lse2,
-                    load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
-                    row_blocks_of_key_block, row_loops_within_mask, store_tile,
-                    unmasked_key_blocks, unmasked_query_blocks, visibility_mask)
+from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
+                    add_relative_bias, add_score_tile, apply_mask_tile, blocks,
+                    column_block_program, dot_precision, group_on_mask_path,
+                    key_blocks_of_row_block, key_loops_within_mask, load_lse2, load_row_vector,
+                    load_tile, on_mask_path, padded_dim, row_block_program, row_blocks_of_key_block,
+                    row_loops_within_mask, store_tile, unmasked_key_blocks, unmasked_query_blocks,
+                    visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_softcap import base2_scores, capped_slope, softcap_arguments, softcap_flags
@@ -99,8 +100,7 @@ def _column_steps(dk, dv, k, v, q_base, do_base, lse_ptr, d_ptr, dq_base, mask_b
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   DQ_ATOMICS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr,
-                  SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+                  SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -160,8 +160,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, DK, DV, DQ_ACC, MASK, KEY_RANGE, SEED, D
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DQ_ATOMICS: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_DM: tl.constexpr,
-                   SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+                   SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,
@@ -249,7 +248,7 @@ def _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               PAD_E: tl.constexpr, PAD_EV: tl.constexpr, DOT_PRECISION: tl.constexpr,
               MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+              RELATIVE: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -289,8 +288,7 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -323,7 +321,8 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, a_end,
                        b_end, 0, 0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0,
                        drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP, RELATIVE)
+                       CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT,
+                       SOFTCAP, RELATIVE)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo1, hi2,
                        a_end, b_end - a_end, L, S, qk_scale_log2, scale, softcap, SEED, head, m0,
@@ -335,12 +334,14 @@ def _dq_kernel(Q, K, V, DO, LSE, D, DQ, MASK, KEY_RANGE, SEED,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo1, hi1, 0,
                        0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold,
                        keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP, RELATIVE)
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT,
+                       SOFTCAP, RELATIVE)
         dq = _dq_steps(dq, q, do, lse2, d, k_base, v_base, skn, ske, svn, sve, mask_base,
                        sml, sme, firsts, ends, offs_m, offs_e, offs_ev, lo2, hi2, 0,
                        0, L, S, qk_scale_log2, scale, softcap, SEED, head, m0, drop_threshold,
                        keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL,
-                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT, SOFTCAP, RELATIVE)
+                       MASK_KIND, PAD_E, PAD_EV, DOT_PRECISION, MASK_READ, DROPOUT,
+                       SOFTCAP, RELATIVE)
     store_tile(DQ + b * sdqb + h * sdqh, (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_e,
                sdql, sdqe, L, HEAD_DIM, PAD_E)
 

@@ -45,12 +45,13 @@ import triton.language as tl
 
 from .triton_backward import load_lse2_for_probabilities, row_dot
 from .launching import fixed_plan, launch_plan, read_path_first, strides_of
-from .tiles import (INDICES_PATH, LOG2E, add_relative_bias, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
-                    add_score_tile, apply_mask_tile, blocks, column_block_program, dot_precision,
-                    group_on_mask_path, key_blocks_of_row_block, key_loops_within_mask,
-                    load_row_vector, load_tile, on_mask_path, padded_dim, row_block_program,
-                    row_blocks_of_key_block, row_loops_within_mask, store_tile,
-                    unmasked_key_blocks, unmasked_query_blocks, visibility_mask)
+from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_SOURCE, READ_PATH,
+                    add_relative_bias, add_score_tile, apply_mask_tile, blocks,
+                    column_block_program, dot_precision, group_on_mask_path,
+                    key_blocks_of_row_block, key_loops_within_mask, load_row_vector, load_tile,
+                    on_mask_path, padded_dim, row_block_program, row_blocks_of_key_block,
+                    row_loops_within_mask, store_tile, unmasked_key_blocks, unmasked_query_blocks,
+                    visibility_mask)
 from .tuning import Untimed, interpreting, row_bytes, wide_candidates
 from . import settings
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
@@ -109,8 +110,7 @@ def _row_steps(gq, gdo, dg, sbar_sum, r_acc, b_acc, q, do, gdq, lse2, d,
                ACCUMULATE_B: tl.constexpr, ACCUMULATE_R: tl.constexpr,
                SPLIT_SBAR: tl.constexpr, SPLIT_ALL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
-               SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+               SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     """SPLIT_SBAR: Sbar's GEMM with k in two half-precision parts; SPLIT_ALL: also those of
     dS (with gdk), P (with gdv) and A (with v), the roundings behind gq's and gdo's error.
     HAS_GDM: a learned bias's cotangent gdM (gdm_base: its (batch, head)) adds to F.
@@ -227,8 +227,7 @@ def _row_kernel(Q, K, V, O, DO, LSE, D, DLSE, GDQ, GDK, GDV, DQ, KEYS_OUT, GQ, G
                 FOLD: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DQ: tl.constexpr,
                 HAS_B: tl.constexpr, SPLIT_SBAR: tl.constexpr, SPLIT_EDGES: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
-                SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+                SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     # the folded form's B and R (R only where alpha can be non-zero): accumulated, or read
@@ -358,8 +357,7 @@ def _column_steps(gk, gv, k, v, gdk, gdv, q_base, do_base, gdq_base, lse_ptr, d_
                   HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                   ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   MASK_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr,
-                  HAS_GM: tl.constexpr, SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+                  HAS_GM: tl.constexpr, SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     """HAS_GDM: a learned bias's cotangent gdM adds to F; HAS_GM: the folded form's Sbar,
     the bias's cotangent, is added into gm_base (fp32, by atomics). SOFTCAP: the scores are
     T = c tanh(U / c); what meets q, gdq or k is U's (dU, Ubar)."""
@@ -502,8 +500,7 @@ def _column_kernel(Q, K, V, DO, LSE, D, ALPHA, ROW_E, GDQ, GDK, GDV, GK, GV,
                    HAS_GDQ: tl.constexpr, HAS_GDK: tl.constexpr, HAS_GDV: tl.constexpr,
                    ROW_ATOMICS: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    DROPOUT: tl.constexpr, HAS_GDM: tl.constexpr, HAS_GM: tl.constexpr,
-                   SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+                   SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, hk, n0, offs_n, offs_e, offs_ev = column_block_program(num_kv_heads, BLOCK_N, BLOCK_E,

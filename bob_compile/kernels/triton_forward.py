@@ -14,10 +14,10 @@ import triton.language as tl
 
 from .layout import empty_like_order
 from .launching import launch_plan, read_path_first, strides_of
-from .tiles import (INDICES_PATH, LOG2E, add_relative_bias, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH, NO_MASK_SOURCE,
-                    READ_PATH, apply_mask_tile, blocks, dot_precision, key_blocks_of_row_block,
-                    key_loops_within_mask, load_tile, on_mask_path, padded_dim, row_block_program,
-                    store_tile, unmasked_key_blocks, visibility_mask)
+from .tiles import (INDICES_PATH, LOG2E, MASK_FROM_INDICES, MASK_READ, NO_MASK_PATH, NO_MASK_SOURCE,
+                    READ_PATH, add_relative_bias, apply_mask_tile, blocks, dot_precision,
+                    key_blocks_of_row_block, key_loops_within_mask, load_tile, on_mask_path,
+                    padded_dim, row_block_program, store_tile, unmasked_key_blocks, visibility_mask)
 from .tuning import interpreting, row_bytes, wide_candidates
 from .triton_dropout import dropout_arguments, dropout_flags, dropout_tile
 from .triton_softcap import base2_scores, softcap_arguments, softcap_flags
@@ -41,8 +41,7 @@ def _forward_steps(acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, PAD_E: tl.constexpr, PAD_EV: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, MASK_SOURCE: tl.constexpr,
-                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+                   DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     # the key blocks [n_lo, n_hi) but those of [gap_lo, gap_lo + gap_len) (a loop over the
     # blocks at both ends of a key range: one pipeline)
     for n in range(n_lo, n_hi - gap_len, BLOCK_N):
@@ -82,8 +81,7 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     MASK_KIND: tl.constexpr, MASK_PATH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   RELATIVE: tl.constexpr):
+                    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, RELATIVE: tl.constexpr):
     PAD_E: tl.constexpr = BLOCK_E != HEAD_DIM
     PAD_EV: tl.constexpr = BLOCK_EV != HEAD_DIM_V
     b, h, hk, m0, offs_m, offs_e, offs_ev, row = row_block_program(
@@ -121,7 +119,8 @@ def _forward_kernel(Q, K, V, O, LSE, MASK, KEY_RANGE, SEED,
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, a_end, b_end, 0, 0, L, S, qk_scale_log2, scale,
             softcap, SEED, head, m0, drop_threshold, keep_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT, SOFTCAP, RELATIVE)
+            False, CAUSAL, 0, PAD_E, PAD_EV, DOT_PRECISION, NO_MASK_SOURCE, DROPOUT,
+            SOFTCAP, RELATIVE)
         acc, l_i, m_i = _forward_steps(
             acc, l_i, m_i, q, k_base, v_base, skn, ske, svn, sve, mask_base, sml, sme, firsts,
             ends, offs_m, offs_e, offs_ev, lo1, hi2, a_end, b_end - a_end, L, S,
